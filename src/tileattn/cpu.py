@@ -1,0 +1,203 @@
+"""The PyTorch path for CPU tensors: the same features as the kernels, blockwise.
+
+Queries are processed in blocks of rows and keys in blocks of columns with an online softmax, so no
+N×N matrix exists (peak extra memory is one ``(batch, nheads, BLOCK_M, BLOCK_N)`` score block). Key
+blocks that a row block cannot see are skipped. The backward pass recomputes the probabilities from the
+saved LSE. Computation is in fp32 (fp16/bf16 inputs are upcast block by block). The mask and bias
+definitions are those of ``tileattn.reference``; dropout uses ``tileattn.rng``, so the mask is the
+one the GPU kernels draw for the same seed.
+
+Same launcher interface as the Triton kernels: ``attn_fwd(q, k, v, p)`` and
+``attn_bwd(dout, q, k, v, out, lse, p)`` with ``p`` a ``kernels.configs.AttnParams``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tileattn import reference, rng
+from tileattn.kernels.configs import AttnParams
+
+BLOCK_M = 128
+BLOCK_N = 256
+
+
+def _sequences(p: AttnParams, total_q: int, total_k: int):
+    """Yields (b, q rows slice, k rows slice) of each sequence: one per batch entry in dense mode (rows
+    index the seqlen dim), the cu_seqlens spans in varlen mode (rows index the token dim)."""
+    if not p.is_varlen:
+        for b in range(p.batch):
+            yield b, slice(0, total_q), slice(0, total_k)
+        return
+    cu_q = p.cu_seqlens_q.tolist()
+    cu_k = p.cu_seqlens_k.tolist()
+    for b in range(p.batch):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def _seq(t: torch.Tensor, p: AttnParams, b: int, rows: slice) -> torch.Tensor:
+    """One sequence as ``(nheads, seqlen, d)``."""
+    t = t[rows] if p.is_varlen else t[b, rows]
+    return t.transpose(0, 1)
+
+
+def _key_span(m0: int, m1: int, seqlen_q: int, seqlen_k: int, p: AttnParams) -> tuple[int, int]:
+    """Columns [lo, hi) that rows [m0, m1) can see at all; blocks outside are skipped."""
+    diag = seqlen_k - seqlen_q
+    lo = max(0, m0 + diag - p.window_left) if p.window_left >= 0 else 0
+    hi = min(seqlen_k, m1 - 1 + diag + p.window_right + 1) if p.window_right >= 0 else seqlen_k
+    return lo, max(lo, hi)
+
+
+class _Scores:
+    """Score blocks of one sequence: scale, softcap, ALiBi, mask and dropout, for rows [m0, m1) of all
+    query heads against columns [n0, n1). Query heads are grouped as (nheads_k, group) for GQA."""
+
+    def __init__(self, p: AttnParams, b: int, nheads: int, seqlen_q: int, seqlen_k: int, device: torch.device):
+        self.p, self.b, self.nheads = p, b, nheads
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.window = (p.window_left, p.window_right)
+        self.slopes = None
+        if p.alibi_slopes is not None:
+            slopes = p.alibi_slopes if p.alibi_slopes.dim() == 1 else p.alibi_slopes[b]
+            self.slopes = slopes.to(device=device, dtype=torch.float32).view(nheads, 1, 1)
+        self.heads = torch.arange(nheads, device=device).view(nheads, 1, 1)
+
+    def __call__(self, qk: torch.Tensor, m0: int, n0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """qk: raw products ``(nheads, bm, bn)``. Returns (scores with -inf where hidden, tanh of the
+        softcap or None, keep-mask of dropout or None)."""
+        p = self.p
+        bm, bn = qk.shape[-2:]
+        i = torch.arange(m0, m0 + bm, device=qk.device).view(1, bm, 1)
+        j = torch.arange(n0, n0 + bn, device=qk.device).view(1, 1, bn)
+        t = None
+        if p.softcap > 0:
+            t = torch.tanh(qk * (p.softmax_scale / p.softcap))
+            s = t * p.softcap
+        else:
+            s = qk * p.softmax_scale
+        if self.slopes is not None:
+            s = s + reference.alibi_bias(self.slopes, i, j, self.seqlen_q, self.seqlen_k)
+        s = s.masked_fill(~reference.local_mask(i, j, self.seqlen_q, self.seqlen_k, self.window), float("-inf"))
+        keep = None
+        if p.dropout_p > 0:
+            offsets = rng.dropout_offsets(self.b, self.heads, i, j, self.nheads, p.seqlen_q, p.seqlen_k)
+            keep = rng.dropout_keep(p.philox_seed, offsets, p.dropout_p)
+        return s, t, keep
+
+
+def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(nheads_k, s, d) -> (nheads, s, d) view for GQA/MQA."""
+    return t.repeat_interleave(group, dim=0) if group > 1 else t
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.zeros_like(q)
+    nheads = q.shape[-2]
+    group = nheads // k.shape[-2]
+    lse = q.new_empty(p.new_lse(p.as_4d(q)).shape, dtype=torch.float32)
+    for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
+        qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
+        seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
+        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
+        o_seq = _seq(out, p, b, rows_q)
+        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        for m0 in range(0, seqlen_q, BLOCK_M):
+            m1 = min(m0 + BLOCK_M, seqlen_q)
+            qb = qs[:, m0:m1].float()
+            m_i = torch.full((nheads, m1 - m0, 1), float("-inf"), device=q.device)
+            l_i = torch.zeros_like(m_i)
+            acc = torch.zeros(nheads, m1 - m0, qs.shape[-1], device=q.device)
+            lo, hi = _key_span(m0, m1, seqlen_q, seqlen_k, p)
+            for n0 in range(lo, hi, BLOCK_N):
+                n1 = min(n0 + BLOCK_N, hi)
+                kb = _expand_kv(ks[:, n0:n1].float(), group)
+                vb = _expand_kv(vs[:, n0:n1].float(), group)
+                s, _, keep = score(qb @ kb.transpose(1, 2), m0, n0)
+                m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
+                # Rows with nothing visible yet keep m = -inf; subtract 0 there instead of -inf.
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                pb = torch.exp(s - m_safe)
+                alpha = torch.exp(m_i - m_safe)
+                l_i = l_i * alpha + pb.sum(-1, keepdim=True)
+                if keep is not None:
+                    pb = pb * keep
+                acc = acc * alpha + pb @ vb
+                m_i = m_new
+            seen = l_i > 0
+            l_safe = torch.where(seen, l_i, torch.ones_like(l_i))
+            scale = l_safe * (1.0 - p.dropout_p)
+            o_seq[:, m0:m1] = (acc / scale).to(out.dtype)
+            lse_blk = torch.where(seen, m_i + torch.log(l_safe), torch.full_like(l_i, float("inf")))
+            lse_seq[:, m0:m1] = lse_blk.squeeze(-1)
+    return out, lse
+
+
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    group = nheads // nheads_k
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    inv_keep = 1.0 / (1.0 - p.dropout_p)
+    for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
+        qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
+        dos, os_ = _seq(dout, p, b, rows_q), _seq(out, p, b, rows_q)
+        dqs, dks, dvs = _seq(dq, p, b, rows_q), _seq(dk, p, b, rows_k), _seq(dv, p, b, rows_k)
+        seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
+        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
+        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        for m0 in range(0, seqlen_q, BLOCK_M):
+            m1 = min(m0 + BLOCK_M, seqlen_q)
+            qb, dob = qs[:, m0:m1].float(), dos[:, m0:m1].float()
+            delta = (dob * os_[:, m0:m1].float()).sum(-1, keepdim=True)  # Δ = rowsum(dO ∘ O)
+            lse_b = lse_seq[:, m0:m1].unsqueeze(-1)
+            lo, hi = _key_span(m0, m1, seqlen_q, seqlen_k, p)
+            for n0 in range(lo, hi, BLOCK_N):
+                n1 = min(n0 + BLOCK_N, hi)
+                kb = _expand_kv(ks[:, n0:n1].float(), group)
+                vb = _expand_kv(vs[:, n0:n1].float(), group)
+                s, t, keep = score(qb @ kb.transpose(1, 2), m0, n0)
+                pb = torch.exp(s - lse_b)  # rows with lse = +inf get 0
+                dp = dob @ vb.transpose(1, 2)
+                if keep is not None:
+                    pd = pb * keep * inv_keep
+                    dp = dp * keep * inv_keep
+                else:
+                    pd = pb
+                ds = pb * (dp - delta)
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
+                ds = ds * p.softmax_scale
+                dqs[:, m0:m1] += ds @ kb
+                # Sum the GQA group's query heads into their kv head.
+                dks[:, n0:n1] += (ds.transpose(1, 2) @ qb).view(nheads_k, group, n1 - n0, -1).sum(1)
+                dvs[:, n0:n1] += (pd.transpose(1, 2) @ dob).view(nheads_k, group, n1 - n0, -1).sum(1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def attn_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttnParams) -> torch.Tensor:
+    """The attention probabilities ``exp(s - lse)`` that the forward pass used, as
+    ``(batch, nheads, seqlen_q, seqlen_k)`` (max lengths in varlen mode, zero-padded), fp32. Entries that
+    dropout removed are negated; hidden entries are 0. Materialises N×N: for tests and inspection only."""
+    nheads = q.shape[-2]
+    group = nheads // k.shape[-2]
+    probs = torch.zeros(p.batch, nheads, p.seqlen_q, p.seqlen_k, device=q.device, dtype=torch.float32)
+    for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
+        qs, ks = _seq(q, p, b, rows_q).float(), _expand_kv(_seq(k, p, b, rows_k).float(), group)
+        seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
+        s, _, keep = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)(qs @ ks.transpose(1, 2), 0, 0)
+        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        pb = torch.exp(s - lse_seq.float().unsqueeze(-1))
+        if keep is not None:
+            pb = torch.where(keep, pb, -pb)
+        probs[b, :, :seqlen_q, :seqlen_k] = pb
+    return probs

@@ -1,0 +1,364 @@
+"""The backward pass: Δ = rowsum(dO ∘ O), then a dK/dV pass and a dQ pass that both recompute
+P = exp(S - LSE) from Q, K and the saved LSE (no N×N tensor is ever stored).
+
+The dK/dV program owns one block of keys of one kv head and walks the query tiles of every query head
+in its GQA group, so grouped gradients are summed in registers; the dQ program owns one block of
+queries. Neither uses atomics, so gradients are bitwise reproducible run to run (``deterministic`` is
+always honoured). Features are the forward kernel's constexpr flags, through the same helpers.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tileattn.kernels import common
+from tileattn.kernels.configs import AttnParams, bwd_dkdv_config, bwd_dq_config, interpreting
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh, stride_db, stride_dh,
+    seqlen,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Δ[b, h, i] = Σ_d dO[b, i, h, d] · O[b, i, h, d], in fp32 (rows are tokens of the packed layout
+    in varlen mode, where seqlen is the total)."""
+    m_block = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask,
+                other=0.0)  # [BLOCK_M, BLOCK_D]
+    do = tl.load(DOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask,
+                 other=0.0)  # [BLOCK_M, BLOCK_D]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < seqlen)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
+    offs_m_base, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    philox_seed, rng_base, seqlen_k_rng, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head. Works in the
+    transposed orientation (keys are rows) so dK and dV come out of ``tl.dot`` directly."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m_base
+        q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
+                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_M, BLOCK_D]
+        do = common.load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d,
+                              HEAD_DIM, MASKED, PAD_D)  # [BLOCK_M, BLOCK_D]
+        if MASKED:
+            lse = tl.load(Lse_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+            delta = tl.load(Delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            lse = tl.load(Lse_base + offs_m)
+            delta = tl.load(Delta_base + offs_m)
+        qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] = k @ qᵀ
+        sT, tT = common.scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                               softcap_log2, slope_log2, window_left, window_right,
+                               MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]; 0 for rows with lse=+inf
+        dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
+        if HAS_DROPOUT:
+            keepT = common.dropout_keep(philox_seed, rng_base, offs_m[None, :], offs_n[:, None], seqlen_k_rng,
+                                        dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D]
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D] += pᵀ @ dO
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # d(softcap·tanh(x/softcap))/dx
+        dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_D] += dsᵀ @ q
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh,
+    stride_ab,
+    batch, nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+):
+    """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group."""
+    pid = tl.program_id(0)
+    h_k = tl.program_id(1)
+    seqlen_q_rng = seqlen_q
+    seqlen_k_rng = seqlen_k
+    if IS_VARLEN:
+        b, n_block = common.seq_tile(pid, CuSeqlensK, batch, BLOCK_N, BATCH_PAD)
+        if b >= batch:
+            return
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = tl.load(CuSeqlensK + b)
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
+    else:
+        b = tl.program_id(2)
+        n_block = pid
+        q_start = 0
+        k_start = 0
+    b64 = b.to(tl.int64)
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    n_start = n_block * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
+    k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                         HEAD_DIM, True, PAD_D)  # [BLOCK_N, BLOCK_D]
+    v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                         HEAD_DIM, True, PAD_D)  # [BLOCK_N, BLOCK_D]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    softcap_scale = 0.0
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        softcap_scale = sm_scale / softcap
+        softcap_log2 = softcap * 1.4426950408889634
+    lo, full_lo, full_hi, hi = common.query_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    for g in range(0, group_size):
+        h = h_k * group_size + g
+        Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
+        DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h * stride_doh
+        Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
+        Delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
+        rng_base = 0
+        if HAS_DROPOUT:
+            rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
+                             offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
+                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, True,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
+                             offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
+                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, False,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
+                             offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
+                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, True,
+                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+    dk = dk * sm_scale
+    mask = offs_n[:, None] < seqlen_k
+    if PAD_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    DK_base = DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dkn + h_k * stride_dkh
+    DV_base = DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvn + h_k * stride_dvh
+    tl.store(DK_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn,
+    offs_m, offs_n_base, offs_d, lo, hi, seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    philox_seed, rng_base, seqlen_k_rng, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Accumulates dQ of one query block over key tiles [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
+        s, t = common.scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                             softcap_log2, slope_log2, window_left, window_right,
+                             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
+        if HAS_DROPOUT:
+            keep = common.dropout_keep(philox_seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k_rng,
+                                       dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq)  # [BLOCK_M, BLOCK_D] += ds @ k
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh,
+    stride_ab,
+    batch, nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+):
+    """Program (query tile, head, batch): dQ of BLOCK_M query rows of one head."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    seqlen_q_rng = seqlen_q
+    seqlen_k_rng = seqlen_k
+    if IS_VARLEN:
+        b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
+        if b >= batch:
+            return
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = tl.load(CuSeqlensK + b)
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
+    else:
+        b = tl.program_id(2)
+        m_block = pid
+        if MASK_RIGHT:
+            m_block = tl.num_programs(0) - 1 - pid
+        q_start = 0
+        k_start = 0
+    h_k = h // group_size
+    b64 = b.to(tl.int64)
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    m_start = m_block * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
+    DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h * stride_doh
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
+    q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
+                         HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
+    do = common.load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d,
+                          HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
+    mask_m = offs_m < seqlen_q
+    lse2 = tl.load(Lse + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=mask_m, other=0.0)
+    lse2 = lse2 * 1.4426950408889634
+    delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=mask_m, other=0.0)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    softcap_scale = 0.0
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        softcap_scale = sm_scale / softcap
+        softcap_log2 = softcap * 1.4426950408889634
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
+    rng_base = 0
+    if HAS_DROPOUT:
+        rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = common.key_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                   lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                   HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                   full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                   HEAD_DIM, PAD_D, BLOCK_N, False, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                   full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                   HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+    dq = dq * sm_scale
+    mask = mask_m[:, None]
+    if PAD_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    DQ_base = DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h * stride_dqh
+    tl.store(DQ_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+def attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launches preprocess, dK/dV and dQ. Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv),
+    contiguous, in the inputs' dtype."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
+    batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
+    nheads_k = k4.shape[2]
+
+    delta = torch.empty_like(lse)
+    rows = q4.shape[1]
+    block_pre = 16 if interpreting() else 64
+    _bwd_preprocess[(triton.cdiv(rows, block_pre), nheads, q4.shape[0])](
+        o4, do4, delta, o4.stride(0), o4.stride(1), o4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
+        *p.lse_strides(delta), rows, HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=block_pre,
+    )
+
+    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+    common_args = (
+        p.alibi_batch_stride(), batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
+        p.softmax_scale, p.softcap, p.window_left, p.window_right, p.dropout_p, p.philox_seed,
+    )
+    flags = dict(
+        HEAD_DIM=headdim, BLOCK_D=p.block_d, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
+        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+    )
+
+    cfg = bwd_dkdv_config(p)
+    if p.is_varlen:
+        grid = (triton.cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
+    else:
+        grid = (triton.cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
+    _attn_bwd_dkdv[grid](
+        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(do4), *p.strides(dk4), *p.strides(dv4),
+        *p.lse_strides(lse), *common_args,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+
+    cfg = bwd_dq_config(p)
+    if p.is_varlen:
+        grid = (triton.cdiv(rows, cfg.block_m) + batch, nheads, 1)
+    else:
+        grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+    _attn_bwd_dq[grid](
+        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(do4), *p.strides(dq4),
+        *p.lse_strides(lse), *common_args,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    return dq, dk, dv

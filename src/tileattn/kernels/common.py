@@ -1,0 +1,164 @@
+"""Shared ``@triton.jit`` helpers: work scheduling, tile loads, mask predicates, loop bounds, score
+modifiers (scale, softcap, ALiBi) and Philox dropout. Every kernel that needs one of these calls it from
+here; the mask semantics are those of ``tileattn.reference.local_mask``.
+
+Conventions: ``i`` is a query row and ``j`` a key column, both counted from the start of their own
+sequence; the diagonal sits at ``j = i + seqlen_k - seqlen_q`` (bottom-right alignment). Scores are kept
+in the log2 domain (natural-log scores times log2(e)) so the softmax uses ``exp2``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def seq_tile(
+    pid,
+    CuSeqlens,
+    batch,
+    BLOCK: tl.constexpr,
+    BATCH_PAD: tl.constexpr,
+):
+    """Maps a flat tile index to (sequence, block within it) for packed batches.
+
+    The grid has ``cdiv(total, BLOCK) + batch`` programs, an upper bound of the real tile count
+    ``sum_b cdiv(len_b, BLOCK)``, so every program has work except a few at the end (which get
+    ``seq == batch``): one long sequence among many short ones leaves no program idle.
+    """
+    offs_b = tl.arange(0, BATCH_PAD)
+    mask_b = offs_b < batch
+    starts = tl.load(CuSeqlens + offs_b, mask=mask_b, other=0)
+    ends = tl.load(CuSeqlens + offs_b + 1, mask=mask_b, other=0)
+    n_blocks = (ends - starts + BLOCK - 1) // BLOCK  # [BATCH_PAD]
+    cum_blocks = tl.cumsum(n_blocks, 0)  # inclusive prefix sum
+    seq = tl.sum((cum_blocks <= pid).to(tl.int32), 0)
+    block = pid - tl.sum(tl.where(offs_b < seq, n_blocks, 0), 0)
+    return seq, block
+
+
+@triton.jit
+def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """Loads a [rows, BLOCK_D] tile, masking rows past ``n_rows`` (if CHECK_ROWS) and the padded head dim."""
+    if CHECK_ROWS:
+        if PAD_D:
+            mask = (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+        else:
+            mask = offs_rows[:, None] < n_rows
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def visible(i, j, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """True where row i sees column j (``i``, ``j`` broadcast); see ``reference.local_mask``."""
+    centre = i + (seqlen_k - seqlen_q)
+    mask = (i < seqlen_q) & (j < seqlen_k)
+    if MASK_RIGHT:
+        mask = mask & (j <= centre + window_right)
+    if MASK_LEFT:
+        mask = mask & (j >= centre - window_left)
+    return mask
+
+
+@triton.jit
+def key_range(
+    m_start, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Key tiles a query block [m_start, m_start + BLOCK_M) must visit, in three segments.
+
+    Returns ``(lo, full_lo, full_hi, hi)``: tiles in [lo, full_lo) and [full_hi, hi) need the element
+    mask; tiles in [full_lo, full_hi) are visible to every row and run without it. Tiles outside
+    [lo, hi) are fully masked and never visited. lo, full_lo and full_hi are multiples of BLOCK_N
+    (full_lo may equal hi)."""
+    diag = seqlen_k - seqlen_q
+    m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if MASK_RIGHT:
+        hi = tl.minimum(hi, m_last + diag + window_right + 1)
+        full_hi = tl.minimum(full_hi, (m_start + diag + window_right + 1) // BLOCK_N * BLOCK_N)
+    if MASK_LEFT:
+        lo = tl.maximum(m_start + diag - window_left, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(m_last + diag - window_left, 0), BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_range(
+    n_start, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Query tiles a key block [n_start, n_start + BLOCK_N) receives gradient from: the transpose of
+    ``key_range``, returning ``(lo, full_lo, full_hi, hi)`` in multiples of BLOCK_M likewise."""
+    diag = seqlen_k - seqlen_q
+    n_last = n_start + BLOCK_N - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q // BLOCK_M * BLOCK_M
+    if n_last >= seqlen_k:  # a partial key block needs the mask on every tile
+        full_hi = 0
+    if MASK_RIGHT:
+        lo = tl.maximum(n_start - diag - window_right, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n_last - diag - window_right, 0), BLOCK_M) * BLOCK_M
+    if MASK_LEFT:
+        hi = tl.minimum(hi, n_last - diag + window_left + 1)
+        full_hi = tl.minimum(full_hi, tl.maximum(n_start - diag + window_left + 1, 0) // BLOCK_M * BLOCK_M)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2 (no libdevice, so it also runs under the interpreter); saturates to ±1."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def scores(
+    qk, i, j, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Turns raw products ``qk = q·k`` into log2-domain scores, in the API's order: scale, softcap,
+    ALiBi, then the mask (-inf where hidden, only if MASKED). Returns ``(s, t)`` where ``t`` is the
+    softcap's tanh (needed by the backward pass; ``qk`` when there is no softcap).
+
+    qk_scale = softmax_scale·log2(e); softcap_scale = softmax_scale / softcap;
+    softcap_log2 = softcap·log2(e); slope_log2 = ALiBi slope·log2(e)."""
+    if HAS_SOFTCAP:
+        t = tanh(qk * softcap_scale)
+        s = t * softcap_log2
+    else:
+        t = qk
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s -= slope_log2 * tl.abs(i + (seqlen_k - seqlen_q) - j).to(tl.float32)
+    if MASKED:
+        s = tl.where(
+            visible(i, j, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT, MASK_RIGHT), s, float("-inf")
+        )
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, rng_base, i, j, seqlen_k_rng, dropout_p):
+    """Keep-mask of Philox dropout for elements (i, j) of one (batch, head); see ``tileattn.rng``.
+    rng_base = (b * nheads + h) * seqlen_q_rng * seqlen_k_rng, int64."""
+    offsets = rng_base + i.to(tl.int64) * seqlen_k_rng + j
+    return tl.rand(seed, offsets) >= dropout_p

@@ -1,0 +1,130 @@
+"""Launch parameters shared by the kernels, and tile/warp/stage choices per head dim.
+
+``AttnParams`` is what the API layer hands to every launcher once it has validated the arguments:
+normalised window, scale, dropout seed and the varlen description. The tile tables below were
+measured on the H200 (docs/perf.md); under the Triton interpreter small tiles keep CPU runs short
+while still crossing several tiles.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass
+class AttnParams:
+    """Validated, normalised arguments of one attention call (see ``tileattn.api``).
+
+    ``seqlen_q``/``seqlen_k`` are the padded lengths: the dense lengths, or max_seqlen in varlen mode.
+    ``window_left``/``window_right`` already include causal (right = 0); -1 means unbounded."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    philox_seed: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    deterministic: bool = False
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def block_d(self) -> int:
+        """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
+        return max(16, triton.next_power_of_2(self.headdim))
+
+    @property
+    def batch_pad(self) -> int:
+        return triton.next_power_of_2(self.batch) if self.is_varlen else 1
+
+    def as_4d(self, t: torch.Tensor) -> torch.Tensor:
+        """Varlen ``(total, nheads, d)`` tensors are seen as one batch of ``total`` rows."""
+        return t.unsqueeze(0) if self.is_varlen else t
+
+    def strides(self, t4: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, row, head) strides of a 4-D view; varlen rows are addressed through cu_seqlens, so the
+        batch stride is 0."""
+        return (0 if self.is_varlen else t4.stride(0)), t4.stride(1), t4.stride(2)
+
+    def new_lse(self, q4: torch.Tensor) -> torch.Tensor:
+        """fp32 LSE buffer: ``(batch, nheads, seqlen_q)`` dense, ``(nheads, total_q)`` varlen."""
+        nheads = q4.shape[2]
+        if self.is_varlen:
+            return torch.empty(nheads, q4.shape[1], device=q4.device, dtype=torch.float32)
+        return torch.empty(self.batch, nheads, self.seqlen_q, device=q4.device, dtype=torch.float32)
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        """(batch, head) strides of an LSE-shaped buffer; varlen rows are offset by cu_seqlens_q."""
+        if self.is_varlen:
+            return 0, lse.stride(0)
+        return lse.stride(0), lse.stride(1)
+
+    def alibi_batch_stride(self) -> int:
+        slopes = self.alibi_slopes
+        return slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+
+
+_INTERPRET_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+# Forward tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages).
+_FWD = {
+    16: KernelConfig(128, 64, 4, 3),
+    32: KernelConfig(128, 64, 4, 3),
+    64: KernelConfig(128, 64, 4, 3),
+    128: KernelConfig(128, 64, 8, 3),
+    256: KernelConfig(128, 32, 8, 2),
+}
+# Backward: the dK/dV pass walks query tiles for a block of keys, the dQ pass key tiles for a block
+# of queries.
+_BWD_DKDV = {
+    16: KernelConfig(64, 128, 8, 2),
+    32: KernelConfig(64, 128, 8, 2),
+    64: KernelConfig(64, 128, 8, 2),
+    128: KernelConfig(64, 128, 8, 2),
+    256: KernelConfig(32, 64, 8, 1),
+}
+_BWD_DQ = {
+    16: KernelConfig(128, 64, 8, 2),
+    32: KernelConfig(128, 64, 8, 2),
+    64: KernelConfig(128, 64, 8, 2),
+    128: KernelConfig(128, 64, 8, 2),
+    256: KernelConfig(64, 32, 8, 1),
+}
+
+
+def fwd_config(p: AttnParams) -> KernelConfig:
+    return _INTERPRET_CONFIG if interpreting() else _FWD[p.block_d]
+
+
+def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
+    return _INTERPRET_CONFIG if interpreting() else _BWD_DKDV[p.block_d]
+
+
+def bwd_dq_config(p: AttnParams) -> KernelConfig:
+    return _INTERPRET_CONFIG if interpreting() else _BWD_DQ[p.block_d]

@@ -1,0 +1,189 @@
+"""The forward kernel: one fused pass of QKᵀ, score modifiers, mask, online softmax and ·V.
+
+Every feature is a constexpr flag of the one kernel ``_attn_fwd``: windows and causal (MASK_LEFT /
+MASK_RIGHT), softcap, ALiBi, dropout, GQA (a runtime group size), packed varlen batches (IS_VARLEN).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tileattn.kernels import common
+from tileattn.kernels.configs import AttnParams, fwd_config
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn,
+    i, offs_n_base, offs_d, lo, hi, seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    philox_seed, rng_base, seqlen_k_rng, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+):
+    """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
+                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
+        s, _ = common.scores(qk, i[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                             softcap_log2, slope_log2, window_left, window_right,
+                             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        # m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all
+        # masked keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = common.dropout_keep(philox_seed, rng_base, i[:, None], offs_n[None, :], seqlen_k_rng, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    stride_ab,
+    batch, nheads, group_size, seqlen_q, seqlen_k,
+    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+):
+    """Program (tile, head, batch) computes BLOCK_M query rows of one head.
+
+    Dense: tile = query block, reversed when MASK_RIGHT so the longest causal rows start first.
+    Varlen: tile is a flat index over all sequences' query blocks (``common.seq_tile``); ``seqlen_q``
+    and ``seqlen_k`` arrive as the max lengths (used for dropout offsets) and are replaced by each
+    sequence's own.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    seqlen_q_rng = seqlen_q
+    seqlen_k_rng = seqlen_k
+    if IS_VARLEN:
+        b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
+        if b >= batch:
+            return
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = tl.load(CuSeqlensK + b)
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
+    else:
+        b = tl.program_id(2)
+        m_block = pid
+        if MASK_RIGHT:
+            m_block = tl.num_programs(0) - 1 - pid
+        q_start = 0
+        k_start = 0
+    h_k = h // group_size
+    b64 = b.to(tl.int64)
+    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
+    O_base = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h * stride_oh
+    Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
+
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    m_start = m_block * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
+                         HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
+
+    qk_scale = sm_scale * 1.4426950408889634
+    softcap_scale = 0.0
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        softcap_scale = sm_scale / softcap
+        softcap_log2 = softcap * 1.4426950408889634
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
+    rng_base = 0
+    if HAS_DROPOUT:
+        rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = common.key_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and
+    # the ragged end of the keys (masked).
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                               lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                               HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               MASK_LEFT, MASK_RIGHT)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                               full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                               HEAD_DIM, PAD_D, BLOCK_N, False, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               MASK_LEFT, MASK_RIGHT)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+                               full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
+                               HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                               MASK_LEFT, MASK_RIGHT)
+
+    # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
+    # pass's exp(s - lse) is 0 for it (the flash_attn convention).
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    if HAS_DROPOUT:
+        acc = acc / (l_safe * (1.0 - dropout_p))[:, None]
+    else:
+        acc = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    mask_m = offs_m < seqlen_q
+    tl.store(Lse_base + offs_m, lse, mask=mask_m)
+    o_ptrs = O_base + offs_m[:, None] * stride_om + offs_d[None, :]
+    if PAD_D:
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
+
+
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches ``_attn_fwd``. Dense tensors are ``(batch, seqlen, nheads, headdim)``; varlen tensors
+    (``p.cu_seqlens_q`` set) are ``(total, nheads, headdim)``. Returns ``(out, lse)`` with lse fp32
+    ``(batch, nheads, seqlen_q)`` dense or ``(nheads, total_q)`` varlen."""
+    out = torch.empty_like(q)
+    q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
+    batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
+    lse = p.new_lse(q4)
+    cfg = fwd_config(p)
+    if p.is_varlen:
+        grid = (triton.cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
+    else:
+        grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+    _attn_fwd[grid](
+        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(o4),
+        *p.lse_strides(lse),
+        p.alibi_batch_stride(),
+        batch, nheads, nheads // k4.shape[2], p.seqlen_q, p.seqlen_k,
+        p.softmax_scale, p.softcap, p.window_left, p.window_right, p.dropout_p, p.philox_seed,
+        HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0, IS_VARLEN=p.is_varlen,
+        BATCH_PAD=p.batch_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

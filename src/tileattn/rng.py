@@ -1,0 +1,86 @@
+"""Counter-based dropout RNG shared by every path.
+
+The Triton kernels draw dropout decisions with ``tl.rand(seed, offset)`` (Philox4x32-10). This module
+computes the very same numbers with PyTorch integer ops, so that the CPU path, the reference and the
+tests all see the dropout mask the GPU kernels use. Nothing is stored between forward and backward:
+each element's decision is a pure function of ``(seed, offset)``.
+
+Offsets: element ``(b, h, i, j)`` of an attention with ``nheads`` heads, padded to
+``seqlen_q`` x ``seqlen_k`` (the max lengths in varlen mode) uses
+``offset = ((b * nheads + h) * seqlen_q + i) * seqlen_k + j``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+# Triton's uint_to_uniform_float scale: the largest value with (2**31 - 1) * scale < 1 in fp32.
+_UNIFORM_SCALE = 4.6566127342e-10
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of the 64-bit product of the constant ``a`` and uint32 values ``b``.
+
+    int64 cannot hold a 32x32-bit product, so ``a`` is split into 16-bit halves."""
+    a_lo, a_hi = a & 0xFFFF, a >> 16
+    p_lo = b * a_lo  # < 2**48
+    p_hi = b * a_hi  # < 2**48
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2**49
+    hi = (p_hi >> 16) + (mid >> 32)
+    return hi & _MASK32, mid & _MASK32
+
+
+def philox_uint32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 for counters ``(offset_lo, offset_hi, 0, 0)`` and key
+    ``(seed_lo, seed_hi)``, as int64 values in [0, 2**32). Matches ``tl.randint(seed, offsets)``
+    for int64 ``offsets``."""
+    offsets = offsets.to(torch.int64)
+    c0 = offsets & _MASK32
+    c1 = (offsets >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    return c0
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in [0, 1), bit-identical to ``tl.rand(seed, offsets)`` for int64 offsets."""
+    x = philox_uint32(seed, offsets)
+    x = torch.where(x >= 2**31, x - 2**32, x)  # reinterpret as int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def dropout_offsets(
+    b: torch.Tensor | int,
+    h: torch.Tensor | int,
+    i: torch.Tensor,
+    j: torch.Tensor,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> torch.Tensor:
+    """Philox offsets of elements (b, h, i, j); arguments broadcast against each other."""
+    return ((torch.as_tensor(b, dtype=torch.int64) * nheads + h) * seqlen_q + i) * seqlen_k + j
+
+
+def dropout_keep(seed: int, offsets: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Boolean keep-mask: an element is kept when its uniform draw is >= dropout_p."""
+    return philox_uniform(seed, offsets) >= dropout_p
+
+
+def new_seed() -> int:
+    """A fresh 62-bit Philox seed drawn from PyTorch's default CPU generator, so that
+    ``torch.manual_seed`` makes dropout reproducible."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())

@@ -1,0 +1,44 @@
+"""Shared test helpers: running on a backend, random inputs, and comparing against the reference
+with the one tolerance rule (tileattn.testing.check_close)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tileattn.api import cpu_backend
+from tileattn.reference import attention_ref
+from tileattn.testing import check_close
+
+
+def interpreter_skips(backend: str, dtype: torch.dtype) -> None:
+    """Triton's interpreter cannot multiply bfloat16 (tileattn routes it to the CPU path there)."""
+    if backend == "interpret" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bfloat16 tl.dot on raw bits; bf16 kernels are tested on GPU")
+
+
+def on(backend: str):
+    """Context in which calls run on ``backend``; returns (context, device)."""
+    if backend == "cuda":
+        return contextlib.nullcontext(), "cuda"
+    return cpu_backend("triton" if backend == "interpret" else "torch"), "cpu"
+
+
+def randn(*shape, dtype, device, requires_grad=True):
+    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=True):
+    """Checks out and (dq, dk, dv) against attention_ref in fp64 with the tolerance rule, where the
+    PyTorch error comes from attention_ref in the inputs' precision."""
+    ref, _ = attention_ref(q, k, v, upcast=torch.float64, **ref_kwargs)
+    ref_lowp, _ = attention_ref(q, k, v, upcast=False, **ref_kwargs)
+    check_close(f"{name} out", out, ref, ref_lowp)
+    if not check_grads:
+        return
+    g_ref = torch.autograd.grad(ref, (q, k, v), dout)
+    g_lowp = torch.autograd.grad(ref_lowp, (q, k, v), dout)
+    for gname, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
+        check_close(f"{name} {gname}", g, gr, gl)

@@ -1,0 +1,237 @@
+"""flash_attn_func and its packed variants against the reference, forward and backward, on every
+backend: the Triton kernels (on the GPU, or under the interpreter on CPU) and the CPU path."""
+
+import pytest
+import torch
+from helpers import check_attention, interpreter_skips, on, randn
+
+import tileattn
+from tileattn.reference import attention_ref
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
+# odd lengths and head dims, GQA/MQA, and both seqlen_q < seqlen_k and seqlen_q > seqlen_k.
+CASES = [
+    (1, 1, 1, 1, 1, 64, {}),
+    (2, 63, 63, 4, 4, 40, {}),
+    (1, 113, 203, 2, 1, 59, {}),
+    (1, 203, 113, 4, 2, 96, {"causal": True}),
+    (2, 63, 113, 4, 2, 111, {"causal": True}),
+    (1, 1, 203, 4, 1, 128, {"causal": True}),
+    (1, 113, 63, 2, 2, 64, {"causal": True}),
+    (1, 63, 63, 2, 2, 256, {"causal": True}),
+    (1, 113, 203, 6, 2, 64, {"window_size": (17, 5)}),
+    (1, 203, 113, 2, 2, 40, {"window_size": (9, -1)}),
+    (1, 113, 113, 2, 1, 64, {"window_size": (-1, 7)}),
+    (1, 113, 203, 2, 2, 64, {"causal": True, "window_size": (31, 31)}),
+    (2, 63, 113, 4, 2, 64, {"softcap": 2.5}),
+    (1, 113, 113, 2, 2, 96, {"softcap": 10.0, "causal": True}),
+    (2, 63, 113, 4, 2, 64, {"alibi": "head"}),
+    (2, 113, 63, 4, 4, 59, {"alibi": "batch", "causal": True}),
+    (1, 63, 113, 3, 1, 40, {"softmax_scale": 0.3, "softcap": 4.0, "alibi": "head", "window_size": (20, 3)}),
+]
+GPU_ONLY_CASES = [
+    (2, 1025, 1025, 8, 2, 128, {}),
+    (2, 1025, 1025, 8, 8, 128, {"causal": True}),
+    (1, 1025, 2047, 4, 1, 64, {"causal": True, "window_size": (256, 0)}),
+    (1, 2047, 1025, 8, 2, 256, {"causal": True}),
+    (2, 1025, 1025, 4, 4, 96, {"softcap": 30.0, "alibi": "batch"}),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _case_id(case):
+    b, sq, sk, h, hk, d, feats = case
+    return f"B{b}-Sq{sq}-Sk{sk}-H{h}-Hk{hk}-D{d}" + "".join(f"-{k}" for k in feats)
+
+
+def _call_kwargs(feats, batch, nheads, device):
+    kwargs = {k: v for k, v in feats.items() if k != "alibi"}
+    if "alibi" in feats:
+        shape = (nheads,) if feats["alibi"] == "head" else (batch, nheads)
+        kwargs["alibi_slopes"] = torch.rand(shape, device=device) * 0.5
+    return kwargs
+
+
+def _run_case(backend, case, dtype):
+    b, sq, sk, h, hk, d, feats = case
+    interpreter_skips(backend, dtype)
+    ctx, device = on(backend)
+    q = randn(b, sq, h, d, dtype=dtype, device=device)
+    k = randn(b, sk, hk, d, dtype=dtype, device=device)
+    v = randn(b, sk, hk, d, dtype=dtype, device=device)
+    dout = torch.randn_like(q)
+    kwargs = _call_kwargs(feats, b, h, device)
+    with ctx:
+        out = tileattn.flash_attn_func(q, k, v, **kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_attention(_case_id(case), out, grads, q, k, v, dout, kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_forward_backward(backend, case, dtype):
+    _run_case(backend, case, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GPU_ONLY_CASES, ids=_case_id)
+def test_forward_backward_large(case, dtype):
+    _run_case("cuda", case, dtype)
+
+
+def test_cpu_path_float32():
+    """The CPU path also takes float32 (compared against float64)."""
+    ctx, device = on("torch")
+    q, k, v = (randn(2, 77, 4, 48, dtype=torch.float32, device="cpu") for _ in range(3))
+    dout = torch.randn_like(q)
+    with ctx:
+        out = tileattn.flash_attn_func(q, k, v, causal=True, softcap=3.0)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_attention("fp32", out, grads, q, k, v, dout, {"causal": True, "softcap": 3.0})
+
+
+def test_cpu_path_memory_is_linear():
+    """The CPU path never allocates a seqlen x seqlen matrix: forward and backward over one
+    16k-token sequence (whose fp32 score matrix alone is 1 GiB) raise the peak RSS by far less."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import resource, torch, tileattn
+        from tileattn.api import cpu_backend
+        q = torch.randn(1, 16384, 1, 16, requires_grad=True)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with cpu_backend("torch"):
+            out = tileattn.flash_attn_func(q, q, q, causal=True)
+            out.sum().backward()
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+        """
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    grown_mib = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                   env=env).stdout.split()[-1])
+    assert grown_mib < 256, f"peak RSS grew by {grown_mib} MiB"
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_packed(backend, packing):
+    ctx, device = on(backend)
+    b, s, h, d = 2, 37, 4, 32
+    dtype = torch.float16
+    if packing == "qkv":
+        qkv = randn(b, s, 3, h, d, dtype=dtype, device=device)
+        with ctx:
+            out = tileattn.flash_attn_qkvpacked_func(qkv, causal=True)
+            (g,) = torch.autograd.grad(out.sum(), (qkv,))
+        q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
+    else:
+        q = randn(b, s, h, d, dtype=dtype, device=device)
+        kv = randn(b, s + 5, 2, 2, d, dtype=dtype, device=device)
+        with ctx:
+            out = tileattn.flash_attn_kvpacked_func(q, kv, causal=True)
+            (g,) = torch.autograd.grad(out.sum(), (kv,))
+        k, v = (t.detach().requires_grad_() for t in kv.unbind(2))
+    ref, _ = attention_ref(q, k, v, causal=True, upcast=torch.float64)
+    ref_lowp, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    from tileattn.testing import check_close
+
+    check_close("packed out", out, ref, ref_lowp)
+    g_ref = torch.stack(torch.autograd.grad(ref.sum(), (k, v)), 2)
+    g_lowp = torch.stack(torch.autograd.grad(ref_lowp.sum(), (k, v)), 2)
+    check_close("packed grad", g[:, :, -2:], g_ref, g_lowp)
+
+
+def test_fully_masked_rows(backend):
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key. They output 0
+    (not NaN), their LSE is +inf and their gradient is 0; the other rows are unaffected."""
+    ctx, device = on(backend)
+    b, sq, sk, h, d = 2, 70, 30, 2, 32
+    q = randn(b, sq, h, d, dtype=torch.float16, device=device)
+    k = randn(b, sk, h, d, dtype=torch.float16, device=device)
+    v = randn(b, sk, h, d, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    with ctx:
+        out, lse, _ = tileattn.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    hidden = sq - sk
+    assert torch.equal(out[:, :hidden], torch.zeros_like(out[:, :hidden]))
+    assert torch.isinf(lse[:, :, :hidden]).all() and (lse[:, :, :hidden] > 0).all()
+    assert torch.isfinite(lse[:, :, hidden:]).all()
+    assert torch.equal(grads[0][:, :hidden], torch.zeros_like(grads[0][:, :hidden]))
+    check_attention("masked rows", out, grads, q, k, v, dout, {"causal": True})
+
+
+def test_window_hiding_rows(backend):
+    """seqlen_q = 60 > seqlen_k = 20 with window (0, 0): row i sees only key i - 40, so rows 0..39
+    see nothing and output 0 with zero gradient, forward and backward."""
+    ctx, device = on(backend)
+    q = randn(1, 60, 2, 16, dtype=torch.float16, device=device)
+    k = randn(1, 20, 2, 16, dtype=torch.float16, device=device)
+    v = randn(1, 20, 2, 16, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    with ctx:
+        out = tileattn.flash_attn_func(q, k, v, window_size=(0, 0))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(out[:, :40], torch.zeros_like(out[:, :40]))
+    assert torch.equal(grads[0][:, :40], torch.zeros_like(grads[0][:, :40]))
+    check_attention("window rows", out, grads, q, k, v, dout, {"window_size": (0, 0)})
+
+
+def test_lse_matches_reference(backend):
+    ctx, device = on(backend)
+    q = randn(2, 45, 4, 64, dtype=torch.float16, device=device, requires_grad=False)
+    k = randn(2, 77, 2, 64, dtype=torch.float16, device=device, requires_grad=False)
+    with ctx:
+        _, lse, probs = tileattn.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    scores = torch.einsum("bthd,bshd->bhts", q.double(), k.double().repeat_interleave(2, 2)) / 8.0
+    i = torch.arange(45, device=device).view(-1, 1)
+    j = torch.arange(77, device=device).view(1, -1)
+    scores = scores.masked_fill(j > i + 32, float("-inf"))
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-3, rtol=1e-3)
+    _, attn = attention_ref(q, k, k, causal=True, upcast=torch.float64)
+    torch.testing.assert_close(probs.double(), attn.double(), atol=2e-3, rtol=1e-2)
+
+
+def test_empty_inputs(backend):
+    ctx, device = on(backend)
+    with ctx:
+        q = randn(0, 8, 2, 16, dtype=torch.float16, device=device)
+        out = tileattn.flash_attn_func(q, q, q)
+        assert out.shape == q.shape
+        q = randn(1, 5, 2, 16, dtype=torch.float16, device=device)
+        k = randn(1, 0, 2, 16, dtype=torch.float16, device=device)
+        out, lse, _ = tileattn.flash_attn_func(q, k, k, return_attn_probs=True)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+        (g,) = torch.autograd.grad(out.sum(), (q,))
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_strided_inputs(backend):
+    """Inputs that are views with free strides (last dim contiguous) are read in place."""
+    ctx, device = on(backend)
+    base = randn(2, 40, 6, 72, dtype=torch.float16, device=device, requires_grad=False)
+    q = base[:, :, :4, :64].requires_grad_()
+    k = base[:, ::2, 4:, 8:].contiguous().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    v = k.detach().clone().requires_grad_()
+    dout = torch.randn_like(q)
+    with ctx:
+        out = tileattn.flash_attn_func(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_attention("strided", out, grads, q, k, v, dout, {})
+
+
+def test_deterministic_backward(backend):
+    ctx, device = on(backend)
+    q = randn(1, 50, 4, 32, dtype=torch.float16, device=device)
+    k = randn(1, 50, 1, 32, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    with ctx:
+        runs = []
+        for _ in range(3):
+            out = tileattn.flash_attn_func(q, k, k, causal=True, deterministic=True)
+            runs.append(torch.autograd.grad(out, (q, k), dout))
+    for a, b in zip(runs[0], runs[-1]):
+        assert torch.equal(a, b)
