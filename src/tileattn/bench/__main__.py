@@ -1,0 +1,291 @@
+"""``python -m tileattn.bench``: times tileattn against the other attention backends.
+
+The default is the FlashAttention papers' setting: batch * seqlen = 16k tokens, hidden 2048
+(nheads = 2048 / headdim), bf16, forward and backward, causal and not. FLOPs: forward
+4·B·H·Sq·Sk·D (halved when causal); backward 2.5 × forward, timed as (forward+backward) − forward.
+Before anything is timed, each backend's output is checked against the reference with the project's
+tolerance rule. Results are appended to a JSON-lines file; ``--plot`` draws PNG charts from it.
+
+On a machine without a GPU, ``--quick`` compares the CPU path with eager attention (time and peak
+memory), so the command always does something useful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import tileattn
+from tileattn.bench.backends import BACKENDS, Unavailable
+from tileattn.reference import attention_ref
+from tileattn.testing import check_close
+
+GPU_DEFAULT_BACKENDS = ["tileattn", "fa4", "flash_attn", "sdpa-cudnn", "sdpa-flash", "flex"]
+
+
+def banner(device: str) -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    if device == "cuda":
+        where = f"GPU {torch.cuda.get_device_name()} | CUDA {torch.version.cuda}"
+    else:
+        where = f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+    return (f"tileattn {tileattn.__version__} ({commit}) | {where} | torch {torch.__version__} | "
+            f"triton {triton_version}")
+
+
+def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode):
+    f = 4 * batch * nheads * seqlen_q * seqlen_k * headdim / (2 if causal else 1)
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+
+
+def time_ms(fn, device: str) -> float:
+    """Median milliseconds of ``fn``: triton.testing.do_bench on CUDA, wall-clock repeats on CPU."""
+    if device == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    deadline = time.perf_counter() + 2.0
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 20):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cpu_peak_mib(name: str, case: tuple) -> float:
+    """Peak resident memory one forward of backend ``name`` adds, measured in a fresh process (CPU
+    allocations are invisible to tracemalloc, and a new process keeps earlier runs from hiding the
+    peak)."""
+    batch, seqlen, nheads, headdim, causal, dtype = case
+    script = (
+        "import torch\n"
+        "from tileattn.bench.backends import BACKENDS\n"
+        f"q, k, v = (torch.randn({batch}, {seqlen}, {nheads}, {headdim}, dtype={dtype}) for _ in range(3))\n"
+        f"fn = BACKENDS[{name!r}](q, k, v, {causal})\n"
+        "def status(key):\n"
+        "    line = next(l for l in open('/proc/self/status') if l.startswith(key))\n"
+        "    return int(line.split()[1]) / 1024\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # resets the high-water mark VmHWM\n"
+        "before = status('VmRSS')\n"
+        "fn()\n"
+        "print(status('VmHWM') - before)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    try:
+        return float(res.stdout.split()[-1])
+    except (IndexError, ValueError):
+        return float("nan")
+
+
+def check_backend(name, out, q, k, v, causal):
+    """Tolerance rule on one (batch, head) slice, so the reference fits in memory at long seqlens."""
+    sl = (slice(0, 1), slice(None), slice(0, 1))
+    group = q.shape[2] // k.shape[2]
+    qs, ks, vs = q[sl], k[:1, :, :1], v[:1, :, :1]
+    assert group >= 1
+    ref = attention_ref(qs, ks, vs, causal=causal, upcast=torch.float64)[0]
+    lowp = attention_ref(qs, ks, vs, causal=causal, upcast=False)[0]
+    check_close(name, out[sl], ref, lowp)
+
+
+def run_case(case, backends, device, modes, progress):
+    batch, seqlen, nheads, headdim, causal, dtype = case
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen)
+               for _ in range(3))
+    rows = []
+    for name in backends:
+        row = dict(backend=name, batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, causal=causal,
+                   dtype=str(dtype).replace("torch.", ""), device=device)
+        try:
+            fn = BACKENDS[name](q, k, v, causal)
+            check_backend(name, fn(), q, k, v, causal)
+        except Unavailable as exc:
+            progress(f"skip {name}: {exc}")
+            continue
+        except (AssertionError, RuntimeError, torch.OutOfMemoryError) as exc:
+            progress(f"{name} failed: {str(exc).splitlines()[0][:160]}")
+            row["error"] = str(exc).splitlines()[0][:300]
+            rows.append(row)
+            continue
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t_fwd = time_ms(fn, device)
+        row["fwd_ms"] = t_fwd
+        row["fwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd") / t_fwd / 1e9
+        if "bwd" in modes:
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            fn_g = BACKENDS[name](qg, kg, vg, causal)
+            dout = torch.randn_like(q)
+
+            def fwd_bwd(fn_g=fn_g, dout=dout, qg=qg, kg=kg, vg=vg):
+                torch.autograd.grad(fn_g(), (qg, kg, vg), dout)
+
+            try:
+                t_all = time_ms(fwd_bwd, device)
+                row["bwd_ms"] = max(t_all - t_fwd, 1e-9)
+                row["bwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd") / row["bwd_ms"] / 1e9
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                progress(f"{name} backward failed: {str(exc).splitlines()[0][:160]}")
+        if device == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        else:
+            row["peak_mem_mib"] = cpu_peak_mib(name, case)
+        rows.append(row)
+        progress(f"{name} hd{headdim} {'causal' if causal else 'full'} {seqlen}: {row['fwd_tflops']:.3g} TFLOP/s fwd")
+    return rows
+
+
+def format_table(rows, modes, device) -> str:
+    """One line per (case, backend): ms, TFLOP/s and the ratio of tileattn to it."""
+    from tabulate import tabulate
+
+    out = []
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["headdim"], r["causal"], r["seqlen"], r["batch"]), []).append(r)
+    for (headdim, causal, seqlen, batch), group in by_case.items():
+        ours = next((r for r in group if r["backend"] == "tileattn"), None)
+        for r in group:
+            line = [f"hd{headdim}{' causal' if causal else ''}", f"{batch}x{seqlen}", r["backend"]]
+            if "error" in r:
+                out.append(line + ["error: " + r["error"][:40]])
+                continue
+            for mode in modes:
+                ms, tf = r.get(f"{mode}_ms"), r.get(f"{mode}_tflops")
+                ratio = ""
+                if ours and ms and ours.get(f"{mode}_ms"):
+                    ratio = f"{ms / ours[f'{mode}_ms']:.2f}x"
+                line += [f"{ms:.3f}" if ms else "-", f"{tf:.3g}" if tf else "-", ratio]
+            mem = r.get("peak_mem_gb")
+            line.append(f"{mem:.2f} GB" if mem is not None else f"{r.get('peak_mem_mib', float('nan')):.0f} MiB")
+            out.append(line)
+    headers = ["case", "BxS", "backend"]
+    for mode in modes:
+        headers += [f"{mode} ms", f"{mode} TFLOP/s", f"tileattn speed-up ({mode})"]
+    headers.append("peak mem")
+    return tabulate(out, headers=headers, tablefmt="github")
+
+
+def plot(results: Path, out_dir: Path) -> list[Path]:
+    """PNG charts of TFLOP/s against seqlen per backend, one per (headdim, causal, mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    keys = sorted({(r["headdim"], r["causal"], r["device"]) for r in rows})
+    for headdim, causal, device in keys:
+        for mode in ("fwd", "bwd"):
+            sel = [r for r in rows if (r["headdim"], r["causal"], r["device"]) == (headdim, causal, device)
+                   and f"{mode}_tflops" in r]
+            if not sel:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for backend in sorted({r["backend"] for r in sel}):
+                pts = sorted((r["seqlen"], r[f"{mode}_tflops"]) for r in sel if r["backend"] == backend)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"{mode} headdim {headdim}{' causal' if causal else ''} ({device})")
+            ax.legend()
+            path = out_dir / f"{mode}_hd{headdim}{'_causal' if causal else ''}_{device}.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tileattn.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small preset (on CPU: CPU path vs eager)")
+    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    ap.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd",
+                    help="fwd times the forward; fwd+bwd also times the backward")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS))
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--out", type=Path, default=Path("bench_results/results.jsonl"))
+    ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        if device == "cuda":
+            args.headdim, args.seqlen = [128], [1024, 4096]
+        else:
+            args.headdim, args.seqlen, args.tokens, args.hidden = [64], [1024, 4096, 8192], 8192, 256
+            args.causal = "yes"
+    dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    backends = args.backends or (GPU_DEFAULT_BACKENDS if device == "cuda" else ["tileattn", "eager"])
+    modes = ["fwd", "bwd"] if args.mode == "fwd+bwd" else ["fwd"]
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    cases = [
+        (max(1, args.tokens // s), s, max(1, args.hidden // d), d, c, dtype)
+        for d in args.headdim for c in causals for s in args.seqlen
+    ]
+    print(banner(device), flush=True)
+    rows = []
+    try:
+        from rich.progress import Progress
+
+        progress_ctx = Progress(transient=True)
+    except ImportError:
+        progress_ctx = None
+    if progress_ctx is not None:
+        with progress_ctx as bar:
+            task = bar.add_task("benchmarking", total=len(cases))
+            for case in cases:
+                rows += run_case(case, backends, device, modes, lambda msg: bar.console.log(msg))
+                bar.advance(task)
+    else:
+        for case in cases:
+            rows += run_case(case, backends, device, modes, print)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(format_table(rows, modes, device))
+    print(f"results appended to {args.out}")
+    if args.plot:
+        for path in plot(args.out, args.out.parent):
+            print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

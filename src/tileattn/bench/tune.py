@@ -1,0 +1,116 @@
+"""``python -m tileattn.bench.tune``: sweeps tile configurations of the forward and backward kernels
+on the current GPU and prints the fastest per head dim, to be copied into ``kernels/configs.py``.
+
+It patches the tables of ``tileattn.kernels.configs`` for the duration of each measurement; each
+candidate is checked against the reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+
+from tileattn.bench.__main__ import check_backend, flops
+from tileattn.kernels import configs
+from tileattn.kernels.configs import KernelConfig
+
+FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+                  (64, 64, 4, 3), (128, 32, 8, 2), (64, 128, 4, 3)]
+DKDV_CANDIDATES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2),
+                   (128, 128, 8, 2)]
+DQ_CANDIDATES = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
+                 (128, 128, 8, 2)]
+
+
+def _smem_ok(cfg: tuple, block_d: int, kind: str) -> bool:
+    """keep(): drop configs whose shared-memory footprint cannot fit in the H100/H200's 227 KB."""
+    bm, bn, _, stages = cfg
+    if kind == "fwd":
+        need = 2 * (bm * block_d + stages * 2 * bn * block_d)
+    else:
+        rows = bm if kind == "dkdv" else bn
+        need = 2 * (2 * (bn if kind == "dkdv" else bm) * block_d + stages * 2 * rows * block_d)
+    return need <= 220 * 1024
+
+
+def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: int = 2048):
+    import tileattn
+
+    batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
+    block_d = max(16, triton.next_power_of_2(headdim))
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
+    f_bwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd")
+    results = []
+    saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
+    try:
+        for cand in FWD_CANDIDATES:
+            if not _smem_ok(cand, block_d, "fwd"):
+                continue
+            configs._FWD[block_d] = KernelConfig(*cand)
+            try:
+                out = tileattn.flash_attn_func(q, k, v, causal=causal)
+                check_backend("tileattn", out, q, k, v, causal)
+                ms = triton.testing.do_bench(lambda: tileattn.flash_attn_func(q, k, v, causal=causal),
+                                             return_mode="median")
+                results.append(dict(kind="fwd", cfg=cand, ms=ms, tflops=f_fwd / ms / 1e9))
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just skipped
+                results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
+        configs._FWD.update(saved[0])
+        out = tileattn.flash_attn_func(q, k, v, causal=causal)
+        for kind, table, cands in (("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES), ("dq", configs._BWD_DQ, DQ_CANDIDATES)):
+            for cand in cands:
+                if not _smem_ok(cand, block_d, kind):
+                    continue
+                table[block_d] = KernelConfig(*cand)
+                try:
+                    def bwd():
+                        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+                    bwd()
+                    ms = triton.testing.do_bench(bwd, return_mode="median")
+                    results.append(dict(kind=kind, cfg=cand, ms=ms, tflops=f_bwd / ms / 1e9))
+                except Exception as exc:  # noqa: BLE001
+                    results.append(dict(kind=kind, cfg=cand, error=str(exc).splitlines()[0][:120]))
+            table.update(saved[1] if kind == "dkdv" else saved[2])
+    finally:
+        configs._FWD.update(saved[0])
+        configs._BWD_DKDV.update(saved[1])
+        configs._BWD_DQ.update(saved[2])
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tileattn.bench.tune")
+    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    everything = {}
+    for d in args.headdim:
+        res = sweep(d, args.seqlen, args.causal)
+        everything[d] = res
+        for kind in ("fwd", "dkdv", "dq"):
+            ok = sorted((r for r in res if r["kind"] == kind and "ms" in r), key=lambda r: r["ms"])
+            for r in ok:
+                print(f"hd{d} {kind:5s} {r['cfg']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s", flush=True)
+            for r in res:
+                if r["kind"] == kind and "error" in r:
+                    print(f"hd{d} {kind:5s} {r['cfg']} error {r['error']}")
+            if ok:
+                print(f"BEST hd{d} {kind}: {ok[0]['cfg']} ({ok[0]['tflops']:.1f} TFLOP/s{' incl. other pass' if kind != 'fwd' else ''})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(k): v for k, v in everything.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
