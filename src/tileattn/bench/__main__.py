@@ -222,6 +222,69 @@ def plot(results: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+def run_varlen(device: str, dtype: torch.dtype, tokens: int, headdim: int, nheads: int, causal: bool, seed: int = 0):
+    """A packed batch of mixed lengths (drawn from 64..4096 until ``tokens``) timed three ways: tileattn
+    varlen, tileattn on the zero-padded batch, and SDPA on the padded batch with a padding mask."""
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(torch.randint(64, 4097, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - tokens
+    lengths = [n for n in lengths if n > 0]
+    batch, max_len = len(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(tokens, nheads, headdim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.arange(max_len, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+
+    def padded(t):
+        out = t.new_zeros(batch, max_len, nheads, headdim)
+        out[mask] = t.detach()
+        return out.requires_grad_()
+
+    qp, kp, vp = padded(q), padded(k), padded(v)
+    attn_mask = mask[:, None, None, :]
+    if causal:
+        attn_mask = attn_mask & torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()[None, None]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask).transpose(1, 2)
+
+    variants = {
+        "tileattn varlen": ((q, k, v), lambda: tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
+                                                                             causal=causal)),
+        "tileattn padded": ((qp, kp, vp), lambda: tileattn.flash_attn_func(qp, kp, vp, causal=causal)),
+        "sdpa padded+mask": ((qp, kp, vp), sdpa),
+    }
+    useful = sum(4 * nheads * n * n * headdim / (2 if causal else 1) for n in lengths)
+    rows = []
+    for name, (inputs, fn) in variants.items():
+        out = fn()
+        dout = torch.randn_like(out)
+        t_fwd = time_ms(fn, device)
+        t_all = time_ms(lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(), inputs, dout), device)
+        rows.append(dict(kind="varlen", backend=name, device=device, causal=causal, headdim=headdim, nheads=nheads,
+                         tokens=tokens, batch=batch, max_seqlen=max_len, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
+                         useful_fwd_tflops=useful / t_fwd / 1e9))
+    return rows, lengths
+
+
+def format_varlen(rows) -> str:
+    from tabulate import tabulate
+
+    base = {r["causal"]: r for r in rows if r["backend"] == "tileattn varlen"}
+    table = [
+        [("causal" if r["causal"] else "full"), r["backend"], f"{r['fwd_ms']:.3f}", f"{r['fwd_bwd_ms']:.3f}",
+         f"{r['useful_fwd_tflops']:.1f}", f"{r['fwd_ms'] / base[r['causal']]['fwd_ms']:.2f}x",
+         f"{r['fwd_bwd_ms'] / base[r['causal']]['fwd_bwd_ms']:.2f}x"]
+        for r in rows
+    ]
+    headers = ["mask", "variant", "fwd ms", "fwd+bwd ms", "useful fwd TFLOP/s", "varlen speed-up fwd",
+               "varlen speed-up fwd+bwd"]
+    return tabulate(table, headers=headers, tablefmt="github")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tileattn.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small preset (on CPU: CPU path vs eager)")
@@ -237,6 +300,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--out", type=Path, default=Path("bench_results/results.jsonl"))
     ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder")
+    ap.add_argument("--varlen", action="store_true",
+                    help="time a packed batch of mixed lengths (64..4096) against padded batches instead")
     return ap.parse_args(argv)
 
 
@@ -259,6 +324,19 @@ def main(argv=None) -> int:
         for d in args.headdim for c in causals for s in args.seqlen
     ]
     print(banner(device), flush=True)
+    if args.varlen:
+        rows = []
+        headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128
+        for causal in causals:
+            r, lengths = run_varlen(device, dtype, args.tokens, headdim, max(1, args.hidden // headdim), causal)
+            rows += r
+        print(f"lengths: {lengths}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(format_varlen(rows))
+        return 0
     rows = []
     try:
         from rich.progress import Progress
@@ -266,19 +344,23 @@ def main(argv=None) -> int:
         progress_ctx = Progress(transient=True)
     except ImportError:
         progress_ctx = None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(case_rows):
+        rows.extend(case_rows)
+        with args.out.open("a") as f:  # appended case by case, so an interrupted run keeps its results
+            for r in case_rows:
+                f.write(json.dumps(r) + "\n")
+
     if progress_ctx is not None:
         with progress_ctx as bar:
             task = bar.add_task("benchmarking", total=len(cases))
             for case in cases:
-                rows += run_case(case, backends, device, modes, lambda msg: bar.console.log(msg))
+                record(run_case(case, backends, device, modes, lambda msg: bar.console.log(msg)))
                 bar.advance(task)
     else:
         for case in cases:
-            rows += run_case(case, backends, device, modes, print)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+            record(run_case(case, backends, device, modes, print))
     print(format_table(rows, modes, device))
     print(f"results appended to {args.out}")
     if args.plot:

@@ -24,10 +24,19 @@ DKDV_CANDIDATES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8
                    (128, 128, 8, 2)]
 DQ_CANDIDATES = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
                  (128, 128, 8, 2)]
+# Head dim 256 needs smaller tiles or fewer stages to fit shared memory and registers.
+HD256_CANDIDATES = {
+    "fwd": [(128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2)],
+    "dkdv": [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 1),
+             (32, 128, 8, 1)],
+    "dq": [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (128, 64, 8, 1), (32, 64, 4, 2)],
+}
 
 
 def _smem_ok(cfg: tuple, block_d: int, kind: str) -> bool:
     """keep(): drop configs whose shared-memory footprint cannot fit in the H100/H200's 227 KB."""
+    if block_d == 256:
+        return cfg in HD256_CANDIDATES[kind]
     bm, bn, _, stages = cfg
     if kind == "fwd":
         need = 2 * (bm * block_d + stages * 2 * bn * block_d)
@@ -50,7 +59,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     results = []
     saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
     try:
-        for cand in FWD_CANDIDATES:
+        for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:
             if not _smem_ok(cand, block_d, "fwd"):
                 continue
             configs._FWD[block_d] = KernelConfig(*cand)
@@ -65,7 +74,9 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
         configs._FWD.update(saved[0])
         out = tileattn.flash_attn_func(q, k, v, causal=causal)
         for kind, table, cands in (("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES), ("dq", configs._BWD_DQ, DQ_CANDIDATES)):
-            for cand in cands:
+            if block_d == 256:
+                cands = HD256_CANDIDATES[kind]
+            for cand in dict.fromkeys(cands):
                 if not _smem_ok(cand, block_d, kind):
                     continue
                 table[block_d] = KernelConfig(*cand)
