@@ -55,6 +55,13 @@ def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX_CACHE:
+        # One compile per shape and mask; past dynamo's default limit (8) it would silently fall back
+        # to the unfused path and time that instead.
+        import torch._dynamo
+
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 256)
         _FLEX_CACHE["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX_CACHE["fn"]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

@@ -94,12 +94,13 @@ _INTERPRET_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages
 
 # Tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages), the fastest of
 # ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md).
+# Head dim 256 has its own candidate list (smaller tiles, fewer stages) in the sweep.
 _FWD = {
     16: KernelConfig(128, 64, 8, 3),
     32: KernelConfig(128, 64, 8, 3),
     64: KernelConfig(128, 64, 8, 3),
     128: KernelConfig(128, 64, 8, 3),
-    256: KernelConfig(128, 32, 8, 2),
+    256: KernelConfig(128, 64, 8, 2),
 }
 # Backward: the dK/dV pass walks query tiles for a block of keys, the dQ pass key tiles for a block
 # of queries.
@@ -108,14 +109,14 @@ _BWD_DKDV = {
     32: KernelConfig(64, 64, 4, 3),
     64: KernelConfig(64, 64, 4, 3),
     128: KernelConfig(64, 128, 8, 3),
-    256: KernelConfig(32, 64, 4, 2),
+    256: KernelConfig(64, 64, 8, 2),
 }
 _BWD_DQ = {
     16: KernelConfig(128, 64, 8, 3),
     32: KernelConfig(128, 64, 8, 3),
     64: KernelConfig(128, 64, 8, 3),
     128: KernelConfig(128, 64, 8, 3),
-    256: KernelConfig(64, 32, 4, 2),
+    256: KernelConfig(128, 64, 8, 1),
 }
 
 
