@@ -105,6 +105,15 @@ def test_cuda_float32_refused():
         tileattn.flash_attn_func(q, k, v)
 
 
+def test_sequence_past_int32_offsets_is_refused():
+    """A single sequence whose rows span 2**31 elements is refused before anything runs (meta tensors
+    cost no memory)."""
+    q = torch.empty(1, 2**18, 2**7, 64, dtype=F16, device="meta")
+    k = torch.empty(1, 2**18, 1, 64, dtype=F16, device="meta")
+    with pytest.raises(NotImplementedError, match="q: one sequence spans"):
+        tileattn.flash_attn_func(q, k, k)
+
+
 def test_rejected_call_leaves_inputs_unchanged():
     q, k, v = _qkv()
     before = [t.clone() for t in (q, k, v)]

@@ -67,6 +67,34 @@ def test_varlen_matches_per_sequence_reference(backend, lengths, feats, dtype):
         check_close(f"varlen {name}", g, gr, gl)
 
 
+@pytest.mark.parametrize("headdim", [111, 256])
+def test_varlen_head_dims(backend, headdim):
+    """Padded head dims (111 -> 128) and the largest (256), GQA 4/1, causal, forward and backward."""
+    ctx, device = on(backend)
+    lens = [33, 0, 17, 1]
+    q = randn(sum(lens), 4, headdim, dtype=torch.float16, device=device)
+    k = randn(sum(lens), 1, headdim, dtype=torch.float16, device=device)
+    v = randn(sum(lens), 1, headdim, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    cu = _cu(lens, device)
+    with ctx:
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 33, 33, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    # The packed batch as a padded one: the reference with padding masks (real tokens first).
+    mask = torch.arange(33, device=device)[None] < torch.tensor(lens, device=device)[:, None]
+    padded = [pad_input(t, mask.flatten().nonzero().flatten(), len(lens), 33) for t in (q, k, v)]
+    kw = dict(query_padding_mask=mask, key_padding_mask=mask, causal=True)
+    ref = attention_ref(*padded, upcast=torch.float64, **kw)[0]
+    lowp = attention_ref(*padded, upcast=False, **kw)[0]
+    indices = mask.flatten().nonzero().flatten()
+    ref_p, lowp_p = (t.reshape(-1, *t.shape[2:])[indices] for t in (ref, lowp))
+    check_close("varlen out", out, ref_p, lowp_p)
+    g_ref = torch.autograd.grad(ref_p, (q, k, v), dout, retain_graph=True)  # shares the padding graph
+    g_lowp = torch.autograd.grad(lowp_p, (q, k, v), dout)
+    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
+        check_close(f"varlen {name}", g, gr, gl)
+
+
 def test_varlen_dropout_matches_dense_mask(backend):
     """Varlen dropout uses offsets over (max_seqlen_q, max_seqlen_k): S_dmask gives the mask per
     sequence, and the packed result equals the masked reference."""

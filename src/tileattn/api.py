@@ -112,6 +112,21 @@ def _check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headd
         raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
 
 
+_INT32_LIMIT = 2**31
+
+
+def _check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
+    """The kernels address rows within one sequence with 32-bit offsets (batch and sequence starts are
+    64-bit), so one sequence's span of a tensor must stay below 2**31 elements."""
+    for name, t in named.items():
+        span = seqlen * t.stride(-3)
+        if span >= _INT32_LIMIT:
+            raise NotImplementedError(
+                f"{name}: one sequence spans {span} elements (seqlen {seqlen} x row stride {t.stride(-3)}); "
+                f"the kernels support fewer than 2**31 per sequence"
+            )
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -337,6 +352,8 @@ def flash_attn_func(
     if k.shape[0] != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
     _check_heads(nheads, k.shape[2], headdim, k.shape[3], v.shape[3])
+    _check_extent(seqlen_q, {"q": q})
+    _check_extent(k.shape[1], {"k": k, "v": v})
     p = _params(q, batch, seqlen_q, k.shape[1], dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_attn_probs)
     return _run(q, k, v, p, return_attn_probs)
@@ -435,6 +452,8 @@ def flash_attn_varlen_func(
             f"{cu_seqlens_k.numel() - 1} sequences"
         )
     batch = cu_seqlens_q.numel() - 1
+    _check_extent(int(max_seqlen_q), {"q": q})
+    _check_extent(int(max_seqlen_k), {"k": k, "v": v})
     p = _params(q, batch, int(max_seqlen_q), int(max_seqlen_k), dropout_p, softmax_scale, causal, window_size,
                 softcap, alibi_slopes, deterministic, return_attn_probs,
                 cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous())
