@@ -34,8 +34,11 @@ lowp = attention_ref(q[tail], k[:, :, :1], v[:, :, :1], causal=True, upcast=Fals
 check_close("last rows", out[tail], ref, lowp)
 t_fwd = triton.testing.do_bench(lambda: tileattn.flash_attn_func(q, k, v, causal=True), rep=500)
 t_all = triton.testing.do_bench(
-    lambda: torch.autograd.grad(tileattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout), rep=1000)
+    lambda: torch.autograd.grad(tileattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout), rep=1000
+)
 flops = 4 * h * n * n * d / 2
-print(f"seqlen {n}, {h} heads, headdim {d}, causal, bf16: fwd {t_fwd:.1f} ms ({flops / t_fwd / 1e9:.0f} TFLOP/s), "
-      f"fwd+bwd {t_all:.1f} ms ({3.5 * flops / t_all / 1e9:.0f} TFLOP/s); peak memory {peak:.2f} GiB "
-      f"(the 8 input/output/gradient tensors alone: {inputs:.2f} GiB); last-rows check passed")
+print(
+    f"seqlen {n}, {h} heads, headdim {d}, causal, bf16: fwd {t_fwd:.1f} ms ({flops / t_fwd / 1e9:.0f} TFLOP/s), "
+    f"fwd+bwd {t_all:.1f} ms ({3.5 * flops / t_all / 1e9:.0f} TFLOP/s); peak memory {peak:.2f} GiB "
+    f"(the 8 input/output/gradient tensors alone: {inputs:.2f} GiB); last-rows check passed"
+)

@@ -3,9 +3,9 @@ backend: the Triton kernels (on the GPU, or under the interpreter on CPU) and th
 
 import pytest
 import torch
-from helpers import check_attention, interpreter_skips, on, randn
 
 import tileattn
+from helpers import check_attention, interpreter_skips, on, randn
 from tileattn.reference import attention_ref
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
@@ -111,8 +111,11 @@ def test_cpu_path_memory_is_linear():
         """
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    grown_mib = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                                   env=env).stdout.split()[-1])
+    grown_mib = int(
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env
+        ).stdout.split()[-1]
+    )
     assert grown_mib < 256, f"peak RSS grew by {grown_mib} MiB"
 
 

@@ -3,9 +3,9 @@ backward agrees with a reference built from that same mask, and torch.manual_see
 
 import pytest
 import torch
-from helpers import check_attention, interpreter_skips, on, randn
 
 import tileattn
+from helpers import check_attention, interpreter_skips, on, randn
 from tileattn import rng
 
 

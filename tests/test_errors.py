@@ -9,8 +9,10 @@ F16 = torch.float16
 
 
 def _qkv(b=2, sq=8, sk=8, h=4, hk=2, d=16, dtype=F16):
-    return torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(
-        b, sk, hk, d, dtype=dtype
+    return (
+        torch.randn(b, sq, h, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
+        torch.randn(b, sk, hk, d, dtype=dtype),
     )
 
 
@@ -41,11 +43,23 @@ CASES = [
     ("kv-shape", _dense(v=v0[:, :5]), ValueError, ["k and v", "shape"]),
     ("batch-mismatch", _dense(k=k0[:1], v=v0[:1]), ValueError, ["batch"]),
     ("headdim-mismatch", _dense(k=k0[..., :8], v=v0[..., :8]), ValueError, ["head dim"]),
-    ("gqa-divisible", _dense(k=torch.randn(2, 8, 3, 16, dtype=F16), v=torch.randn(2, 8, 3, 16, dtype=F16)),
-     ValueError, ["nheads", "divisible"]),
+    (
+        "gqa-divisible",
+        _dense(k=torch.randn(2, 8, 3, 16, dtype=F16), v=torch.randn(2, 8, 3, 16, dtype=F16)),
+        ValueError,
+        ["nheads", "divisible"],
+    ),
     ("zero-heads", _dense(q=torch.randn(2, 8, 0, 16, dtype=F16)), ValueError, ["nheads", "at least 1"]),
-    ("headdim-257", _dense(q=torch.randn(1, 4, 1, 257, dtype=F16), k=torch.randn(1, 4, 1, 257, dtype=F16),
-                           v=torch.randn(1, 4, 1, 257, dtype=F16)), ValueError, ["headdim", "256"]),
+    (
+        "headdim-257",
+        _dense(
+            q=torch.randn(1, 4, 1, 257, dtype=F16),
+            k=torch.randn(1, 4, 1, 257, dtype=F16),
+            v=torch.randn(1, 4, 1, 257, dtype=F16),
+        ),
+        ValueError,
+        ["headdim", "256"],
+    ),
     ("last-dim-strided", _dense(q=torch.randn(2, 8, 4, 32, dtype=F16)[..., ::2]), ValueError, ["q", "contiguous"]),
     ("dropout-1", _dense(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)"]),
     ("dropout-neg", _dense(dropout_p=-0.1), ValueError, ["dropout_p"]),
@@ -61,10 +75,18 @@ CASES = [
     ("alibi-shape", _dense(alibi_slopes=torch.rand(3)), ValueError, ["alibi_slopes", "shape"]),
     ("alibi-dtype", _dense(alibi_slopes=torch.rand(4, dtype=F16)), TypeError, ["alibi_slopes", "float32"]),
     ("alibi-list", _dense(alibi_slopes=[0.1] * 4), TypeError, ["alibi_slopes"]),
-    ("qkv-packed-shape", lambda: tileattn.flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8, dtype=F16)),
-     ValueError, ["qkv", "3"]),
-    ("kv-packed-shape", lambda: tileattn.flash_attn_kvpacked_func(q0, torch.randn(2, 8, 3, 2, 16, dtype=F16)),
-     ValueError, ["kv", "2"]),
+    (
+        "qkv-packed-shape",
+        lambda: tileattn.flash_attn_qkvpacked_func(torch.randn(1, 4, 2, 2, 8, dtype=F16)),
+        ValueError,
+        ["qkv", "3"],
+    ),
+    (
+        "kv-packed-shape",
+        lambda: tileattn.flash_attn_kvpacked_func(q0, torch.randn(2, 8, 3, 2, 16, dtype=F16)),
+        ValueError,
+        ["kv", "2"],
+    ),
     ("cu-int64", _varlen(cu_q=torch.tensor([0, 4, 10])), TypeError, ["cu_seqlens_q", "int32"]),
     ("cu-2d", _varlen(cu_q=torch.tensor([[0, 4, 10]], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "1-D"]),
     ("cu-start", _varlen(cu_q=(1, 4, 10)), ValueError, ["cu_seqlens_q", "start at 0"]),
@@ -73,9 +95,14 @@ CASES = [
     ("cu-batch", _varlen(cu_k=(0, 10), max_k=10), ValueError, ["same batch"]),
     ("max-seqlen-small", _varlen(max_q=5), ValueError, ["max_seqlen_q", "longest"]),
     ("max-seqlen-float", _varlen(max_k=6.0), TypeError, ["max_seqlen_k", "int"]),
-    ("varlen-rank", lambda: tileattn.flash_attn_varlen_func(q0, k0, v0, torch.zeros(2, dtype=torch.int32),
-                                                             torch.zeros(2, dtype=torch.int32), 1, 1),
-     ValueError, ["q", "3 dims"]),
+    (
+        "varlen-rank",
+        lambda: tileattn.flash_attn_varlen_func(
+            q0, k0, v0, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 1
+        ),
+        ValueError,
+        ["q", "3 dims"],
+    ),
     ("block-table", _varlen(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, ["block_table"]),
     ("alibi-batch-varlen", _varlen(alibi_slopes=torch.rand(3, 4)), ValueError, ["alibi_slopes", "(2, 4)"]),
 ]

@@ -3,9 +3,9 @@ sequence alone, forward and backward, for every feature; and the padding helpers
 
 import pytest
 import torch
-from helpers import interpreter_skips, on, randn
 
 import tileattn
+from helpers import interpreter_skips, on, randn
 from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
@@ -161,8 +161,10 @@ def test_varlen_schedule_one_long_many_short(backend):
         out = tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 100, 100, causal=True)
     for b, n in enumerate(lens):
         o = sum(lens[:b])
-        ref = attention_ref(q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True,
-                            upcast=torch.float64)[0][0]
-        lowp = attention_ref(q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True,
-                             upcast=False)[0][0]
+        ref = attention_ref(
+            q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True, upcast=torch.float64
+        )[0][0]
+        lowp = attention_ref(q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True, upcast=False)[0][
+            0
+        ]
         check_close(f"seq {b}", out[o : o + n], ref, lowp)

@@ -81,11 +81,11 @@ def _check_inputs(named: dict[str, torch.Tensor]) -> tuple[torch.dtype, torch.de
     (first_name, first), *rest = named.items()
     for name, t in named.items():
         if not t.is_floating_point() or t.dtype not in _CPU_DTYPES:
-            raise TypeError(
-                f"{name} must be float16 or bfloat16 (or float32 on CPU), got {t.dtype}"
-            )
+            raise TypeError(f"{name} must be float16 or bfloat16 (or float32 on CPU), got {t.dtype}")
         if t.is_cuda and t.dtype not in _GPU_DTYPES:
-            raise TypeError(f"{name} is a CUDA tensor of dtype {t.dtype}; on CUDA only float16 and bfloat16 are supported")
+            raise TypeError(
+                f"{name} is a CUDA tensor of dtype {t.dtype}; on CUDA only float16 and bfloat16 are supported"
+            )
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must be contiguous in its last (head) dimension, got strides {tuple(t.stride())}; "
@@ -93,9 +93,13 @@ def _check_inputs(named: dict[str, torch.Tensor]) -> tuple[torch.dtype, torch.de
             )
     for name, t in rest:
         if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; all inputs must share one dtype")
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; all inputs must share one dtype"
+            )
         if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must share one device")
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must share one device"
+            )
     return first.dtype, first.device
 
 
@@ -103,9 +107,7 @@ def _check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headd
     if nheads < 1 or nheads_k < 1:
         raise ValueError(f"nheads and nheads_k must be at least 1, got nheads={nheads}, nheads_k={nheads_k}")
     if nheads % nheads_k != 0:
-        raise ValueError(
-            f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA"
-        )
+        raise ValueError(f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
     if headdim_k != headdim or headdim_v != headdim:
         raise ValueError(f"q, k and v must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
     if not 1 <= headdim <= MAX_HEADDIM:
@@ -354,8 +356,20 @@ def flash_attn_func(
     _check_heads(nheads, k.shape[2], headdim, k.shape[3], v.shape[3])
     _check_extent(seqlen_q, {"q": q})
     _check_extent(k.shape[1], {"k": k, "v": v})
-    p = _params(q, batch, seqlen_q, k.shape[1], dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic, return_attn_probs)
+    p = _params(
+        q,
+        batch,
+        seqlen_q,
+        k.shape[1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
     return _run(q, k, v, p, return_attn_probs)
 
 
@@ -368,8 +382,12 @@ flash_attn_func.__doc__ = (
             i uses kv head ``i // (nheads // nheads_k)``). headdim may be anything from 1 to 256. The last
             dimension must be contiguous; other strides are free."""
     + _DENSE_DOC_ARGS
-    + _RETURNS_DOC.format(out_shape="(batch, seqlen_q, nheads, headdim)", lse_shape="(batch, nheads, seqlen_q)",
-                          sq="seqlen_q", sk="seqlen_k")
+    + _RETURNS_DOC.format(
+        out_shape="(batch, seqlen_q, nheads, headdim)",
+        lse_shape="(batch, nheads, seqlen_q)",
+        sq="seqlen_q",
+        sk="seqlen_k",
+    )
 )
 
 
@@ -390,8 +408,9 @@ def flash_attn_qkvpacked_func(
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
 def flash_attn_kvpacked_func(
@@ -412,8 +431,9 @@ def flash_attn_kvpacked_func(
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(2)
-    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
 def flash_attn_varlen_func(
@@ -454,9 +474,22 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.numel() - 1
     _check_extent(int(max_seqlen_q), {"q": q})
     _check_extent(int(max_seqlen_k), {"k": k, "v": v})
-    p = _params(q, batch, int(max_seqlen_q), int(max_seqlen_k), dropout_p, softmax_scale, causal, window_size,
-                softcap, alibi_slopes, deterministic, return_attn_probs,
-                cu_seqlens_q=cu_seqlens_q.contiguous(), cu_seqlens_k=cu_seqlens_k.contiguous())
+    p = _params(
+        q,
+        batch,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        cu_seqlens_k=cu_seqlens_k.contiguous(),
+    )
     return _run(q, k, v, p, return_attn_probs)
 
 
@@ -474,8 +507,9 @@ flash_attn_varlen_func.__doc__ = (
     + _DENSE_DOC_ARGS
     + """        block_table: paged KV; not supported yet (raises NotImplementedError).
 """
-    + _RETURNS_DOC.format(out_shape="(total_q, nheads, headdim)", lse_shape="(nheads, total_q)",
-                          sq="max_seqlen_q", sk="max_seqlen_k")
+    + _RETURNS_DOC.format(
+        out_shape="(total_q, nheads, headdim)", lse_shape="(nheads, total_q)", sq="max_seqlen_q", sk="max_seqlen_k"
+    )
 )
 
 
@@ -498,9 +532,23 @@ def flash_attn_varlen_qkvpacked_func(
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -524,6 +572,20 @@ def flash_attn_varlen_kvpacked_func(
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )

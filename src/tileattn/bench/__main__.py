@@ -34,8 +34,12 @@ GPU_DEFAULT_BACKENDS = ["tileattn", "fa4", "flash_attn", "sdpa-cudnn", "sdpa-fla
 
 def banner(device: str) -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         commit = "unknown"
     try:
@@ -48,8 +52,7 @@ def banner(device: str) -> str:
         where = f"GPU {torch.cuda.get_device_name()} | CUDA {torch.version.cuda}"
     else:
         where = f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
-    return (f"tileattn {tileattn.__version__} ({commit}) | {where} | torch {torch.__version__} | "
-            f"triton {triton_version}")
+    return f"tileattn {tileattn.__version__} ({commit}) | {where} | torch {torch.__version__} | triton {triton_version}"
 
 
 def flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, mode):
@@ -112,12 +115,19 @@ def check_backend(name, out, q, k, v, causal):
 def run_case(case, backends, device, modes, progress):
     batch, seqlen, nheads, headdim, causal, dtype = case
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen)
-               for _ in range(3))
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3))
     rows = []
     for name in backends:
-        row = dict(backend=name, batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, causal=causal,
-                   dtype=str(dtype).replace("torch.", ""), device=device)
+        row = dict(
+            backend=name,
+            batch=batch,
+            seqlen=seqlen,
+            nheads=nheads,
+            headdim=headdim,
+            causal=causal,
+            dtype=str(dtype).replace("torch.", ""),
+            device=device,
+        )
         try:
             fn = BACKENDS[name](q, k, v, causal)
             check_backend(name, fn(), q, k, v, causal)
@@ -201,8 +211,11 @@ def plot(results: Path, out_dir: Path) -> list[Path]:
     keys = sorted({(r["headdim"], r["causal"], r["device"]) for r in rows})
     for headdim, causal, device in keys:
         for mode in ("fwd", "bwd"):
-            sel = [r for r in rows if (r["headdim"], r["causal"], r["device"]) == (headdim, causal, device)
-                   and f"{mode}_tflops" in r]
+            sel = [
+                r
+                for r in rows
+                if (r["headdim"], r["causal"], r["device"]) == (headdim, causal, device) and f"{mode}_tflops" in r
+            ]
             if not sel:
                 continue
             fig, ax = plt.subplots(figsize=(6, 4))
@@ -249,11 +262,14 @@ def run_varlen(device: str, dtype: torch.dtype, tokens: int, headdim: int, nhead
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask).transpose(1, 2)
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask
+        ).transpose(1, 2)
 
     variants = {
-        "tileattn varlen": ((q, k, v), lambda: tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len,
-                                                                             causal=causal)),
+        "tileattn varlen": (
+            (q, k, v),
+            lambda: tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal),
+        ),
         "tileattn padded": ((qp, kp, vp), lambda: tileattn.flash_attn_func(qp, kp, vp, causal=causal)),
         "sdpa padded+mask": ((qp, kp, vp), sdpa),
     }
@@ -264,9 +280,22 @@ def run_varlen(device: str, dtype: torch.dtype, tokens: int, headdim: int, nhead
         dout = torch.randn_like(out)
         t_fwd = time_ms(fn, device)
         t_all = time_ms(lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(), inputs, dout), device)
-        rows.append(dict(kind="varlen", backend=name, device=device, causal=causal, headdim=headdim, nheads=nheads,
-                         tokens=tokens, batch=batch, max_seqlen=max_len, fwd_ms=t_fwd, fwd_bwd_ms=t_all,
-                         useful_fwd_tflops=useful / t_fwd / 1e9))
+        rows.append(
+            dict(
+                kind="varlen",
+                backend=name,
+                device=device,
+                causal=causal,
+                headdim=headdim,
+                nheads=nheads,
+                tokens=tokens,
+                batch=batch,
+                max_seqlen=max_len,
+                fwd_ms=t_fwd,
+                fwd_bwd_ms=t_all,
+                useful_fwd_tflops=useful / t_fwd / 1e9,
+            )
+        )
     return rows, lengths
 
 
@@ -275,13 +304,26 @@ def format_varlen(rows) -> str:
 
     base = {r["causal"]: r for r in rows if r["backend"] == "tileattn varlen"}
     table = [
-        [("causal" if r["causal"] else "full"), r["backend"], f"{r['fwd_ms']:.3f}", f"{r['fwd_bwd_ms']:.3f}",
-         f"{r['useful_fwd_tflops']:.1f}", f"{r['fwd_ms'] / base[r['causal']]['fwd_ms']:.2f}x",
-         f"{r['fwd_bwd_ms'] / base[r['causal']]['fwd_bwd_ms']:.2f}x"]
+        [
+            ("causal" if r["causal"] else "full"),
+            r["backend"],
+            f"{r['fwd_ms']:.3f}",
+            f"{r['fwd_bwd_ms']:.3f}",
+            f"{r['useful_fwd_tflops']:.1f}",
+            f"{r['fwd_ms'] / base[r['causal']]['fwd_ms']:.2f}x",
+            f"{r['fwd_bwd_ms'] / base[r['causal']]['fwd_bwd_ms']:.2f}x",
+        ]
         for r in rows
     ]
-    headers = ["mask", "variant", "fwd ms", "fwd+bwd ms", "useful fwd TFLOP/s", "varlen speed-up fwd",
-               "varlen speed-up fwd+bwd"]
+    headers = [
+        "mask",
+        "variant",
+        "fwd ms",
+        "fwd+bwd ms",
+        "useful fwd TFLOP/s",
+        "varlen speed-up fwd",
+        "varlen speed-up fwd+bwd",
+    ]
     return tabulate(table, headers=headers, tablefmt="github")
 
 
@@ -293,15 +335,22 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     ap.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    ap.add_argument("--mode", choices=["fwd", "fwd+bwd"], default="fwd+bwd",
-                    help="fwd times the forward; fwd+bwd also times the backward")
+    ap.add_argument(
+        "--mode",
+        choices=["fwd", "fwd+bwd"],
+        default="fwd+bwd",
+        help="fwd times the forward; fwd+bwd also times the backward",
+    )
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS))
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
     ap.add_argument("--out", type=Path, default=Path("bench_results/results.jsonl"))
     ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder")
-    ap.add_argument("--varlen", action="store_true",
-                    help="time a packed batch of mixed lengths (64..4096) against padded batches instead")
+    ap.add_argument(
+        "--varlen",
+        action="store_true",
+        help="time a packed batch of mixed lengths (64..4096) against padded batches instead",
+    )
     return ap.parse_args(argv)
 
 
@@ -321,7 +370,9 @@ def main(argv=None) -> int:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cases = [
         (max(1, args.tokens // s), s, max(1, args.hidden // d), d, c, dtype)
-        for d in args.headdim for c in causals for s in args.seqlen
+        for d in args.headdim
+        for c in causals
+        for s in args.seqlen
     ]
     print(banner(device), flush=True)
     if args.varlen:

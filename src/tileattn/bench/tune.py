@@ -18,17 +18,30 @@ from tileattn.bench.__main__ import check_backend, flops
 from tileattn.kernels import configs
 from tileattn.kernels.configs import KernelConfig
 
-FWD_CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-                  (64, 64, 4, 3), (128, 32, 8, 2), (64, 128, 4, 3)]
-DKDV_CANDIDATES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2),
-                   (128, 128, 8, 2)]
-DQ_CANDIDATES = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
-                 (128, 128, 8, 2)]
+FWD_CANDIDATES = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 2),
+    (64, 64, 4, 3),
+    (128, 32, 8, 2),
+    (64, 128, 4, 3),
+]
+DKDV_CANDIDATES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2), (128, 128, 8, 2)]
+DQ_CANDIDATES = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 128, 8, 2)]
 # Head dim 256 needs smaller tiles or fewer stages to fit shared memory and registers.
 HD256_CANDIDATES = {
     "fwd": [(128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 2)],
-    "dkdv": [(32, 64, 4, 2), (64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 1),
-             (32, 128, 8, 1)],
+    "dkdv": [
+        (32, 64, 4, 2),
+        (64, 64, 8, 2),
+        (32, 64, 8, 2),
+        (64, 32, 8, 2),
+        (32, 32, 4, 2),
+        (64, 64, 8, 1),
+        (32, 128, 8, 1),
+    ],
     "dq": [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 2), (128, 64, 8, 1), (32, 64, 4, 2)],
 }
 
@@ -51,8 +64,10 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
 
     batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
     block_d = max(16, triton.next_power_of_2(headdim))
-    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     dout = torch.randn_like(q)
     f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
     f_bwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd")
@@ -66,14 +81,18 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
             try:
                 out = tileattn.flash_attn_func(q, k, v, causal=causal)
                 check_backend("tileattn", out, q, k, v, causal)
-                ms = triton.testing.do_bench(lambda: tileattn.flash_attn_func(q, k, v, causal=causal),
-                                             return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda: tileattn.flash_attn_func(q, k, v, causal=causal), return_mode="median"
+                )
                 results.append(dict(kind="fwd", cfg=cand, ms=ms, tflops=f_fwd / ms / 1e9))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just skipped
                 results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
         configs._FWD.update(saved[0])
         out = tileattn.flash_attn_func(q, k, v, causal=causal)
-        for kind, table, cands in (("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES), ("dq", configs._BWD_DQ, DQ_CANDIDATES)):
+        for kind, table, cands in (
+            ("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES),
+            ("dq", configs._BWD_DQ, DQ_CANDIDATES),
+        ):
             if block_d == 256:
                 cands = HD256_CANDIDATES[kind]
             for cand in dict.fromkeys(cands):
@@ -81,6 +100,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
                     continue
                 table[block_d] = KernelConfig(*cand)
                 try:
+
                     def bwd():
                         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
@@ -116,7 +136,9 @@ def main(argv=None) -> int:
                 if r["kind"] == kind and "error" in r:
                     print(f"hd{d} {kind:5s} {r['cfg']} error {r['error']}")
             if ok:
-                print(f"BEST hd{d} {kind}: {ok[0]['cfg']} ({ok[0]['tflops']:.1f} TFLOP/s{' incl. other pass' if kind != 'fwd' else ''})")
+                print(
+                    f"BEST hd{d} {kind}: {ok[0]['cfg']} ({ok[0]['tflops']:.1f} TFLOP/s{' incl. other pass' if kind != 'fwd' else ''})"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(k): v for k, v in everything.items()}, f, indent=1)

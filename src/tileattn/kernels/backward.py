@@ -17,10 +17,21 @@ from tileattn.kernels.configs import AttnParams, bwd_dkdv_config, bwd_dq_config,
 
 @triton.jit
 def _bwd_preprocess(
-    Out, DOut, Delta,
-    stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh, stride_db, stride_dh,
+    Out,
+    DOut,
+    Delta,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_db,
+    stride_dh,
     seqlen,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """Δ[b, h, i] = Σ_d dO[b, i, h, d] · O[b, i, h, d], in fp32 (rows are tokens of the packed layout
     in varlen mode, where seqlen is the total)."""
@@ -30,32 +41,65 @@ def _bwd_preprocess(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask,
-                other=0.0)  # [BLOCK_M, BLOCK_D]
-    do = tl.load(DOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask,
-                 other=0.0)  # [BLOCK_M, BLOCK_D]
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0
+    )  # [BLOCK_M, BLOCK_D]
+    do = tl.load(
+        DOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0
+    )  # [BLOCK_M, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < seqlen)
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
-    offs_m_base, offs_n, offs_d, lo, hi, seqlen_q, seqlen_k,
-    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-    philox_seed, rng_base, seqlen_k_rng, dropout_p,
-    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    Q_base,
+    DO_base,
+    Lse_base,
+    Delta_base,
+    stride_qm,
+    stride_dom,
+    offs_m_base,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    softcap_scale,
+    softcap_log2,
+    slope_log2,
+    window_left,
+    window_right,
+    philox_seed,
+    rng_base,
+    seqlen_k_rng,
+    dropout_p,
+    HEAD_DIM: tl.constexpr,
+    PAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head. Works in the
     transposed orientation (keys are rows) so dK and dV come out of ``tl.dot`` directly."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
-        q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
-                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_M, BLOCK_D]
-        do = common.load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d,
-                              HEAD_DIM, MASKED, PAD_D)  # [BLOCK_M, BLOCK_D]
+        q = common.load_tile(
+            Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_M, BLOCK_D]
+        do = common.load_tile(
+            DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_M, BLOCK_D]
         if MASKED:
             lse = tl.load(Lse_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
             delta = tl.load(Delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -63,14 +107,30 @@ def _dkdv_tiles(
             lse = tl.load(Lse_base + offs_m)
             delta = tl.load(Delta_base + offs_m)
         qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] = k @ qᵀ
-        sT, tT = common.scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                               softcap_log2, slope_log2, window_left, window_right,
-                               MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        sT, tT = common.scores(
+            qkT,
+            offs_m[None, :],
+            offs_n[:, None],
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            MASKED,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
         pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]; 0 for rows with lse=+inf
         dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
         if HAS_DROPOUT:
-            keepT = common.dropout_keep(philox_seed, rng_base, offs_m[None, :], offs_n[:, None], seqlen_k_rng,
-                                        dropout_p)
+            keepT = common.dropout_keep(
+                philox_seed, rng_base, offs_m[None, :], offs_n[:, None], seqlen_k_rng, dropout_p
+            )
             inv_keep = 1.0 / (1.0 - dropout_p)
             dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D]
             dpT = tl.where(keepT, dpT * inv_keep, 0.0)
@@ -85,20 +145,60 @@ def _dkdv_tiles(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    stride_lb, stride_lh,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    Lse,
+    Delta,
+    Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    stride_lb,
+    stride_lh,
     stride_ab,
-    batch, nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+    batch,
+    nheads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    softcap,
+    window_left,
+    window_right,
+    dropout_p,
+    philox_seed,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BATCH_PAD: tl.constexpr,
 ):
     """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group."""
     pid = tl.program_id(0)
@@ -126,10 +226,12 @@ def _attn_bwd_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
     K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
     V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
-    k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                         HEAD_DIM, True, PAD_D)  # [BLOCK_N, BLOCK_D]
-    v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                         HEAD_DIM, True, PAD_D)  # [BLOCK_N, BLOCK_D]
+    k = common.load_tile(
+        K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D
+    )  # [BLOCK_N, BLOCK_D]
+    v = common.load_tile(
+        V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D
+    )  # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -139,8 +241,9 @@ def _attn_bwd_dkdv(
     if HAS_SOFTCAP:
         softcap_scale = sm_scale / softcap
         softcap_log2 = softcap * 1.4426950408889634
-    lo, full_lo, full_hi, hi = common.query_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
-                                                  BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    lo, full_lo, full_hi, hi = common.query_range(
+        n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
     for g in range(0, group_size):
         h = h_k * group_size + g
         Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
@@ -153,21 +256,120 @@ def _attn_bwd_dkdv(
         rng_base = 0
         if HAS_DROPOUT:
             rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
-                             offs_m, offs_n, offs_d, lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
-                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, True,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
-                             offs_m, offs_n, offs_d, full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
-                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, False,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, Lse_base, Delta_base, stride_qm, stride_dom,
-                             offs_m, offs_n, offs_d, full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                             softcap_log2, slope_log2, window_left, window_right, philox_seed, rng_base,
-                             seqlen_k_rng, dropout_p, HEAD_DIM, PAD_D, BLOCK_M, True,
-                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q_base,
+            DO_base,
+            Lse_base,
+            Delta_base,
+            stride_qm,
+            stride_dom,
+            offs_m,
+            offs_n,
+            offs_d,
+            lo,
+            full_lo,
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            philox_seed,
+            rng_base,
+            seqlen_k_rng,
+            dropout_p,
+            HEAD_DIM,
+            PAD_D,
+            BLOCK_M,
+            True,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            HAS_DROPOUT,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q_base,
+            DO_base,
+            Lse_base,
+            Delta_base,
+            stride_qm,
+            stride_dom,
+            offs_m,
+            offs_n,
+            offs_d,
+            full_lo,
+            full_hi,
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            philox_seed,
+            rng_base,
+            seqlen_k_rng,
+            dropout_p,
+            HEAD_DIM,
+            PAD_D,
+            BLOCK_M,
+            False,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            HAS_DROPOUT,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            Q_base,
+            DO_base,
+            Lse_base,
+            Delta_base,
+            stride_qm,
+            stride_dom,
+            offs_m,
+            offs_n,
+            offs_d,
+            full_hi,
+            hi,
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            philox_seed,
+            rng_base,
+            seqlen_k_rng,
+            dropout_p,
+            HEAD_DIM,
+            PAD_D,
+            BLOCK_M,
+            True,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            HAS_DROPOUT,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
     if PAD_D:
@@ -180,30 +382,74 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn,
-    offs_m, offs_n_base, offs_d, lo, hi, seqlen_q, seqlen_k,
-    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-    philox_seed, rng_base, seqlen_k_rng, dropout_p,
-    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    K_base,
+    V_base,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_n_base,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    softcap_scale,
+    softcap_log2,
+    slope_log2,
+    window_left,
+    window_right,
+    philox_seed,
+    rng_base,
+    seqlen_k_rng,
+    dropout_p,
+    HEAD_DIM: tl.constexpr,
+    PAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Accumulates dQ of one query block over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
-        v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        k = common.load_tile(
+            K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_N, BLOCK_D]
+        v = common.load_tile(
+            V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
-        s, t = common.scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                             softcap_log2, slope_log2, window_left, window_right,
-                             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        s, t = common.scores(
+            qk,
+            offs_m[:, None],
+            offs_n[None, :],
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            MASKED,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
         p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k_rng,
-                                       dropout_p)
+            keep = common.dropout_keep(philox_seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k_rng, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -214,19 +460,56 @@ def _dq_tiles(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_lb, stride_lh,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    Lse,
+    Delta,
+    Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_dom,
+    stride_doh,
+    stride_dqb,
+    stride_dqm,
+    stride_dqh,
+    stride_lb,
+    stride_lh,
     stride_ab,
-    batch, nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+    batch,
+    nheads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    softcap,
+    window_left,
+    window_right,
+    dropout_p,
+    philox_seed,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BATCH_PAD: tl.constexpr,
 ):
     """Program (query tile, head, batch): dQ of BLOCK_M query rows of one head."""
     pid = tl.program_id(0)
@@ -259,10 +542,12 @@ def _attn_bwd_dq(
     DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h * stride_doh
     K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
     V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
-    q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
-                         HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
-    do = common.load_tile(DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d,
-                          HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
+    q = common.load_tile(
+        Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
+    )  # [BLOCK_M, BLOCK_D]
+    do = common.load_tile(
+        DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
+    )  # [BLOCK_M, BLOCK_D]
     mask_m = offs_m < seqlen_q
     lse2 = tl.load(Lse + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=mask_m, other=0.0)
     lse2 = lse2 * 1.4426950408889634
@@ -281,20 +566,120 @@ def _attn_bwd_dq(
     if HAS_DROPOUT:
         rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = common.key_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
-                                                BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                   lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                   HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                   full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                   HEAD_DIM, PAD_D, BLOCK_N, False, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                   full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                   window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                   HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, MASK_LEFT, MASK_RIGHT)
+    lo, full_lo, full_hi, hi = common.key_range(
+        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        lo,
+        full_lo,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        True,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_lo,
+        full_hi,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        False,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        True,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
     dq = dq * sm_scale
     mask = mask_m[:, None]
     if PAD_D:
@@ -323,19 +708,47 @@ def attn_bwd(
     rows = q4.shape[1]
     block_pre = 16 if interpreting() else 64
     _bwd_preprocess[(triton.cdiv(rows, block_pre), nheads, q4.shape[0])](
-        o4, do4, delta, o4.stride(0), o4.stride(1), o4.stride(2), do4.stride(0), do4.stride(1), do4.stride(2),
-        *p.lse_strides(delta), rows, HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=block_pre,
+        o4,
+        do4,
+        delta,
+        o4.stride(0),
+        o4.stride(1),
+        o4.stride(2),
+        do4.stride(0),
+        do4.stride(1),
+        do4.stride(2),
+        *p.lse_strides(delta),
+        rows,
+        HEAD_DIM=headdim,
+        BLOCK_D=p.block_d,
+        BLOCK_M=block_pre,
     )
 
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     common_args = (
-        p.alibi_batch_stride(), batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
-        p.softmax_scale, p.softcap, p.window_left, p.window_right, p.dropout_p, p.philox_seed,
+        p.alibi_batch_stride(),
+        batch,
+        nheads,
+        nheads // nheads_k,
+        p.seqlen_q,
+        p.seqlen_k,
+        p.softmax_scale,
+        p.softcap,
+        p.window_left,
+        p.window_right,
+        p.dropout_p,
+        p.philox_seed,
     )
     flags = dict(
-        HEAD_DIM=headdim, BLOCK_D=p.block_d, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
-        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
-        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+        HEAD_DIM=headdim,
+        BLOCK_D=p.block_d,
+        MASK_LEFT=p.window_left >= 0,
+        MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=p.alibi_slopes is not None,
+        HAS_DROPOUT=p.dropout_p > 0,
+        IS_VARLEN=p.is_varlen,
+        BATCH_PAD=p.batch_pad,
     )
 
     cfg = bwd_dkdv_config(p)
@@ -344,10 +757,30 @@ def attn_bwd(
     else:
         grid = (triton.cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
     _attn_bwd_dkdv[grid](
-        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
-        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(do4), *p.strides(dk4), *p.strides(dv4),
-        *p.lse_strides(lse), *common_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        q4,
+        k4,
+        v4,
+        do4,
+        dk4,
+        dv4,
+        lse,
+        delta,
+        alibi,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        *p.strides(q4),
+        *p.strides(k4),
+        *p.strides(v4),
+        *p.strides(do4),
+        *p.strides(dk4),
+        *p.strides(dv4),
+        *p.lse_strides(lse),
+        *common_args,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **flags,
     )
 
     cfg = bwd_dq_config(p)
@@ -356,9 +789,27 @@ def attn_bwd(
     else:
         grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     _attn_bwd_dq[grid](
-        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
-        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(do4), *p.strides(dq4),
-        *p.lse_strides(lse), *common_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        q4,
+        k4,
+        v4,
+        do4,
+        dq4,
+        lse,
+        delta,
+        alibi,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        *p.strides(q4),
+        *p.strides(k4),
+        *p.strides(v4),
+        *p.strides(do4),
+        *p.strides(dq4),
+        *p.lse_strides(lse),
+        *common_args,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **flags,
     )
     return dq, dk, dv

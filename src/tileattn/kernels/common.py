@@ -69,8 +69,15 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right, MASK_LEFT: tl.c
 
 @triton.jit
 def key_range(
-    m_start, seqlen_q, seqlen_k, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    m_start,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Key tiles a query block [m_start, m_start + BLOCK_M) must visit, in three segments.
 
@@ -98,8 +105,15 @@ def key_range(
 
 @triton.jit
 def query_range(
-    n_start, seqlen_q, seqlen_k, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    n_start,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Query tiles a key block [n_start, n_start + BLOCK_N) receives gradient from: the transpose of
     ``key_range``, returning ``(lo, full_lo, full_hi, hi)`` in multiples of BLOCK_M likewise."""
@@ -131,9 +145,22 @@ def tanh(x):
 
 @triton.jit
 def scores(
-    qk, i, j, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    qk,
+    i,
+    j,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    softcap_scale,
+    softcap_log2,
+    slope_log2,
+    window_left,
+    window_right,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Turns raw products ``qk = q·k`` into log2-domain scores, in the API's order: scale, softcap,
     ALiBi, then the mask (-inf where hidden, only if MASKED). Returns ``(s, t)`` where ``t`` is the

@@ -14,25 +14,69 @@ from tileattn.kernels.configs import AttnParams, fwd_config
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn,
-    i, offs_n_base, offs_d, lo, hi, seqlen_q, seqlen_k,
-    qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-    philox_seed, rng_base, seqlen_k_rng, dropout_p,
-    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    K_base,
+    V_base,
+    stride_kn,
+    stride_vn,
+    i,
+    offs_n_base,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    softcap_scale,
+    softcap_log2,
+    slope_log2,
+    window_left,
+    window_right,
+    philox_seed,
+    rng_base,
+    seqlen_k_rng,
+    dropout_p,
+    HEAD_DIM: tl.constexpr,
+    PAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
 ):
     """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k = common.load_tile(K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
-        v = common.load_tile(V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d,
-                             HEAD_DIM, MASKED, PAD_D)  # [BLOCK_N, BLOCK_D]
+        k = common.load_tile(
+            K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_N, BLOCK_D]
+        v = common.load_tile(
+            V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
-        s, _ = common.scores(qk, i[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
-                             softcap_log2, slope_log2, window_left, window_right,
-                             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT)
+        s, _ = common.scores(
+            qk,
+            i[:, None],
+            offs_n[None, :],
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            MASKED,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
         # m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all
         # masked keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -50,18 +94,51 @@ def _fwd_tiles(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Alibi,
+    CuSeqlensQ,
+    CuSeqlensK,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_lb,
+    stride_lh,
     stride_ab,
-    batch, nheads, group_size, seqlen_q, seqlen_k,
-    sm_scale, softcap, window_left, window_right, dropout_p, philox_seed,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+    batch,
+    nheads,
+    group_size,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    softcap,
+    window_left,
+    window_right,
+    dropout_p,
+    philox_seed,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    BATCH_PAD: tl.constexpr,
 ):
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
@@ -102,8 +179,9 @@ def _attn_fwd(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = common.load_tile(Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d,
-                         HEAD_DIM, True, PAD_D)  # [BLOCK_M, BLOCK_D]
+    q = common.load_tile(
+        Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
+    )  # [BLOCK_M, BLOCK_D]
 
     qk_scale = sm_scale * 1.4426950408889634
     softcap_scale = 0.0
@@ -122,25 +200,119 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = common.key_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
-                                                BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    lo, full_lo, full_hi, hi = common.key_range(
+        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
     # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and
     # the ragged end of the keys (masked).
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                               lo, full_lo, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                               HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               MASK_LEFT, MASK_RIGHT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                               full_lo, full_hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                               HEAD_DIM, PAD_D, BLOCK_N, False, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               MASK_LEFT, MASK_RIGHT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-                               full_hi, hi, seqlen_q, seqlen_k, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                               window_left, window_right, philox_seed, rng_base, seqlen_k_rng, dropout_p,
-                               HEAD_DIM, PAD_D, BLOCK_N, True, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                               MASK_LEFT, MASK_RIGHT)
+    acc, l_i, m_i = _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        lo,
+        full_lo,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        True,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_lo,
+        full_hi,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        False,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
+    acc, l_i, m_i = _fwd_tiles(
+        acc,
+        l_i,
+        m_i,
+        q,
+        K_base,
+        V_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_d,
+        full_hi,
+        hi,
+        seqlen_q,
+        seqlen_k,
+        qk_scale,
+        softcap_scale,
+        softcap_log2,
+        slope_log2,
+        window_left,
+        window_right,
+        philox_seed,
+        rng_base,
+        seqlen_k_rng,
+        dropout_p,
+        HEAD_DIM,
+        PAD_D,
+        BLOCK_N,
+        True,
+        HAS_SOFTCAP,
+        HAS_ALIBI,
+        HAS_DROPOUT,
+        MASK_LEFT,
+        MASK_RIGHT,
+    )
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
     # pass's exp(s - lse) is 0 for it (the flash_attn convention).
@@ -175,15 +347,43 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
         grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     _attn_fwd[grid](
-        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
-        *p.strides(q4), *p.strides(k4), *p.strides(v4), *p.strides(o4),
+        q4,
+        k4,
+        v4,
+        o4,
+        lse,
+        alibi,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        *p.strides(q4),
+        *p.strides(k4),
+        *p.strides(v4),
+        *p.strides(o4),
         *p.lse_strides(lse),
         p.alibi_batch_stride(),
-        batch, nheads, nheads // k4.shape[2], p.seqlen_q, p.seqlen_k,
-        p.softmax_scale, p.softcap, p.window_left, p.window_right, p.dropout_p, p.philox_seed,
-        HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
-        HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0, IS_VARLEN=p.is_varlen,
-        BATCH_PAD=p.batch_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        batch,
+        nheads,
+        nheads // k4.shape[2],
+        p.seqlen_q,
+        p.seqlen_k,
+        p.softmax_scale,
+        p.softcap,
+        p.window_left,
+        p.window_right,
+        p.dropout_p,
+        p.philox_seed,
+        HEAD_DIM=headdim,
+        BLOCK_D=p.block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        MASK_LEFT=p.window_left >= 0,
+        MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=p.alibi_slopes is not None,
+        HAS_DROPOUT=p.dropout_p > 0,
+        IS_VARLEN=p.is_varlen,
+        BATCH_PAD=p.batch_pad,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, lse
