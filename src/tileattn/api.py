@@ -217,6 +217,12 @@ def _check_cu_seqlens(
 # --------------------------------------------------------------------------------------------------
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device and its current stream: make the tensors' device
+    current (its current stream is the caller's), so inputs on ``cuda:1`` never run on ``cuda:0``."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _nothing_to_attend(q: torch.Tensor, k: torch.Tensor) -> bool:
     """No query rows, or no keys at all: every output row is 0 (LSE +inf) and every gradient 0."""
     return q.numel() == 0 or k.shape[-3] == 0
@@ -229,7 +235,8 @@ class _FlashAttnFunc(torch.autograd.Function):
         if _nothing_to_attend(q, k):
             out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
         else:
-            out, lse = impl.attn_fwd(q, k, v, p)
+            with _on_device(q):
+                out, lse = impl.attn_fwd(q, k, v, p)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.params = p
         ctx.impl = impl
@@ -243,7 +250,8 @@ class _FlashAttnFunc(torch.autograd.Function):
             dout = dout.contiguous()
         if _nothing_to_attend(q, k):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-        dq, dk, dv = ctx.impl.attn_bwd(dout, q, k, v, out, lse, ctx.params)
+        with _on_device(q):
+            dq, dk, dv = ctx.impl.attn_bwd(dout, q, k, v, out, lse, ctx.params)
         return dq, dk, dv, None
 
 

@@ -34,19 +34,18 @@ def _bwd_preprocess(
     BLOCK_M: tl.constexpr,
 ):
     """Δ[b, h, i] = Σ_d dO[b, i, h, d] · O[b, i, h, d], in fp32 (rows are tokens of the packed layout
-    in varlen mode, where seqlen is the total)."""
+    in varlen mode, where seqlen is the total). Row offsets are 64-bit: a packed batch can span more
+    than 2**31 elements."""
     m_block = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0
-    )  # [BLOCK_M, BLOCK_D]
-    do = tl.load(
-        DOut + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0
-    )  # [BLOCK_M, BLOCK_D]
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+    # o, do: [BLOCK_M, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < seqlen)
 
