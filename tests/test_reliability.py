@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
-from helpers import check_attention, on, randn
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import tileattn
+from helpers import check_attention, on, randn
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
