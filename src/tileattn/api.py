@@ -129,6 +129,15 @@ def _check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
             )
 
 
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Checks shared by the dense and varlen layouts: dtypes, devices and strides, k and v alike, head
+    counts and head dims (the last two dims of every layout)."""
+    _check_inputs({"q": q, "k": k, "v": v})
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads(q.shape[-2], k.shape[-2], q.shape[-1], k.shape[-1], v.shape[-1])
+
+
 def _is_real(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -355,13 +364,10 @@ def flash_attn_func(
     q = _check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     k = _check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = _check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
-    _check_inputs({"q": q, "k": k, "v": v})
+    _check_qkv(q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
-    _check_heads(nheads, k.shape[2], headdim, k.shape[3], v.shape[3])
     _check_extent(seqlen_q, {"q": q})
     _check_extent(k.shape[1], {"k": k, "v": v})
     p = _params(
@@ -465,13 +471,10 @@ def flash_attn_varlen_func(
     q = _check_tensor("q", q, "(total_q, nheads, headdim)")
     k = _check_tensor("k", k, "(total_k, nheads_k, headdim)")
     v = _check_tensor("v", v, "(total_k, nheads_k, headdim)")
-    _check_inputs({"q": q, "k": k, "v": v})
+    _check_qkv(q, k, v)
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
-    total_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_heads(nheads, k.shape[1], headdim, k.shape[2], v.shape[2])
+    total_q = q.shape[0]
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
