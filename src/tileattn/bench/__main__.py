@@ -144,7 +144,8 @@ def run_case(case, backends, device, modes, progress):
         t_fwd = time_ms(fn, device)
         row["fwd_ms"] = t_fwd
         row["fwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd") / t_fwd / 1e9
-        if "bwd" in modes:
+        row["kind"] = "attention"
+        if "bwd" in modes:  # the backward time needs the forward time too: both are always measured
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             fn_g = BACKENDS[name](qg, kg, vg, causal)
             dout = torch.randn_like(q)
@@ -165,6 +166,28 @@ def run_case(case, backends, device, modes, progress):
         rows.append(row)
         progress(f"{name} hd{headdim} {'causal' if causal else 'full'} {seqlen}: {row['fwd_tflops']:.3g} TFLOP/s fwd")
     return rows
+
+
+_CSV_FIELDS = ["kind", "backend", "device", "dtype", "batch", "seqlen", "nheads", "headdim", "causal", "fwd_ms",
+               "fwd_tflops", "bwd_ms", "bwd_tflops", "peak_mem_gb", "peak_mem_mib", "tokens", "max_seqlen",
+               "fwd_bwd_ms", "useful_fwd_tflops", "error"]
+
+
+def append_results(path: Path, rows: list[dict]) -> None:
+    """Appends rows to ``path`` (JSON lines) and to the CSV beside it (same name, ``.csv``)."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    csv_path = path.with_suffix(".csv")
+    new = not csv_path.exists()
+    with csv_path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
 
 
 def format_table(rows, modes, device) -> str:
@@ -337,9 +360,9 @@ def parse_args(argv=None):
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument(
         "--mode",
-        choices=["fwd", "fwd+bwd"],
+        choices=["fwd", "bwd", "fwd+bwd"],
         default="fwd+bwd",
-        help="fwd times the forward; fwd+bwd also times the backward",
+        help="what the table shows; the backward is timed as (forward + backward) - forward",
     )
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS))
@@ -366,7 +389,7 @@ def main(argv=None) -> int:
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     backends = args.backends or (GPU_DEFAULT_BACKENDS if device == "cuda" else ["tileattn", "eager"])
-    modes = ["fwd", "bwd"] if args.mode == "fwd+bwd" else ["fwd"]
+    modes = {"fwd": ["fwd"], "bwd": ["bwd"], "fwd+bwd": ["fwd", "bwd"]}[args.mode]
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     cases = [
         (max(1, args.tokens // s), s, max(1, args.hidden // d), d, c, dtype)
@@ -382,10 +405,7 @@ def main(argv=None) -> int:
             r, lengths = run_varlen(device, dtype, args.tokens, headdim, max(1, args.hidden // headdim), causal)
             rows += r
         print(f"lengths: {lengths}")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append_results(args.out, rows)
         print(format_varlen(rows))
         return 0
     rows = []
@@ -399,9 +419,7 @@ def main(argv=None) -> int:
 
     def record(case_rows):
         rows.extend(case_rows)
-        with args.out.open("a") as f:  # appended case by case, so an interrupted run keeps its results
-            for r in case_rows:
-                f.write(json.dumps(r) + "\n")
+        append_results(args.out, case_rows)  # case by case, so an interrupted run keeps its results
 
     if progress_ctx is not None:
         with progress_ctx as bar:
@@ -413,7 +431,7 @@ def main(argv=None) -> int:
         for case in cases:
             record(run_case(case, backends, device, modes, print))
     print(format_table(rows, modes, device))
-    print(f"results appended to {args.out}")
+    print(f"results appended to {args.out} and {args.out.with_suffix('.csv')}")
     if args.plot:
         for path in plot(args.out, args.out.parent):
             print(f"plot: {path}")
