@@ -12,6 +12,8 @@ from tileattn.reference import attention_ref
 # odd lengths and head dims, GQA/MQA, and both seqlen_q < seqlen_k and seqlen_q > seqlen_k.
 CASES = [
     (1, 1, 1, 1, 1, 64, {}),
+    (2, 33, 47, 2, 1, 1, {"causal": True}),
+    (1, 47, 33, 3, 3, 3, {"window_size": (4, 4)}),
     (2, 63, 63, 4, 4, 40, {}),
     (1, 113, 203, 2, 1, 59, {}),
     (1, 203, 113, 4, 2, 96, {"causal": True}),

@@ -124,6 +124,15 @@ def test_mixed_devices():
         tileattn.flash_attn_func(q.cuda(), k, v.cuda())
 
 
+def test_cu_seqlens_on_another_device():
+    """cu_seqlens must live with q (meta tensors stand in for a second device, costing nothing)."""
+    q = torch.empty(10, 4, 16, dtype=F16, device="meta")
+    k = torch.empty(10, 2, 16, dtype=F16, device="meta")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q is on cpu but q is on meta"):
+        tileattn.flash_attn_varlen_func(q, k, k, cu, cu, 6, 6)
+
+
 def test_cuda_float32_refused():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
