@@ -133,6 +133,16 @@ def test_cu_seqlens_on_another_device():
         tileattn.flash_attn_varlen_func(q, k, k, cu, cu, 6, 6)
 
 
+def test_batch_limits():
+    q = torch.empty(70000, 2, 1, 16, dtype=F16, device="meta")
+    with pytest.raises(NotImplementedError, match="batch 70000 is above 65535"):
+        tileattn.flash_attn_func(q, q, q)
+    cu = torch.arange(0, 3000, dtype=torch.int32)
+    q = torch.zeros(2999, 1, 16, dtype=F16)
+    with pytest.raises(NotImplementedError, match="2999 sequences"):
+        tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 1, 1)
+
+
 def test_cuda_float32_refused():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -13,7 +13,7 @@ from tileattn.testing import check_close
 # Per-sequence (seqlen_q, seqlen_k), with empty and length-1 sequences and q/k lengths that differ.
 LENGTHS = {
     "mixed": [(17, 17), (0, 0), (1, 1), (45, 45), (3, 3)],
-    "qk-differ": [(5, 31), (40, 12), (0, 7), (1, 1), (23, 64)],
+    "qk-differ": [(5, 31), (40, 12), (0, 7), (1, 1), (23, 64), (6, 0)],
 }
 FEATURES = [
     {},

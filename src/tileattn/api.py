@@ -115,6 +115,11 @@ def _check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headd
 
 
 _INT32_LIMIT = 2**31
+# CUDA grids hold at most 65,535 programs along y and z (dense batches run along z); the varlen scheduler
+# keeps one cu_seqlens entry per sequence in registers, a vector of next_pow2(batch) entries, run on the
+# GPU at 2,048 entries.
+MAX_DENSE_BATCH = 65535
+MAX_VARLEN_BATCH = 2048
 
 
 def _check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
@@ -368,6 +373,8 @@ def flash_attn_func(
     batch, seqlen_q, nheads, headdim = q.shape
     if k.shape[0] != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
+    if batch > MAX_DENSE_BATCH:
+        raise NotImplementedError(f"batch {batch} is above {MAX_DENSE_BATCH}; split it into several calls")
     _check_extent(seqlen_q, {"q": q})
     _check_extent(k.shape[1], {"k": k, "v": v})
     p = _params(
@@ -483,6 +490,11 @@ def flash_attn_varlen_func(
             f"{cu_seqlens_k.numel() - 1} sequences"
         )
     batch = cu_seqlens_q.numel() - 1
+    if batch > MAX_VARLEN_BATCH:
+        raise NotImplementedError(
+            f"cu_seqlens_q describes {batch} sequences; at most {MAX_VARLEN_BATCH} per call are supported, "
+            "split the batch into several calls"
+        )
     _check_extent(int(max_seqlen_q), {"q": q})
     _check_extent(int(max_seqlen_k), {"k": k, "v": v})
     p = _params(

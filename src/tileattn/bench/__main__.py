@@ -168,9 +168,28 @@ def run_case(case, backends, device, modes, progress):
     return rows
 
 
-_CSV_FIELDS = ["kind", "backend", "device", "dtype", "batch", "seqlen", "nheads", "headdim", "causal", "fwd_ms",
-               "fwd_tflops", "bwd_ms", "bwd_tflops", "peak_mem_gb", "peak_mem_mib", "tokens", "max_seqlen",
-               "fwd_bwd_ms", "useful_fwd_tflops", "error"]
+_CSV_FIELDS = [
+    "kind",
+    "backend",
+    "device",
+    "dtype",
+    "batch",
+    "seqlen",
+    "nheads",
+    "headdim",
+    "causal",
+    "fwd_ms",
+    "fwd_tflops",
+    "bwd_ms",
+    "bwd_tflops",
+    "peak_mem_gb",
+    "peak_mem_mib",
+    "tokens",
+    "max_seqlen",
+    "fwd_bwd_ms",
+    "useful_fwd_tflops",
+    "error",
+]
 
 
 def append_results(path: Path, rows: list[dict]) -> None:
