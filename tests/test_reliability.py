@@ -243,3 +243,75 @@ def test_property_random_problems(backend, shard):
     if gpu:
         run = seed(shard)(run)
     run()
+
+
+@st.composite
+def varlen_problems(draw, max_len):
+    n = draw(st.integers(1, 4))
+    lengths_q = draw(st.lists(st.integers(0, max_len), min_size=n, max_size=n))
+    same = draw(st.booleans())
+    lengths_k = lengths_q if same else draw(st.lists(st.integers(0, max_len), min_size=n, max_size=n))
+    nheads_k = draw(st.integers(1, 2))
+    window = (draw(st.integers(-1, 20)), draw(st.integers(-1, 20))) if draw(st.booleans()) else (-1, -1)
+    return dict(
+        lengths_q=lengths_q,
+        lengths_k=lengths_k,
+        nheads_k=nheads_k,
+        nheads=nheads_k * draw(st.sampled_from([1, 2])),
+        headdim=draw(st.sampled_from([16, 40, 64, 96])),
+        causal=draw(st.booleans()),
+        window=window,
+        softcap=draw(st.sampled_from([0.0, 0.0, 5.0])),
+        alibi=draw(st.booleans()),
+    )
+
+
+def _check_varlen_problem(backend, pb):
+    ctx, device = on(backend)
+    lq, lk = pb["lengths_q"], pb["lengths_k"]
+    h, hk, d = pb["nheads"], pb["nheads_k"], pb["headdim"]
+    q = randn(sum(lq), h, d, dtype=torch.float16, device=device)
+    k = randn(sum(lk), hk, d, dtype=torch.float16, device=device)
+    v = randn(sum(lk), hk, d, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=pb["causal"], window_size=pb["window"], softcap=pb["softcap"])
+    if pb["alibi"]:
+        kwargs["alibi_slopes"] = torch.rand(len(lq), h, device=device)
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    with ctx:
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu(lq), cu(lk), max(lq), max(lk), **kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs, lowps = [], []
+    for b in range(len(lq)):
+        oq, ok = sum(lq[:b]), sum(lk[:b])
+        one = [t[None, o : o + n] for t, o, n in ((q, oq, lq[b]), (k, ok, lk[b]), (v, ok, lk[b]))]
+        kw = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][b]) if pb["alibi"] else kwargs
+        refs.append(attention_ref(*one, upcast=torch.float64, **kw)[0][0])
+        lowps.append(attention_ref(*one, upcast=False, **kw)[0][0])
+    ref, lowp = torch.cat(refs), torch.cat(lowps)
+    check_close(f"{pb} out", out, ref, lowp)
+    if ref.numel() == 0:
+        return
+    g_ref = torch.autograd.grad(ref, (q, k, v), dout, allow_unused=True, materialize_grads=True)
+    g_lowp = torch.autograd.grad(lowp, (q, k, v), dout, allow_unused=True, materialize_grads=True)
+    scale = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in g_ref])
+    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
+        check_close(f"{pb} {name}", g, gr, gl, floor_scale=scale)
+
+
+_VARLEN_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 60}
+
+
+def test_property_random_varlen_batches(backend):
+    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", _VARLEN_EXAMPLES[backend]))
+    max_len = 200 if backend == "cuda" else 40
+
+    @settings(max_examples=n, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
+    @given(varlen_problems(max_len))
+    def run(pb):
+        _check_varlen_problem(backend, pb)
+
+    run()
