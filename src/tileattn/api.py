@@ -9,10 +9,11 @@ through Triton's interpreter when ``TRITON_INTERPRET=1`` is set (fp16/bf16 only)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -44,7 +45,7 @@ def cpu_backend(name: str) -> Iterator[None]:
         _cpu_backend = previous
 
 
-def _implementation(q: torch.Tensor) -> ModuleType:
+def _implementation(q: torch.Tensor) -> ModuleType | SimpleNamespace:
     """The module whose ``attn_fwd`` / ``attn_bwd`` run this call.
 
     Under the interpreter only float16 takes the kernels: Triton 3.6's interpreter multiplies bfloat16
@@ -53,13 +54,15 @@ def _implementation(q: torch.Tensor) -> ModuleType:
         wants_triton = _cpu_backend == "triton" or (_cpu_backend is None and interpreting())
         if not (wants_triton and q.dtype == torch.float16):
             return cpu
+    return _triton_implementation()
+
+
+@functools.cache
+def _triton_implementation() -> SimpleNamespace:
+    """The Triton launchers behind the same interface as ``tileattn.cpu``, imported on first use."""
     from tileattn.kernels import backward, forward
 
-    class _Triton:
-        attn_fwd = staticmethod(forward.attn_fwd)
-        attn_bwd = staticmethod(backward.attn_bwd)
-
-    return _Triton  # type: ignore[return-value]
+    return SimpleNamespace(attn_fwd=forward.attn_fwd, attn_bwd=backward.attn_bwd)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,6 +41,12 @@ def _seq(t: torch.Tensor, p: AttnParams, b: int, rows: slice) -> torch.Tensor:
     return t.transpose(0, 1)
 
 
+def _lse_seq(lse: torch.Tensor, p: AttnParams, b: int, rows: slice) -> torch.Tensor:
+    """One sequence's LSE as ``(nheads, seqlen)``: a row of the dense ``(batch, nheads, seqlen)`` buffer or
+    a column span of the varlen ``(nheads, total)`` one."""
+    return lse[:, rows] if p.is_varlen else lse[b]
+
+
 def _key_span(m0: int, m1: int, seqlen_q: int, seqlen_k: int, p: AttnParams) -> tuple[int, int]:
     """Columns [lo, hi) that rows [m0, m1) can see at all; blocks outside are skipped."""
     diag = seqlen_k - seqlen_q
@@ -101,7 +107,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
         score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
         o_seq = _seq(out, p, b, rows_q)
-        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        lse_seq = _lse_seq(lse, p, b, rows_q)
         for m0 in range(0, seqlen_q, BLOCK_M):
             m1 = min(m0 + BLOCK_M, seqlen_q)
             qb = qs[:, m0:m1].float()
@@ -154,7 +160,7 @@ def attn_bwd(
         dqs, dks, dvs = _seq(dq, p, b, rows_q), _seq(dk, p, b, rows_k), _seq(dv, p, b, rows_k)
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
         score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
-        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        lse_seq = _lse_seq(lse, p, b, rows_q)
         for m0 in range(0, seqlen_q, BLOCK_M):
             m1 = min(m0 + BLOCK_M, seqlen_q)
             qb, dob = qs[:, m0:m1].float(), dos[:, m0:m1].float()
@@ -195,7 +201,7 @@ def attn_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttnParam
         qs, ks = _seq(q, p, b, rows_q).float(), _expand_kv(_seq(k, p, b, rows_k).float(), group)
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
         s, _, keep = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)(qs @ ks.transpose(1, 2), 0, 0)
-        lse_seq = lse[:, rows_q] if p.is_varlen else lse[b]
+        lse_seq = _lse_seq(lse, p, b, rows_q)
         pb = torch.exp(s - lse_seq.float().unsqueeze(-1))
         if keep is not None:
             pb = torch.where(keep, pb, -pb)
