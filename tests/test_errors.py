@@ -103,7 +103,7 @@ CASES = [
         ValueError,
         ["q", "3 dims"],
     ),
-    ("block-table", _varlen(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, ["block_table"]),
+    ("block-table-unpaged-k", _varlen(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError, ["k", "paged"]),
     ("alibi-batch-varlen", _varlen(alibi_slopes=torch.rand(3, 4)), ValueError, ["alibi_slopes", "(2, 4)"]),
 ]
 
@@ -166,3 +166,179 @@ def test_rejected_call_leaves_inputs_unchanged():
     with pytest.raises(ValueError):
         tileattn.flash_attn_func(q, k, v, window_size=(-3, 0))
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+# --------------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: every rejected call leaves both caches bit-for-bit unchanged.
+# --------------------------------------------------------------------------------------------------
+
+
+def _kvcache_inputs(paged=False):
+    q = torch.randn(2, 1, 4, 16, dtype=F16)
+    if paged:
+        kc = torch.randn(6, 4, 2, 16, dtype=F16)
+    else:
+        kc = torch.randn(2, 12, 2, 16, dtype=F16)
+    new = torch.randn(2, 1, 2, 16, dtype=F16)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    angle = torch.rand(12, 8)
+    return dict(
+        q=q,
+        k_cache=kc,
+        v_cache=kc.clone(),
+        k=new,
+        v=new.clone(),
+        cache_seqlens=torch.tensor([3, 11], dtype=torch.int32),
+        block_table=table if paged else None,
+        rotary_cos=angle.cos().to(F16),
+        rotary_sin=angle.sin().to(F16),
+    )
+
+
+I32 = torch.int32
+KVCACHE_CASES = [
+    (
+        "seqlens-past-capacity",
+        {"cache_seqlens": torch.tensor([3, 12], dtype=I32)},
+        False,
+        ValueError,
+        ["cache_seqlens[1]", "capacity 12"],
+    ),
+    (
+        "seqlens-negative",
+        {"cache_seqlens": torch.tensor([-1, 2], dtype=I32)},
+        False,
+        ValueError,
+        ["cache_seqlens", ">= 0"],
+    ),
+    ("seqlens-int64", {"cache_seqlens": torch.tensor([3, 4])}, False, TypeError, ["cache_seqlens", "int32"]),
+    ("seqlens-shape", {"cache_seqlens": torch.tensor([3], dtype=I32)}, False, ValueError, ["cache_seqlens", "(2,)"]),
+    ("seqlens-missing", {"cache_seqlens": None}, False, ValueError, ["cache_seqlens", "required"]),
+    ("k-without-v", {"v": None}, False, ValueError, ["k and v", "together"]),
+    ("k-shape", {"k": torch.randn(2, 1, 1, 16, dtype=F16)}, False, ValueError, ["k must have shape"]),
+    ("k-dtype", {"k": torch.randn(2, 1, 2, 16, dtype=torch.bfloat16)}, False, TypeError, ["k", "dtype"]),
+    (
+        "cache-shapes",
+        {"v_cache": torch.randn(2, 10, 2, 16, dtype=F16)},
+        False,
+        ValueError,
+        ["k_cache and v_cache", "shape"],
+    ),
+    ("cache-rank", {"k_cache": torch.randn(2, 12, 32, dtype=F16)}, False, ValueError, ["k_cache", "4 dims"]),
+    (
+        "cache-headdim",
+        {"k_cache": torch.randn(2, 12, 2, 8, dtype=F16), "v_cache": torch.randn(2, 12, 2, 8, dtype=F16)},
+        False,
+        ValueError,
+        ["head dim"],
+    ),
+    (
+        "table-out-of-range",
+        {"block_table": torch.tensor([[0, 1, 2], [3, 4, 9]], dtype=I32)},
+        True,
+        ValueError,
+        ["block_table[1, 2]", "[0, 6)"],
+    ),
+    (
+        "table-negative",
+        {"block_table": torch.tensor([[-1, 1, 2], [3, 4, 5]], dtype=I32)},
+        True,
+        ValueError,
+        ["block_table[0, 0]"],
+    ),
+    ("table-int64", {"block_table": torch.tensor([[0, 1, 2], [3, 4, 5]])}, True, TypeError, ["block_table", "int32"]),
+    ("table-rank", {"block_table": torch.tensor([0, 1, 2], dtype=I32)}, True, ValueError, ["block_table", "2-D"]),
+    ("table-batch", {"block_table": torch.tensor([[0, 1, 2]], dtype=I32)}, True, ValueError, ["block_table", "shape"]),
+    (
+        "table-and-batch-idx",
+        {"cache_batch_idx": torch.tensor([0, 1], dtype=I32)},
+        True,
+        ValueError,
+        ["cache_batch_idx", "block_table"],
+    ),
+    (
+        "batch-idx-range",
+        {"cache_batch_idx": torch.tensor([0, 2], dtype=I32)},
+        False,
+        ValueError,
+        ["cache_batch_idx", "[0, 2)"],
+    ),
+    (
+        "leftpad-past-seqlens",
+        {"cache_leftpad": torch.tensor([4, 0], dtype=I32)},
+        False,
+        ValueError,
+        ["cache_leftpad", "[0, cache_seqlens]"],
+    ),
+    (
+        "rotary-too-short",
+        {"rotary_cos": torch.rand(11, 8).half(), "rotary_sin": torch.rand(11, 8).half()},
+        False,
+        ValueError,
+        ["rotary_cos", "11 positions", "position 11"],
+    ),
+    (
+        "rotary-too-wide",
+        {"rotary_cos": torch.rand(12, 9).half(), "rotary_sin": torch.rand(12, 9).half()},
+        False,
+        ValueError,
+        ["rotary_dim", "18", "head dim"],
+    ),
+    ("rotary-shapes", {"rotary_sin": torch.rand(12, 4).half()}, False, ValueError, ["rotary_cos and rotary_sin"]),
+    ("rotary-1d", {"rotary_cos": torch.rand(12).half()}, False, ValueError, ["rotary_cos", "2-D"]),
+    ("rotary-alone", {"rotary_sin": None}, False, ValueError, ["rotary_cos and rotary_sin", "together"]),
+    ("rotary-without-new", {"k": None, "v": None}, False, ValueError, ["rotary", "pass k and v"]),
+    ("num-splits", {"num_splits": -1}, False, ValueError, ["num_splits", ">= 0"]),
+    ("window", {"window_size": (2,)}, False, ValueError, ["window_size"]),
+    ("softcap", {"softcap": -1.0}, False, ValueError, ["softcap"]),
+    ("alibi-shape", {"alibi_slopes": torch.rand(3)}, False, ValueError, ["alibi_slopes", "shape"]),
+    ("lse-flag", {"return_softmax_lse": 1}, False, TypeError, ["return_softmax_lse", "bool"]),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, paged, exc, words", [c[1:] for c in KVCACHE_CASES], ids=[c[0] for c in KVCACHE_CASES]
+)
+def test_kvcache_bad_input(overrides, paged, exc, words):
+    args = _kvcache_inputs(paged)
+    args.update(overrides)
+    k_cache, v_cache = args["k_cache"], args["v_cache"]
+    before = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(exc) as info:
+        tileattn.flash_attn_with_kvcache(**args)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in message: {info.value}"
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), "a rejected call wrote the cache"
+
+
+def test_kvcache_valid_inputs_pass():
+    """The base inputs of the table above are valid, so each case fails for its own reason."""
+    for paged in (False, True):
+        tileattn.flash_attn_with_kvcache(**_kvcache_inputs(paged))
+
+
+def _paged_varlen(table, cu_k=(0, 4, 10)):
+    q = torch.randn(10, 4, 16, dtype=F16)
+    pool = torch.randn(4, 8, 2, 16, dtype=F16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu = torch.tensor(cu_k, dtype=torch.int32)
+    table = torch.tensor(table, dtype=torch.int32)
+    return lambda: tileattn.flash_attn_varlen_func(
+        q, pool, pool, cu_q, cu, 6, max(cu_k[1] - cu_k[0], cu_k[2] - cu_k[1]), block_table=table
+    )
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (_paged_varlen([[0], [7]]), ["block_table[1, 0]", "[0, 4)"]),
+        (_paged_varlen([[0], [1]], cu_k=(0, 4, 13)), ["exceeds the cache capacity 8"]),
+        (_paged_varlen([[0, 1]]), ["block_table", "shape"]),
+    ],
+    ids=["page-out-of-range", "keys-past-pages", "table-batch"],
+)
+def test_paged_varlen_bad_input(call, words):
+    with pytest.raises(ValueError) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in message: {info.value}"

@@ -8,6 +8,7 @@ from tileattn.api import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from tileattn.kvcache import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]

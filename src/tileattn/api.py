@@ -60,9 +60,11 @@ def _implementation(q: torch.Tensor) -> ModuleType | SimpleNamespace:
 @functools.cache
 def _triton_implementation() -> SimpleNamespace:
     """The Triton launchers behind the same interface as ``tileattn.cpu``, imported on first use."""
-    from tileattn.kernels import backward, forward
+    from tileattn.kernels import backward, decode, forward
 
-    return SimpleNamespace(attn_fwd=forward.attn_fwd, attn_bwd=backward.attn_bwd)
+    return SimpleNamespace(
+        attn_fwd=forward.attn_fwd, attn_bwd=backward.attn_bwd, attn_fwd_kvcache=decode.attn_fwd_kvcache
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -479,11 +481,28 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
 ):
     q = _check_tensor("q", q, "(total_q, nheads, headdim)")
+    if block_table is not None:
+        from tileattn import kvcache
+
+        k = _check_tensor("k", k, "paged (num_pages, page_block_size, nheads_k, headdim)")
+        v = _check_tensor("v", v, "paged (num_pages, page_block_size, nheads_k, headdim)")
+        _check_qkv(q, k, v)
+        options = dict(
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            deterministic=deterministic,
+            return_attn_probs=return_attn_probs,
+        )
+        return kvcache.paged_varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options
+        )
     k = _check_tensor("k", k, "(total_k, nheads_k, headdim)")
     v = _check_tensor("v", v, "(total_k, nheads_k, headdim)")
     _check_qkv(q, k, v)
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func: paged KV (block_table) is not supported yet")
     total_q = q.shape[0]
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
@@ -531,7 +550,10 @@ flash_attn_varlen_func.__doc__ = (
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
         Masks are aligned to the bottom-right corner of each sequence."""
     + _DENSE_DOC_ARGS
-    + """        block_table: paged KV; not supported yet (raises NotImplementedError).
+    + """        block_table: int32 ``(batch, max_pages)``: paged prefill. k and v are then page pools
+            ``(num_pages, page_block_size, nheads_k, headdim)`` and sequence b's keys are the first
+            ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages. Forward only (no dropout,
+            no return_attn_probs, no gradient).
 """
     + _RETURNS_DOC.format(
         out_shape="(total_q, nheads, headdim)", lse_shape="(nheads, total_q)", sq="max_seqlen_q", sk="max_seqlen_k"

@@ -13,6 +13,9 @@ Same launcher interface as the Triton kernels: ``attn_fwd(q, k, v, p)`` and
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import torch
 
 from tileattn import reference, rng
@@ -207,3 +210,36 @@ def attn_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttnParam
             pb = torch.where(keep, pb, -pb)
         probs[b, :, :seqlen_q, :seqlen_k] = pb
     return probs
+
+
+def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c):
+    """Attention against a KV cache (``kernels.decode.CacheLayout`` ``c``): each sequence's keys are
+    gathered from its cache row or pages into a packed batch, which the blockwise forward runs in
+    varlen mode. Same returns as ``kernels.decode.attn_fwd_kvcache``."""
+    ends = c.seqlens_k.tolist()
+    starts = c.leftpad.tolist() if c.leftpad is not None else [0] * p.batch
+    ks, vs = [], []
+    for b in range(p.batch):
+        pos = torch.arange(starts[b], ends[b], device=k_cache.device)
+        if c.block_table is not None:
+            page_size = k_cache.shape[1]
+            pages = c.block_table[b].long()[pos // page_size]
+            ks.append(k_cache[pages, pos % page_size])
+            vs.append(v_cache[pages, pos % page_size])
+        else:
+            row = int(c.batch_idx[b]) if c.batch_idx is not None else b
+            ks.append(k_cache[row, pos])
+            vs.append(v_cache[row, pos])
+    lengths_k = [len(t) for t in ks]
+    cu_k = torch.tensor([0, *itertools.accumulate(lengths_k)], dtype=torch.int32)
+    if p.is_varlen:
+        qv, cu_q = q, p.cu_seqlens_q
+    else:
+        qv = q.reshape(p.batch * p.seqlen_q, *q.shape[2:])
+        cu_q = torch.arange(0, p.batch + 1, dtype=torch.int32) * p.seqlen_q
+    pv = dataclasses.replace(p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqlen_k=max(lengths_k, default=0))
+    out, lse = attn_fwd(qv, torch.cat(ks), torch.cat(vs), pv)
+    if p.is_varlen:
+        return out, lse
+    nheads = q.shape[2]
+    return out.view(q.shape), lse.view(nheads, p.batch, p.seqlen_q).transpose(0, 1).contiguous()

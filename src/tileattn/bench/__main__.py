@@ -188,6 +188,10 @@ _CSV_FIELDS = [
     "max_seqlen",
     "fwd_bwd_ms",
     "useful_fwd_tflops",
+    "cache_len",
+    "nheads_k",
+    "ms",
+    "gbps",
     "error",
 ]
 
@@ -393,6 +397,11 @@ def parse_args(argv=None):
         action="store_true",
         help="time a packed batch of mixed lengths (64..4096) against padded batches instead",
     )
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="decode: one query token against long KV caches (contiguous and paged), GB/s of K+V read",
+    )
     return ap.parse_args(argv)
 
 
@@ -417,6 +426,16 @@ def main(argv=None) -> int:
         for s in args.seqlen
     ]
     print(banner(device), flush=True)
+    if args.decode:
+        if device != "cuda":
+            print("--decode times CUDA kernels; no GPU here")
+            return 1
+        from tileattn.bench.decode import format_decode, run_decode
+
+        rows = run_decode(dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
+        append_results(args.out, rows)
+        print(format_decode(rows))
+        return 0
     if args.varlen:
         rows = []
         headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128

@@ -85,17 +85,34 @@ def key_range(
     mask; tiles in [full_lo, full_hi) are visible to every row and run without it. Tiles outside
     [lo, hi) are fully masked and never visited. lo, full_lo and full_hi are multiples of BLOCK_N
     (full_lo may equal hi)."""
-    diag = seqlen_k - seqlen_q
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    return key_bounds(m_start, m_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+
+
+@triton.jit
+def key_bounds(
+    m_first,
+    m_last,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+):
+    """``key_range`` for the query rows [m_first, m_last] (the decode kernel packs several heads of a
+    token into one block, so its blocks do not cover BLOCK_M consecutive rows)."""
+    diag = seqlen_k - seqlen_q
     lo = 0
     hi = seqlen_k
     full_lo = 0
     full_hi = seqlen_k // BLOCK_N * BLOCK_N
     if MASK_RIGHT:
         hi = tl.minimum(hi, m_last + diag + window_right + 1)
-        full_hi = tl.minimum(full_hi, (m_start + diag + window_right + 1) // BLOCK_N * BLOCK_N)
+        full_hi = tl.minimum(full_hi, (m_first + diag + window_right + 1) // BLOCK_N * BLOCK_N)
     if MASK_LEFT:
-        lo = tl.maximum(m_start + diag - window_left, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(m_first + diag - window_left, 0) // BLOCK_N * BLOCK_N
         full_lo = tl.cdiv(tl.maximum(m_last + diag - window_left, 0), BLOCK_N) * BLOCK_N
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)

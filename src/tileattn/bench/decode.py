@@ -1,0 +1,184 @@
+"""Decode benchmark: one query token per sequence against a long KV cache (``--decode``).
+
+GQA 32/8 heads, head dim 128 by default; the figure of merit is GB/s of K and V read,
+``2 · batch · cache_len · nheads_k · headdim · bytes / time``. Every backend is timed the same way: a
+CUDA graph of calls over several copies of the inputs, rotated so that together they exceed the L2
+cache (each call reads its cache from HBM, as in serving where the cache is far larger than L2), and
+the graph's replay time divided by the number of calls. The copy ceiling is a device-to-device copy of
+the same bytes timed alike (read + write). The tileattn rows use contiguous caches and paged caches of
+several page sizes (pages shuffled); ``tileattn eager`` is the plain Python call without a graph
+(it validates cache_seqlens / block_table on the host, which graph capture skips).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+import tileattn
+from tileattn.reference import attention_ref
+from tileattn.testing import check_close
+
+DECODE_CASES = [(1, 8192), (1, 131072), (8, 32768), (64, 4096), (64, 16384)]
+_L2_BYTES = 512 * 2**20  # rotate inputs until at least this much is touched per graph
+
+
+def graph_ms(calls: list) -> float:
+    """Median time of one call: a CUDA graph of ``calls`` replayed, divided by their number."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def _sdpa(backend_name):
+    def make(q, k_cache, v_cache, seqlens):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        backend = getattr(SDPBackend, backend_name)
+
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+        return run, k_cache, v_cache
+
+    return make
+
+
+def _flex(q, k_cache, v_cache, seqlens):
+    from tileattn.bench.backends import _flex as flex_make
+
+    return flex_make(q, k_cache, v_cache, False), k_cache, v_cache
+
+
+def _tileattn(num_splits=0, page=None):
+    def make(q, k_cache, v_cache, seqlens):
+        if page is None:
+            run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
+                q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits
+            )
+            return run, k_cache, v_cache
+        batch, cache_len = k_cache.shape[:2]
+        pages = batch * cache_len // page
+        kp = k_cache.reshape(pages, page, *k_cache.shape[2:])
+        vp = v_cache.reshape(pages, page, *v_cache.shape[2:])
+        gen = torch.Generator(device=q.device).manual_seed(1)
+        perm = torch.randperm(pages, device=q.device, generator=gen)
+        table = perm.view(batch, cache_len // page).to(torch.int32)
+        run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
+            q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=num_splits
+        )
+        # the reference attends over the cache as the shuffled table orders it (first sequence only)
+        first = perm[: cache_len // page].long()
+        return (
+            run,
+            kp[first].reshape(1, cache_len, *k_cache.shape[2:]),
+            vp[first].reshape(1, cache_len, *k_cache.shape[2:]),
+        )
+
+    return make
+
+
+DECODE_BACKENDS = {
+    "tileattn": _tileattn(),
+    "tileattn nosplit": _tileattn(num_splits=1),
+    "tileattn paged16": _tileattn(page=16),
+    "tileattn paged256": _tileattn(page=256),
+    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "flex": _flex,
+}
+
+
+def run_decode(dtype=torch.bfloat16, nheads=32, nheads_k=8, headdim=128, cases=None, backends=None, progress=print):
+    device = "cuda"
+    rows = []
+    for batch, cache_len in cases or DECODE_CASES:
+        kv_bytes = 2 * batch * cache_len * nheads_k * headdim * torch.finfo(dtype).bits // 8
+        copies = max(1, -(-_L2_BYTES // kv_bytes))
+        gen = torch.Generator(device=device).manual_seed(0)
+        inputs = []
+        for _ in range(copies):
+            q = torch.randn(batch, 1, nheads, headdim, device=device, dtype=dtype, generator=gen)
+            kc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
+            vc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
+            inputs.append((q, kc, vc))
+        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
+        base = dict(kind="decode", batch=batch, cache_len=cache_len, nheads=nheads, nheads_k=nheads_k, headdim=headdim)
+        dst = [torch.empty_like(kc) for _, kc, _ in inputs]
+        copy_calls = [lambda d=d, s=s: d.copy_(s) for d, (_, s, _) in zip(dst, inputs)]
+        t = graph_ms(copy_calls) * 2  # K and V
+        rows.append(dict(base, backend="copy ceiling", ms=t, gbps=kv_bytes / t / 1e6))
+        del dst
+        for name in backends or DECODE_BACKENDS:
+            make = DECODE_BACKENDS[name]
+            try:
+                made = [make(q, kc, vc, seqlens) for q, kc, vc in inputs]
+                calls = [m[0] for m in made]
+                out = calls[0]()
+                sl = slice(0, 1)
+                q, ref_k, ref_v = inputs[0][0][sl], made[0][1][sl], made[0][2][sl]
+                del made
+                ref = attention_ref(q, ref_k, ref_v, upcast=torch.float64)[0]
+                lowp = attention_ref(q, ref_k, ref_v, upcast=False)[0]
+                check_close(name, out[sl], ref, lowp)
+                del ref_k, ref_v
+                t = graph_ms(calls)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot run this case is reported, not fatal
+                progress(f"{name} {batch}x{cache_len}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                rows.append(dict(base, backend=name, error=str(exc).splitlines()[0][:200]))
+                continue
+            row = dict(base, backend=name, ms=t, gbps=kv_bytes / t / 1e6)
+            rows.append(row)
+            progress(f"{name} {batch}x{cache_len}: {row['gbps']:.0f} GB/s")
+        if backends is None or "tileattn" in backends:
+            import triton
+
+            q, kc, vc = inputs[0]
+            t = triton.testing.do_bench(
+                lambda q=q, kc=kc, vc=vc, s=seqlens: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s),
+                return_mode="median",
+            )
+            rows.append(dict(base, backend="tileattn eager", ms=t, gbps=kv_bytes / t / 1e6))
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_decode(rows) -> str:
+    from tabulate import tabulate
+
+    table = []
+    for batch, cache_len in dict.fromkeys((r["batch"], r["cache_len"]) for r in rows):
+        group = [r for r in rows if (r["batch"], r["cache_len"]) == (batch, cache_len)]
+        ours = next((r for r in group if r["backend"] == "tileattn" and "ms" in r), None)
+        for r in group:
+            if "error" in r:
+                table.append([f"{batch}x{cache_len}", r["backend"], "-", "-", "error: " + r["error"][:50]])
+                continue
+            ratio = f"{r['ms'] / ours['ms']:.2f}x" if ours else ""
+            table.append([f"{batch}x{cache_len}", r["backend"], f"{r['ms'] * 1e3:.1f}", f"{r['gbps']:.0f}", ratio])
+    headers = ["batch x cache", "backend", "µs", "GB/s K+V", "tileattn speed-up"]
+    return tabulate(table, headers=headers, tablefmt="github")

@@ -1,0 +1,559 @@
+"""Attention against a KV cache: decoding and chunked/paged prefill (forward only).
+
+``_attn_fwd_kvcache`` reads keys and values from a cache, contiguous ``(batch_cache, capacity, nheads_k,
+d)`` or paged ``(num_pages, PAGE_SIZE, nheads_k, d)`` through a block table, and computes one block of
+*packed* query rows: row r of a block is token ``r // group`` of query head ``hk * group + r % group``,
+so the GQA group's query heads share every K/V tile they read (one read of the cache per kv head, the
+bandwidth that decoding is bound by). Split-KV (Flash-Decoding): the third grid axis cuts each
+sequence's key range into ``num_splits`` parts that write partial outputs and LSEs; ``_combine`` merges
+them. Masks, softcap and ALiBi go through the same helpers as the training kernels
+(``kernels.common``); each sequence's keys are ``[leftpad, seqlens_k)`` of its cache row, counted from
+leftpad, with masks aligned to the bottom-right corner as everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tileattn.kernels import common
+from tileattn.kernels.configs import AttnParams, KernelConfig, interpreting
+
+
+@dataclass
+class CacheLayout:
+    """Where each sequence's keys live, validated by the API.
+
+    seqlens_k: int32 ``(batch,)``, end of each sequence's keys in its cache row (cache_seqlens plus the
+    appended tokens); leftpad: int32 ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)``
+    cache row of each sequence, or None for row b; block_table: int32 ``(batch, max_pages)`` or None;
+    num_splits: 0 = heuristic; max_seqlen_k: the longest key range if known on the host (else the
+    capacity is assumed)."""
+
+    seqlens_k: torch.Tensor
+    leftpad: torch.Tensor | None = None
+    batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    num_splits: int = 0
+    max_seqlen_k: int | None = None
+
+
+@triton.jit
+def _cache_rows(
+    Table_row,
+    offs_n,
+    k_start,
+    seqlen_k,
+    num_pages,
+    stride_kn,
+    stride_vn,
+    stride_kp,
+    stride_vp,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Element offsets of key columns ``offs_n`` (counted from k_start) in the K and V caches: through
+    the block table when PAGED (pages clamped to the pool, so a bad table never reads outside it)."""
+    pos = k_start + offs_n  # position in the cache row
+    if PAGED:
+        page = tl.load(Table_row + pos // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        slot = pos % PAGE_SIZE
+        return page * stride_kp + slot * stride_kn, page * stride_vp + slot * stride_vn
+    else:
+        return pos * stride_kn, pos * stride_vn
+
+
+@triton.jit
+def _kv_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K_base,
+    V_base,
+    Table_row,
+    stride_kn,
+    stride_vn,
+    stride_kp,
+    stride_vp,
+    k_start,
+    num_pages,
+    i,
+    offs_n_base,
+    offs_d,
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    softcap_scale,
+    softcap_log2,
+    slope_log2,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    PAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi) (columns counted from k_start). The block table is read
+    one tile ahead, so that the K/V loads of a tile never wait on its page lookup."""
+    rows_k, rows_v = _cache_rows(
+        Table_row,
+        lo + offs_n_base,
+        k_start,
+        seqlen_k,
+        num_pages,
+        stride_kn,
+        stride_vn,
+        stride_kp,
+        stride_vp,
+        PAGE_SIZE,
+        PAGED,
+    )
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        k = common.load_tile(
+            K_base + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )  # [BLOCK_N, BLOCK_D]
+        v = common.load_tile(
+            V_base + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        )
+        rows_k, rows_v = _cache_rows(
+            Table_row,
+            offs_n + BLOCK_N,
+            k_start,
+            seqlen_k,
+            num_pages,
+            stride_kn,
+            stride_vn,
+            stride_kp,
+            stride_vp,
+            PAGE_SIZE,
+            PAGED,
+        )
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        s, _ = common.scores(
+            qk,
+            i[:, None],
+            offs_n[None, :],
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            MASKED,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kvcache(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Alibi,
+    SeqlensK,
+    LeftPad,
+    BatchIdx,
+    Table,
+    CuSeqlensQ,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_os,
+    stride_ob,
+    stride_om,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    stride_ab,
+    stride_tb,
+    nheads_k,
+    group_size,
+    seqlen_q,
+    capacity,
+    num_rows_cache,
+    sm_scale,
+    softcap,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
+    LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
+
+    ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise.
+    ``capacity`` bounds seqlens_k and ``num_rows_cache`` the pages / cache rows: out-of-range values
+    are clamped so that the kernel never reads outside the cache (the API rejects them beforehand)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    b = bh // nheads_k
+    hk = bh % nheads_k
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+    else:
+        q_start = 0
+    n_rows = seqlen_q * group_size
+    r_start = pid_m * BLOCK_M
+    if r_start >= n_rows:
+        return
+
+    k_end = tl.minimum(tl.maximum(tl.load(SeqlensK + b), 0), capacity)
+    k_start = 0
+    if HAS_LEFTPAD:
+        k_start = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), k_end)
+    seqlen_k = k_end - k_start
+    b64 = b.to(tl.int64)
+    if PAGED:
+        K_base = K + hk * stride_kh
+        V_base = V + hk * stride_vh
+    else:
+        row = b64
+        if HAS_BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), num_rows_cache - 1).to(tl.int64)
+        K_base = K + row * stride_kb + hk * stride_kh
+        V_base = V + row * stride_vb + hk * stride_vh
+    Table_row = Table + b64 * stride_tb
+
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    offs_r = r_start + tl.arange(0, BLOCK_M)
+    mask_r = offs_r < n_rows
+    i = offs_r // group_size  # token
+    h = hk * group_size + offs_r % group_size  # query head
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_q = b64 * stride_qb + (q_start + i).to(tl.int64) * stride_qm + h * stride_qh
+    mask_q = mask_r[:, None]
+    if PAD_D:
+        mask_q = mask_q & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + row_q[:, None] + offs_d[None, :], mask=mask_q, other=0.0)
+
+    qk_scale = sm_scale * 1.4426950408889634
+    softcap_scale = 0.0
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        softcap_scale = sm_scale / softcap
+        softcap_log2 = softcap * 1.4426950408889634
+    slope_log2 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope_log2 = (tl.load(Alibi + b * stride_ab + h, mask=mask_r, other=0.0) * 1.4426950408889634)[:, None]
+
+    # Key tiles of this block's tokens, then this split's share of them (whole tiles).
+    m_first = r_start // group_size
+    m_last = (tl.minimum(r_start + BLOCK_M, n_rows) - 1) // group_size
+    lo, full_lo, full_hi, hi = common.key_bounds(
+        m_first, m_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT
+    )
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    s_lo = tl.minimum(lo + split * per_split, hi)
+    s_hi = tl.minimum(s_lo + per_split, hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for seg in tl.static_range(3):
+        # masked left edge, unmasked middle, masked diagonal / ragged end
+        if seg == 0:
+            a = s_lo
+            z = full_lo
+        elif seg == 1:
+            a = full_lo
+            z = full_hi
+        else:
+            a = full_hi
+            z = s_hi
+        acc, l_i, m_i = _kv_tiles(
+            acc,
+            l_i,
+            m_i,
+            q,
+            K_base,
+            V_base,
+            Table_row,
+            stride_kn,
+            stride_vn,
+            stride_kb,
+            stride_vb,
+            k_start,
+            num_rows_cache,
+            i,
+            offs_n,
+            offs_d,
+            a,
+            z,
+            seqlen_q,
+            seqlen_k,
+            qk_scale,
+            softcap_scale,
+            softcap_log2,
+            slope_log2,
+            window_left,
+            window_right,
+            HEAD_DIM,
+            PAD_D,
+            BLOCK_N,
+            PAGE_SIZE,
+            PAGED,
+            seg != 1,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            MASK_LEFT,
+            MASK_RIGHT,
+        )
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+    if SPLIT:
+        lse = tl.where(seen, lse, float("-inf"))
+    else:
+        lse = tl.where(seen, lse, float("inf"))
+    split64 = split.to(tl.int64)
+    lse_ptrs = Lse + split64 * stride_ls + b64 * stride_lb + h * stride_lh + q_start + i
+    tl.store(lse_ptrs, lse, mask=mask_r)
+    row_o = split64 * stride_os + b64 * stride_ob + (q_start + i).to(tl.int64) * stride_om + h * stride_oh
+    tl.store(Out + row_o[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=mask_q)
+
+
+@triton.jit
+def _combine(
+    OutP,
+    LseP,
+    Out,
+    Lse,
+    stride_ps,
+    stride_ls,
+    n_rows,
+    nheads,
+    seqlen_q,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
+    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < n_rows
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    h = offs_r % nheads
+    t = (offs_r // nheads) % seqlen_q
+    b = offs_r // (nheads * seqlen_q)
+    lse_idx = (b * nheads + h).to(tl.int64) * seqlen_q + t
+    lse = tl.load(
+        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_idx[:, None],
+        mask=mask_r[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+    )  # [BLOCK_R, SPLITS_PAD]
+    m = tl.max(lse, 1)
+    seen = m > float("-inf")
+    m_safe = tl.where(seen, m, 0.0)
+    w = tl.exp(lse - m_safe[:, None])
+    total = tl.sum(w, 1)
+    total_safe = tl.where(seen, total, 1.0)
+    w = w / total_safe[:, None]
+    mask_o = mask_r[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
+        o_s = tl.load(OutP + s * stride_ps + rows, mask=mask_o, other=0.0)
+        acc += w_s[:, None] * o_s
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_o)
+    tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
+
+
+_INTERPRET = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+_MAX_SPLITS = 128
+
+
+def _config(rows: int, block_d: int) -> KernelConfig:
+    if interpreting():
+        return _INTERPRET
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 128 if block_d <= 128 else 64
+    return KernelConfig(block_m, block_n, num_warps=4, num_stages=3)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int) -> int:
+    """As many splits as keep the programs within one wave (one per SM), with at least four key tiles
+    per split. Measured on the H200 (docs/perf.md, decode sweep): 1x8k and 1x128k want 8-16 splits,
+    8x32k 2, and batches of 64 sequences none (their 512 programs already fill the GPU)."""
+    if programs >= sm_count:
+        return 1
+    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    return max(1, min(sm_count // programs, tiles // 4, _MAX_SPLITS))
+
+
+def attn_fwd_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c: CacheLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``(batch, seqlen_q, nheads, d)`` (or ``(total_q, nheads, d)`` with p.cu_seqlens_q); caches as in
+    the module docstring. Returns ``(out, lse)`` laid out like the training forward's."""
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous: _combine addresses it flat
+    q4, o4 = p.as_4d(q), p.as_4d(out)
+    nheads, headdim = q4.shape[2], q4.shape[3]
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    lse = p.new_lse(q4)
+    rows = group * p.seqlen_q
+    cfg = _config(rows, p.block_d)
+    paged = c.block_table is not None
+    m_blocks = triton.cdiv(rows, cfg.block_m)
+    programs = m_blocks * p.batch * nheads_k
+    num_splits = c.num_splits
+    if num_splits == 0:
+        max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
+        num_splits = choose_splits(programs, max_k, cfg.block_n, _sm_count(q.device))
+    num_splits = max(1, min(num_splits, _MAX_SPLITS, triton.cdiv(max(p.seqlen_k, 1), cfg.block_n)))
+    split = num_splits > 1
+    if split:
+        out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
+        lse_p = torch.empty((num_splits, *lse.shape), device=q.device, dtype=torch.float32)
+        o_target, l_target = out_p, lse_p
+        o_strides = (out_p.stride(0), *p.strides(out_p[0]))
+        l_strides = (lse_p.stride(0), *p.lse_strides(lse_p[0]))
+    else:
+        o_target, l_target = o4, lse
+        o_strides = (0, *p.strides(o4))
+        l_strides = (0, *p.lse_strides(lse))
+    table = c.block_table if paged else c.seqlens_k
+    if paged:
+        page_size, num_rows = k_cache.shape[1], k_cache.shape[0]
+        capacity = c.block_table.shape[1] * page_size
+    else:
+        page_size, num_rows, capacity = 1, k_cache.shape[0], k_cache.shape[1]
+    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+    grid = (m_blocks, p.batch * nheads_k, num_splits)
+    _attn_fwd_kvcache[grid](
+        q4,
+        k_cache,
+        v_cache,
+        o_target,
+        l_target,
+        alibi,
+        c.seqlens_k,
+        c.leftpad if c.leftpad is not None else c.seqlens_k,
+        c.batch_idx if c.batch_idx is not None else c.seqlens_k,
+        table,
+        p.cu_seqlens_q if p.is_varlen else c.seqlens_k,
+        *p.strides(q4),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        *o_strides,
+        *l_strides,
+        p.alibi_batch_stride(),
+        table.stride(0),
+        nheads_k,
+        group,
+        p.seqlen_q,
+        capacity,
+        num_rows,
+        p.softmax_scale,
+        p.softcap,
+        p.window_left,
+        p.window_right,
+        HEAD_DIM=headdim,
+        BLOCK_D=p.block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=page_size,
+        PAGED=paged,
+        HAS_LEFTPAD=c.leftpad is not None,
+        HAS_BATCH_IDX=c.batch_idx is not None,
+        MASK_LEFT=p.window_left >= 0,
+        MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=p.alibi_slopes is not None,
+        IS_VARLEN=p.is_varlen,
+        SPLIT=split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split:
+        n_rows = o4.numel() // headdim
+        block_r = 16 if p.block_d <= 128 else 8
+        seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
+        _combine[(triton.cdiv(n_rows, block_r),)](
+            out_p,
+            lse_p,
+            o4,
+            lse,
+            out_p.stride(0),
+            lse_p.stride(0),
+            n_rows,
+            nheads,
+            seqlen,
+            num_splits,
+            HEAD_DIM=headdim,
+            BLOCK_D=p.block_d,
+            BLOCK_R=block_r,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,432 @@
+"""Inference against a KV cache: ``flash_attn_with_kvcache`` (flash_attn 2.8's signature and semantics),
+and the paged prefill behind ``flash_attn_varlen_func(..., block_table=...)``.
+
+Order of work in one call: validate everything (shapes, dtypes, devices, then the values of
+cache_seqlens / cache_leftpad / cache_batch_idx / block_table / rotary tables, read on the host in one
+transfer) so that a rejected call leaves the caches untouched; rotate the new keys and the queries;
+write the new keys and values into the cache in place; attend over the updated cache with the decode
+kernel (``kernels.decode``), or the PyTorch path for CPU tensors.
+
+Under CUDA graph capture the value checks are skipped (they would need a device-to-host copy, which
+capture forbids): the kernel still clamps every index so that it never reads outside the caches, but
+out-of-range values then give unspecified results instead of an error.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from tileattn import api
+from tileattn.kernels.configs import AttnParams
+from tileattn.kernels.decode import CacheLayout
+from tileattn.rotary import rotary_at
+
+
+def _check_int32(name: str, t: object, shape: tuple[int, ...], layout: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of shape {layout}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {layout} = {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return t.contiguous()
+
+
+def _check_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
+    if isinstance(block_table, torch.Tensor) and block_table.dim() != 2:
+        raise ValueError(f"block_table must be 2-D (batch, max_pages), got shape {tuple(block_table.shape)}")
+    max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
+    return _check_int32("block_table", block_table, (batch, max_pages), "(batch, max_pages)", device)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if cos is None and sin is None:
+        return None
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if not has_new:
+        raise ValueError(
+            "rotary_cos/rotary_sin rotate the new tokens at their cache positions: pass k and v with them "
+            "(rotate q yourself with tileattn.rotary.apply_rotary_emb when nothing is appended)"
+        )
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2)")
+        if t.dtype not in (q.dtype, torch.float32):
+            raise TypeError(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    rotary_dim = 2 * cos.shape[1]
+    if not 2 <= rotary_dim <= q.shape[-1]:
+        raise ValueError(
+            f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be between 2 and the head dim ({q.shape[-1]})"
+        )
+    return cos, sin
+
+
+def _first_bad(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _check_values(
+    seqlens: torch.Tensor,
+    seqlen_new: int,
+    capacity: int,
+    leftpad: torch.Tensor | None,
+    batch_idx: torch.Tensor | None,
+    batch_cache: int,
+    block_table: torch.Tensor | None,
+    num_pages: int,
+    page_size: int,
+    rotary_len: int | None,
+    rotary_span: int,
+    seqlens_name: str = "cache_seqlens",
+) -> int:
+    """Device-side index values against their bounds, read back in one transfer; returns the longest
+    key range (seqlens + seqlen_new). Messages name the first offending batch entry."""
+    ends = seqlens.long() + seqlen_new
+    checks = [seqlens.min(), ends.max()]
+    if leftpad is not None:
+        checks.append(((leftpad < 0) | (leftpad > seqlens)).any())
+    if batch_idx is not None:
+        checks.append(((batch_idx < 0) | (batch_idx >= batch_cache)).any())
+    if block_table is not None:
+        used = torch.arange(block_table.shape[1], device=seqlens.device) < (ends + page_size - 1).div(
+            page_size, rounding_mode="floor"
+        ).unsqueeze(1)
+        bad_pages = used & ((block_table < 0) | (block_table >= num_pages))
+        checks.append(bad_pages.any())
+    values = torch.stack([c.long() for c in checks]).tolist()
+    lowest, longest = values[0], values[1]
+    flags = iter(values[2:])
+    if lowest < 0:
+        b = _first_bad(seqlens < 0)
+        raise ValueError(f"{seqlens_name} must be >= 0, got {int(seqlens[b])} at batch entry {b}")
+    if longest > capacity:
+        b = _first_bad(ends > capacity)
+        raise ValueError(
+            f"{seqlens_name}[{b}] + seqlen_new = {int(seqlens[b])} + {seqlen_new} exceeds the cache capacity "
+            f"{capacity} (seqlen of k_cache, or block_table.shape[1] * page_block_size)"
+        )
+    if leftpad is not None and next(flags):
+        b = _first_bad((leftpad < 0) | (leftpad > seqlens))
+        raise ValueError(
+            f"cache_leftpad must be in [0, cache_seqlens], got {int(leftpad[b])} with cache_seqlens "
+            f"{int(seqlens[b])} at batch entry {b}"
+        )
+    if batch_idx is not None and next(flags):
+        b = _first_bad((batch_idx < 0) | (batch_idx >= batch_cache))
+        raise ValueError(f"cache_batch_idx must be in [0, {batch_cache}), got {int(batch_idx[b])} at batch entry {b}")
+    if block_table is not None and next(flags):
+        b, j = (int(x) for x in bad_pages.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache: entries covering "
+            f"a sequence's keys must be in [0, {num_pages})"
+        )
+    if rotary_len is not None and lowest >= 0 and longest - seqlen_new + rotary_span > rotary_len:
+        raise ValueError(
+            f"rotary_cos/rotary_sin have {rotary_len} positions but position "
+            f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + new tokens)"
+        )
+    return longest
+
+
+def _append(
+    cache: torch.Tensor,
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor | None,
+    batch_idx: torch.Tensor | None,
+) -> None:
+    """Writes ``new (batch, seqlen_new, nheads_k, d)`` into ``cache`` at ``positions (batch, seqlen_new)``."""
+    if block_table is not None:
+        page_size = cache.shape[1]
+        pages = block_table.long().gather(1, positions.div(page_size, rounding_mode="floor"))
+        cache[pages, positions % page_size] = new
+    else:
+        rows = batch_idx.long() if batch_idx is not None else torch.arange(new.shape[0], device=new.device)
+        cache[rows.unsqueeze(1), positions] = new
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of new queries against a KV cache, appending new keys/values to it in place first.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k_cache, v_cache: ``(batch_cache, capacity, nheads_k, headdim)``, or with ``block_table`` paged
+            ``(num_pages, page_block_size, nheads_k, headdim)`` (any page size).
+        k, v: optional ``(batch, seqlen_new, nheads_k, headdim)``, written into the caches at positions
+            ``cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1`` (in place) before attending.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` tables (needs k and v): k is
+            rotated at its cache positions; q at positions ``cache_seqlens + i`` when causal or windowed,
+            else all of q at ``cache_seqlens``. The first rotary_dim channels rotate.
+        cache_seqlens: int or int32 ``(batch,)``: tokens already in each sequence's cache (None: the
+            whole capacity, only without k/v).
+        cache_batch_idx: int32 ``(batch,)``: the cache row of each sequence (dense caches only).
+        cache_leftpad: int32 ``(batch,)``: a sequence's keys start at this cache position.
+        block_table: int32 ``(batch, max_pages)``: page of each ``page_block_size`` keys.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``; the keys
+            of sequence b are ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)`` and masks align the
+            last query with the last key.
+        rotary_interleaved: GPT-J style pairs (0, 1), (2, 3)... if True, else GPT-NeoX halves.
+        num_splits: split each sequence's keys over this many programs (Flash-Decoding); 0 picks a
+            count that fills the GPU; 1 disables splitting.
+        return_softmax_lse: also return the fp32 LSE ``(batch, nheads, seqlen_q)`` (+inf for rows that
+            see no key).
+
+    Returns:
+        ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
+
+    Validation (including index values, read on the host) happens before the caches are written; see
+    the module docstring for CUDA graph capture.
+    """
+    q = api._check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    layout = "(batch_cache or num_pages, seqlen_cache or page_block_size, nheads_k, headdim)"
+    k_cache = api._check_tensor("k_cache", k_cache, layout)
+    v_cache = api._check_tensor("v_cache", v_cache, layout)
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append), or neither")
+    has_new = k is not None
+    if has_new:
+        named["k"] = api._check_tensor("k", k, "(batch, seqlen_new, nheads_k, headdim)")
+        named["v"] = api._check_tensor("v", v, "(batch, seqlen_new, nheads_k, headdim)")
+    dtype, device = api._check_inputs(named)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k = k_cache.shape[2]
+    api._check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3])
+    seqlen_new = 0
+    if has_new:
+        seqlen_new = k.shape[1]
+        expected = (batch, seqlen_new, nheads_k, headdim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expected:
+                raise ValueError(
+                    f"{name} must have shape (batch, seqlen_new, nheads_k, headdim) = {expected} to match q and "
+                    f"the cache, got {tuple(t.shape)}"
+                )
+
+    num_pages = page_size = 0
+    if block_table is not None:
+        block_table = _check_table(block_table, batch, device)
+        max_pages = block_table.shape[1]
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps pages)")
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if page_size < 1:
+            raise ValueError(f"k_cache: page_block_size must be at least 1, got {page_size}")
+        capacity = max_pages * page_size
+        batch_cache = batch
+    else:
+        capacity, batch_cache = k_cache.shape[1], k_cache.shape[0]
+        api._check_extent(capacity, {"k_cache": k_cache, "v_cache": v_cache})
+        if cache_batch_idx is None and batch_cache < batch:
+            raise ValueError(
+                f"k_cache holds {batch_cache} sequences but q has batch {batch}; pass cache_batch_idx to map them"
+            )
+    if cache_batch_idx is not None:
+        cache_batch_idx = _check_int32("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
+    if cache_seqlens is None:
+        if has_new:
+            raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+    else:
+        seqlens = _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,) or an int", device)
+    if cache_leftpad is not None:
+        cache_leftpad = _check_int32("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
+    rotary = _check_rotary(rotary_cos, rotary_sin, q, has_new)
+    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
+    rotary_interleaved = _check_flag("rotary_interleaved", rotary_interleaved)
+    return_softmax_lse = _check_flag("return_softmax_lse", return_softmax_lse)
+    _, scale, left, right, softcap = api._check_options(0.0, softmax_scale, causal, window_size, softcap, False, False)
+    local = tuple(window_size) != (-1, -1)
+    q_span = seqlen_q if (causal or local) else 1
+    rotary_span = max(seqlen_new, q_span)
+    api._check_extent(seqlen_q, {"q": q})
+    if batch > api.MAX_DENSE_BATCH:
+        raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
+
+    max_seqlen_k = None
+    if batch and not _capturing(device):
+        max_seqlen_k = _check_values(
+            seqlens,
+            seqlen_new,
+            capacity,
+            cache_leftpad,
+            cache_batch_idx,
+            batch_cache,
+            block_table,
+            num_pages,
+            page_size,
+            rotary[0].shape[0] if rotary is not None else None,
+            rotary_span,
+        )
+
+    p = AttnParams(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=capacity,
+        headdim=headdim,
+        softmax_scale=1.0 / math.sqrt(headdim) if scale is None else scale,
+        window_left=left,
+        window_right=right,
+        softcap=softcap,
+        alibi_slopes=api._check_alibi(alibi_slopes, batch, nheads, device),
+    )
+
+    with torch.no_grad():
+        if has_new:
+            positions = seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
+            if rotary is not None:
+                k = rotary_at(k, *rotary, positions, rotary_interleaved)
+            _append(k_cache, k, positions, block_table, cache_batch_idx)
+            _append(v_cache, v, positions, block_table, cache_batch_idx)
+        if rotary is not None:
+            offsets = torch.arange(seqlen_q, device=device) if q_span > 1 else torch.zeros(1, device=device)
+            q = rotary_at(q, *rotary, seqlens.long().unsqueeze(1) + offsets.long(), rotary_interleaved)
+        c = CacheLayout(
+            seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
+            leftpad=cache_leftpad,
+            batch_idx=cache_batch_idx,
+            block_table=block_table,
+            num_splits=int(num_splits),
+            max_seqlen_k=max_seqlen_k,
+        )
+        if q.numel() == 0:
+            out, lse = torch.zeros_like(q), p.new_lse(q).fill_(float("inf"))
+        else:
+            with api._on_device(q):
+                out, lse = api._implementation(q).attn_fwd_kvcache(q, k_cache, v_cache, p, c)
+    return (out, lse) if return_softmax_lse else out
+
+
+def paged_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    block_table: torch.Tensor,
+    p_options: dict,
+) -> torch.Tensor:
+    """``flash_attn_varlen_func`` with ``block_table``: queries packed by cu_seqlens_q, the keys of
+    sequence b are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages in
+    ``k``/``v (num_pages, page_block_size, nheads_k, headdim)``. Forward only."""
+    api._check_tensor("k", k, "paged (num_pages, page_block_size, nheads_k, headdim)")
+    api._check_tensor("v", v, "paged (num_pages, page_block_size, nheads_k, headdim)")
+    device = q.device
+    api._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, device)
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.dim() != 1:
+        raise TypeError("cu_seqlens_k must be an int32 tensor of shape (batch + 1,)")
+    batch = cu_seqlens_q.numel() - 1
+    if cu_seqlens_k.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries, got {cu_seqlens_k.numel()}")
+    lengths_k = api._check_cu_seqlens(
+        "cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]) if batch >= 0 else 0, "max_seqlen_k", max_seqlen_k, device
+    )
+    if batch > api.MAX_DENSE_BATCH:
+        raise NotImplementedError(f"cu_seqlens_q describes {batch} sequences; at most {api.MAX_DENSE_BATCH}")
+    block_table = _check_table(block_table, batch, device)
+    max_pages = block_table.shape[1]
+    if p_options["dropout_p"] != 0.0:
+        raise NotImplementedError(
+            "flash_attn_varlen_func: dropout with a paged KV cache (block_table) is not supported"
+        )
+    if p_options["return_attn_probs"]:
+        raise NotImplementedError("flash_attn_varlen_func: return_attn_probs with block_table is not supported")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (no backward through pages)")
+    page_size = k.shape[1]
+    capacity = max_pages * page_size
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    longest = max(lengths_k, default=0)
+    if batch and not _capturing(device):
+        _check_values(
+            seqlens,
+            0,
+            capacity,
+            None,
+            None,
+            batch,
+            block_table,
+            k.shape[0],
+            page_size,
+            None,
+            0,
+            "key lengths (cu_seqlens_k)",
+        )
+    _, scale, left, right, softcap = api._check_options(
+        0.0,
+        p_options["softmax_scale"],
+        p_options["causal"],
+        p_options["window_size"],
+        p_options["softcap"],
+        p_options["deterministic"],
+        False,
+    )
+    p = AttnParams(
+        batch=batch,
+        seqlen_q=int(max_seqlen_q),
+        seqlen_k=capacity,
+        headdim=q.shape[-1],
+        softmax_scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        window_left=left,
+        window_right=right,
+        softcap=softcap,
+        alibi_slopes=api._check_alibi(p_options["alibi_slopes"], batch, q.shape[1], device),
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+    )
+    c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
+    if q.numel() == 0 or batch == 0:
+        return torch.zeros_like(q)
+    with api._on_device(q):
+        out, _ = api._implementation(q).attn_fwd_kvcache(q, k, v, p, c)
+    return out

@@ -1,0 +1,161 @@
+"""Attention against a KV cache: in-place append, rotary, paged caches, split-KV, and the paged
+prefill of flash_attn_varlen_func, each against the per-sequence reference (tests/kvcache_ref.py)."""
+
+import pytest
+import torch
+
+import tileattn
+from helpers import on
+from kvcache_ref import dense_view, kvcache_ref
+from tileattn.testing import check_close
+
+F16 = torch.float16
+
+# (seqlen_q, seqlen_new, options) per case; caches hold 3 sequences of capacity 37.
+CASES = {
+    "decode-rotary": (1, 1, {"causal": True, "rotary": "interleaved"}),
+    "decode-no-append": (1, 0, {}),
+    "chunk-causal-neox": (5, 5, {"causal": True, "rotary": "neox-partial"}),
+    "window-softcap": (3, 3, {"window_size": (6, 0), "softcap": 3.0}),
+    "alibi-leftpad": (2, 2, {"causal": True, "alibi": True, "leftpad": True}),
+    "batch-idx": (2, 1, {"batch_idx": True, "causal": True}),
+    "q-longer-than-new": (4, 2, {"rotary": "interleaved"}),
+}
+LAYOUTS = {"dense": None, "page4": 4, "page16": 16}
+
+
+def _inputs(seqlen_q, seqlen_new, opts, page, device, h=8, hk=2, d=40, capacity=37, batch=3):
+    q = torch.randn(batch, seqlen_q, h, d, dtype=F16, device=device)
+    batch_cache = batch + 2 if opts.get("batch_idx") else batch
+    args = {}
+    if page:
+        max_pages = -(-capacity // page)
+        num_pages = batch * max_pages + 3
+        kc = torch.randn(num_pages, page, hk, d, dtype=F16, device=device)
+        args["block_table"] = torch.randperm(num_pages, device=device)[: batch * max_pages].view(batch, -1).int()
+    else:
+        kc = torch.randn(batch_cache, capacity, hk, d, dtype=F16, device=device)
+    vc = torch.randn_like(kc)
+    if seqlen_new:
+        args["k"] = torch.randn(batch, seqlen_new, hk, d, dtype=F16, device=device)
+        args["v"] = torch.randn(batch, seqlen_new, hk, d, dtype=F16, device=device)
+    # One empty cache (with nothing appended it sees no key), one mid-size, one filled to capacity.
+    full = capacity - seqlen_new
+    args["cache_seqlens"] = torch.tensor([0, 17, full], dtype=torch.int32, device=device)
+    if opts.get("leftpad"):
+        args["cache_leftpad"] = torch.tensor([0, 5, 30], dtype=torch.int32, device=device)
+    if opts.get("batch_idx"):
+        args["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32, device=device)
+    if opts.get("alibi"):
+        args["alibi_slopes"] = torch.rand(batch, h, device=device) * 0.3
+    if "rotary" in opts:
+        rotary_dim = 16 if opts["rotary"] == "neox-partial" else d
+        angle = torch.rand(capacity + 4, rotary_dim // 2, device=device) * 6.283
+        args["rotary_cos"], args["rotary_sin"] = angle.cos().to(F16), angle.sin().to(F16)
+        args["rotary_interleaved"] = opts["rotary"] == "interleaved"
+    for key in ("causal", "window_size", "softcap"):
+        if key in opts:
+            args[key] = opts[key]
+    return q, kc, vc, args
+
+
+def _ref_args(args):
+    ref = {key: val for key, val in args.items() if not key.startswith("rotary_")}
+    if "rotary_cos" in args:
+        ref["rotary"] = (args["rotary_cos"], args["rotary_sin"])
+        ref["rotary_interleaved"] = args["rotary_interleaved"]
+    return ref
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_kvcache_matches_reference(backend, case, layout, num_splits):
+    seqlen_q, seqlen_new, opts = CASES[case]
+    page = LAYOUTS[layout]
+    if page and opts.get("batch_idx"):
+        pytest.skip("cache_batch_idx applies to dense caches")
+    if backend != "cuda" and num_splits == 0 and (layout != "dense" or case not in ("decode-rotary", "batch-idx")):
+        pytest.skip("the split heuristic is covered by two cases under the interpreter")
+    ctx, device = on(backend)
+    q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device)
+    ref, k_ref, v_ref = kvcache_ref(q, kc, vc, **_ref_args(args))
+    ref_lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(args))
+    untouched = kc.clone()
+    with ctx:
+        out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
+    check_close(f"{case} {layout} out", out, ref, ref_lowp)
+    capacity = k_ref.shape[1]
+    got_k = dense_view(kc, args.get("block_table"), capacity)
+    got_v = dense_view(vc, args.get("block_table"), capacity)
+    if "cache_batch_idx" in args:
+        rows = args["cache_batch_idx"].long()
+        got_k, got_v = got_k[rows], got_v[rows]
+        spare = [r for r in range(kc.shape[0]) if r not in rows.tolist()]
+        assert torch.equal(kc[spare], untouched[spare]), "rows no sequence maps to were written"
+    assert torch.equal(got_k, k_ref.to(F16)), "k_cache after the append differs from the reference"
+    assert torch.equal(got_v, v_ref.to(F16)), "v_cache after the append differs from the reference"
+    # Rows that see no key (the empty cache, nothing appended) are 0 with LSE +inf.
+    if seqlen_new == 0:
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+    assert lse.shape == (q.shape[0], q.shape[2], seqlen_q) and lse.dtype == torch.float32
+
+
+def test_lse_matches_logsumexp(backend):
+    ctx, device = on(backend)
+    q = torch.randn(2, 3, 4, 32, dtype=F16, device=device)
+    kc = torch.randn(2, 50, 4, 32, dtype=F16, device=device)
+    seqlens = torch.tensor([50, 21], dtype=torch.int32, device=device)
+    with ctx:
+        _, lse = tileattn.flash_attn_with_kvcache(
+            q, kc, kc, cache_seqlens=seqlens, num_splits=4, return_softmax_lse=True
+        )
+    for b, n in enumerate(seqlens.tolist()):
+        s = torch.einsum("qhd,khd->hqk", q[b].double(), kc[b, :n].double()) / 32**0.5
+        torch.testing.assert_close(lse[b].double(), s.logsumexp(-1), atol=2e-3, rtol=1e-3)
+
+
+def test_int_cache_seqlens_and_mqa(backend):
+    ctx, device = on(backend)
+    q = torch.randn(2, 1, 6, 16, dtype=F16, device=device)
+    kc = torch.randn(2, 20, 1, 16, dtype=F16, device=device)
+    vc = torch.randn_like(kc)
+    with ctx:
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=11)
+    ref, _, _ = kvcache_ref(q, kc, vc, cache_seqlens=torch.tensor([11, 11]))
+    lowp, _, _ = kvcache_ref(q, kc, vc, cache_seqlens=torch.tensor([11, 11]), upcast=False)
+    check_close("int seqlens", out, ref, lowp)
+
+
+@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_varlen_prefill(backend, page, causal):
+    """flash_attn_varlen_func with block_table equals the unpaged varlen call on the gathered keys."""
+    ctx, device = on(backend)
+    lq, lk = [3, 0, 9, 1], [10, 4, 9, 30]
+    h, hk, d = 4, 2, 24
+    max_pages = -(-max(lk) // page)
+    num_pages = len(lk) * max_pages
+    kp = torch.randn(num_pages, page, hk, d, dtype=F16, device=device)
+    vp = torch.randn_like(kp)
+    table = torch.randperm(num_pages, device=device).view(len(lk), max_pages).int()
+    q = torch.randn(sum(lq), h, d, dtype=F16, device=device)
+    cu_q = torch.tensor([0, 3, 3, 12, 13], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 10, 14, 23, 53], dtype=torch.int32, device=device)
+    dense_k = dense_view(kp, table, max_pages * page)
+    dense_v = dense_view(vp, table, max_pages * page)
+    k = torch.cat([dense_k[b, :n] for b, n in enumerate(lk)])
+    v = torch.cat([dense_v[b, :n] for b, n in enumerate(lk)])
+    with ctx:
+        out = tileattn.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, max(lq), max(lk), causal=causal, block_table=table)
+        expected = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=1e-3)
+
+
+def test_paged_varlen_is_forward_only():
+    q = torch.randn(4, 2, 16, dtype=F16, requires_grad=True)
+    kp = torch.randn(2, 16, 2, 16, dtype=F16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    table = torch.tensor([[0]], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        tileattn.flash_attn_varlen_func(q, kp, kp, cu, cu, 4, 4, block_table=table)
