@@ -159,3 +159,15 @@ def test_paged_varlen_is_forward_only():
     table = torch.tensor([[0]], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="forward only"):
         tileattn.flash_attn_varlen_func(q, kp, kp, cu, cu, 4, 4, block_table=table)
+
+
+def test_paged_lookup_inside_the_loop(backend, monkeypatch):
+    """The full-occupancy variant of the paged kernel (block table read in the same iteration as the
+    tile, not one ahead), forced by pretending the GPU has a single SM."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 1)
+    test_kvcache_matches_reference(backend, "chunk-causal-neox", "page4", 3)
+    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)

@@ -100,14 +100,16 @@ def _kv_tiles(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi) (columns counted from k_start). The block table is read
-    one tile ahead, so that the K/V loads of a tile never wait on its page lookup."""
+    """Online softmax over key tiles [lo, hi) (columns counted from k_start). With PREFETCH_TABLE the
+    block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
+    faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md)."""
     rows_k, rows_v = _cache_rows(
         Table_row,
         lo + offs_n_base,
@@ -123,25 +125,40 @@ def _kv_tiles(
     )
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
+        if not PREFETCH_TABLE:
+            rows_k, rows_v = _cache_rows(
+                Table_row,
+                offs_n,
+                k_start,
+                seqlen_k,
+                num_pages,
+                stride_kn,
+                stride_vn,
+                stride_kp,
+                stride_vp,
+                PAGE_SIZE,
+                PAGED,
+            )
         k = common.load_tile(
             K_base + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
         )  # [BLOCK_N, BLOCK_D]
         v = common.load_tile(
             V_base + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
         )
-        rows_k, rows_v = _cache_rows(
-            Table_row,
-            offs_n + BLOCK_N,
-            k_start,
-            seqlen_k,
-            num_pages,
-            stride_kn,
-            stride_vn,
-            stride_kp,
-            stride_vp,
-            PAGE_SIZE,
-            PAGED,
-        )
+        if PREFETCH_TABLE:
+            rows_k, rows_v = _cache_rows(
+                Table_row,
+                offs_n + BLOCK_N,
+                k_start,
+                seqlen_k,
+                num_pages,
+                stride_kn,
+                stride_vn,
+                stride_kp,
+                stride_vp,
+                PAGE_SIZE,
+                PAGED,
+            )
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         s, _ = common.scores(
             qk,
@@ -217,6 +234,7 @@ def _attn_fwd_kvcache(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
+    PREFETCH_TABLE: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -346,6 +364,7 @@ def _attn_fwd_kvcache(
             BLOCK_N,
             PAGE_SIZE,
             PAGED,
+            PREFETCH_TABLE,
             seg != 1,
             HAS_SOFTCAP,
             HAS_ALIBI,
@@ -524,6 +543,7 @@ def attn_fwd_kvcache(
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=page_size,
         PAGED=paged,
+        PREFETCH_TABLE=paged and programs * num_splits < 2 * _sm_count(q.device),
         HAS_LEFTPAD=c.leftpad is not None,
         HAS_BATCH_IDX=c.batch_idx is not None,
         MASK_LEFT=p.window_left >= 0,

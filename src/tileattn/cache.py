@@ -1,0 +1,208 @@
+"""A paged KV cache manager for serving: one preallocated pool of pages per layer, a block allocator,
+per-sequence block tables with reference-counted prefix sharing, and the tensors that
+``tileattn.flash_attn_with_kvcache`` takes.
+
+A decoding step for a batch of sequences::
+
+    step = cache.append(seq_ids, num_new)           # room for num_new more tokens per sequence
+    for layer in range(num_layers):
+        out = flash_attn_with_kvcache(q, k=k_new, v=v_new, causal=True, **step.kwargs(layer))
+
+``append`` grows each sequence by whole pages as needed and returns the lengths *before* the step
+(where the kernel writes the new keys and values) with the block table. Sequences made by ``fork``
+share their parent's pages; the first write into a shared, partially filled last page copies it first
+(copy-on-write), so a fork never changes what its parent sees. Failed calls (pool exhausted, unknown
+sequence) raise before any state changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """The page pool cannot hold what was asked; nothing was allocated."""
+
+
+@dataclass
+class _Sequence:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class CacheStep:
+    """The cache arguments of one step for a batch of sequences (from ``PagedKVCache.append``)."""
+
+    cache: PagedKVCache
+    seq_ids: list[int]
+    cache_seqlens: torch.Tensor  # int32 (batch,), lengths before the step
+    block_table: torch.Tensor  # int32 (batch, max_pages)
+
+    def kwargs(self, layer: int) -> dict:
+        """``k_cache``, ``v_cache``, ``cache_seqlens`` and ``block_table`` for ``layer``."""
+        return dict(
+            k_cache=self.cache.k[layer],
+            v_cache=self.cache.v[layer],
+            cache_seqlens=self.cache_seqlens,
+            block_table=self.block_table,
+        )
+
+
+class PagedKVCache:
+    """Pages of ``page_size`` tokens for ``num_layers`` layers, allocated from one pool.
+
+    Args:
+        num_layers, num_pages, page_size, nheads_k, headdim: pool geometry; ``k[layer]`` and
+            ``v[layer]`` are ``(num_pages, page_size, nheads_k, headdim)``.
+        dtype, device: of the pool.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        nheads_k: int,
+        headdim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("nheads_k", nheads_k),
+            ("headdim", headdim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        shape = (num_layers, num_pages, page_size, nheads_k, headdim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low pages first
+        self._refs = [0] * num_pages
+        self._seqs: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ sequences
+
+    def _get(self, seq_id: int) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KeyError(f"unknown sequence {seq_id!r}; known: {sorted(self._seqs)}") from None
+
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id."""
+        seq_id = next(self._ids)
+        self._seqs[seq_id] = _Sequence()
+        return seq_id
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every page of ``seq_id`` (reference counted); returns its id."""
+        parent = self._get(seq_id)
+        child_id = next(self._ids)
+        for page in parent.pages:
+            self._refs[page] += 1
+        self._seqs[child_id] = _Sequence(list(parent.pages), parent.length)
+        return child_id
+
+    def free(self, seq_id: int) -> None:
+        """Drops the sequence; pages no other sequence holds return to the pool."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        for page in reversed(seq.pages):
+            self._release(page)
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
+    def length(self, seq_id: int) -> int:
+        return self._get(seq_id).length
+
+    def pages(self, seq_id: int) -> list[int]:
+        return list(self._get(seq_id).pages)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    # ------------------------------------------------------------------ growth
+
+    def _plan(self, seq: _Sequence, num_new: int) -> tuple[int, bool]:
+        """(new pages needed, whether the last page must be copied first) to add num_new tokens."""
+        needed = -(-(seq.length + num_new) // self.page_size) - len(seq.pages)
+        partial = seq.length % self.page_size != 0
+        cow = num_new > 0 and partial and self._refs[seq.pages[-1]] > 1
+        return max(needed, 0), cow
+
+    def append(self, seq_ids: int | list[int], num_new: int | list[int] = 1) -> CacheStep:
+        """Makes room for ``num_new`` more tokens in each sequence and advances their lengths.
+
+        Returns the step's ``CacheStep``: ``cache_seqlens`` are the lengths before the step, where
+        ``flash_attn_with_kvcache`` writes the new keys and values (every layer uses the same step).
+        Raises ``CacheFullError`` (nothing allocated) if the pool cannot hold them, ``KeyError`` for
+        an unknown sequence."""
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        counts = [num_new] * len(ids) if isinstance(num_new, int) else list(num_new)
+        if len(counts) != len(ids):
+            raise ValueError(f"num_new has {len(counts)} entries for {len(ids)} sequences")
+        if any(not isinstance(n, int) or n < 0 for n in counts):
+            raise ValueError(f"num_new must be ints >= 0, got {counts}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids must be distinct, got {ids}")
+        seqs = [self._get(i) for i in ids]
+        plans = [self._plan(s, n) for s, n in zip(seqs, counts)]
+        wanted = sum(n + cow for n, cow in plans)
+        if wanted > len(self._free):
+            raise CacheFullError(
+                f"the step needs {wanted} free pages of {self.page_size} tokens but the pool has {len(self._free)} "
+                f"(of {self.num_pages}); free finished sequences or allocate a larger pool"
+            )
+        before = [s.length for s in seqs]
+        for seq, n, (new_pages, cow) in zip(seqs, counts, plans):
+            if cow:
+                self._copy_last_page(seq)
+            for _ in range(new_pages):
+                page = self._free.pop()
+                self._refs[page] = 1
+                seq.pages.append(page)
+            seq.length += n
+        return self._step(ids, before)
+
+    def _copy_last_page(self, seq: _Sequence) -> None:
+        shared = seq.pages[-1]
+        page = self._free.pop()
+        self._refs[page] = 1
+        self.k[:, page] = self.k[:, shared]
+        self.v[:, page] = self.v[:, shared]
+        self._refs[shared] -= 1
+        seq.pages[-1] = page
+
+    def _step(self, ids: list[int], before: list[int]) -> CacheStep:
+        width = max((len(self._seqs[i].pages) for i in ids), default=0)
+        table = torch.zeros(len(ids), max(width, 1), dtype=torch.int32)
+        for row, i in enumerate(ids):
+            pages = self._seqs[i].pages
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        device = self.k.device
+        return CacheStep(
+            cache=self,
+            seq_ids=ids,
+            cache_seqlens=torch.tensor(before, dtype=torch.int32).to(device),
+            block_table=table.to(device),
+        )

@@ -1,0 +1,111 @@
+"""PagedKVCache: allocation, growth by pages, forks with copy-on-write, errors that change nothing, and
+the end-to-end example (a small decoder served from the cache matches the uncached model)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import tileattn
+from helpers import on
+from tileattn.cache import CacheFullError, PagedKVCache
+
+
+def _cache(num_pages=8, page_size=4, device="cpu", dtype=torch.float16):
+    return PagedKVCache(
+        num_layers=2, num_pages=num_pages, page_size=page_size, nheads_k=2, headdim=16, dtype=dtype, device=device
+    )
+
+
+def _state(cache):
+    return (cache.num_free_pages, {s: (cache.length(s), cache.pages(s)) for s in list(cache._seqs)})
+
+
+def test_append_grows_by_pages_and_free_returns_them():
+    cache = _cache()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    step = cache.append([a, b], [5, 1])
+    assert step.cache_seqlens.tolist() == [0, 0]
+    assert len(cache.pages(a)) == 2 and len(cache.pages(b)) == 1 and cache.num_free_pages == 5
+    step = cache.append([a, b], 3)
+    assert step.cache_seqlens.tolist() == [5, 1] and cache.length(a) == 8 and len(cache.pages(a)) == 2
+    assert step.block_table.shape == (2, 2) and step.block_table.dtype == torch.int32
+    assert step.block_table[0].tolist() == cache.pages(a)
+    cache.free(a)
+    assert cache.num_free_pages == 7 and a not in cache and len(cache) == 1
+
+
+def test_pool_exhausted_changes_nothing():
+    cache = _cache(num_pages=3)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append(a, 6)
+    before = _state(cache)
+    with pytest.raises(CacheFullError, match="needs 2 free pages .* has 1"):
+        cache.append([a, b], [3, 4])
+    assert _state(cache) == before
+
+
+def test_unknown_sequence_and_bad_counts():
+    cache = _cache()
+    a = cache.add_sequence()
+    with pytest.raises(KeyError, match="unknown sequence 7"):
+        cache.append([a, 7], 1)
+    with pytest.raises(KeyError, match="unknown sequence 7"):
+        cache.free(7)
+    with pytest.raises(ValueError, match="num_new"):
+        cache.append(a, -1)
+    with pytest.raises(ValueError, match="distinct"):
+        cache.append([a, a], 1)
+    assert cache.length(a) == 0 and cache.num_free_pages == 8
+    with pytest.raises(ValueError, match="page_size"):
+        PagedKVCache(1, 4, 0, 1, 16)
+
+
+def _gather(cache, seq, layer=0):
+    pages = torch.tensor(cache.pages(seq))
+    return cache.k[layer][pages].flatten(0, 1)[: cache.length(seq)].clone()
+
+
+def test_fork_shares_prefix_and_copies_on_write(backend):
+    """A fork shares its parent's pages; writing into the fork's partial last page copies it first, so
+    the parent's keys are unchanged, and freeing one keeps the other's pages alive."""
+    ctx, device = on(backend)
+    cache = _cache(device=device)
+    parent = cache.add_sequence()
+    q = torch.randn(1, 6, 4, 16, dtype=torch.float16, device=device)
+    k = torch.randn(1, 6, 2, 16, dtype=torch.float16, device=device)
+    step = cache.append(parent, 6)
+    with ctx:
+        tileattn.flash_attn_with_kvcache(q, k=k, v=k, causal=True, **step.kwargs(0))
+    child = cache.fork(parent)
+    assert cache.pages(child) == cache.pages(parent) and cache.num_free_pages == 6
+    parent_keys = _gather(cache, parent)
+    step = cache.append(child, 1)
+    assert cache.pages(child)[0] == cache.pages(parent)[0] and cache.pages(child)[1] != cache.pages(parent)[1]
+    k1 = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=device)
+    with on(backend)[0]:
+        tileattn.flash_attn_with_kvcache(q[:, :1], k=k1, v=k1, **step.kwargs(0))
+    assert torch.equal(_gather(cache, parent), parent_keys), "the fork's write reached its parent"
+    child_keys = _gather(cache, child)
+    assert torch.equal(child_keys[:6], parent_keys) and torch.equal(child_keys[6], k1[0, 0])
+    cache.free(parent)
+    assert torch.equal(_gather(cache, child), child_keys) and cache.num_free_pages == 6
+
+
+def _example():
+    path = Path(__file__).parent.parent / "examples" / "paged_decode.py"
+    spec = importlib.util.spec_from_file_location("paged_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_matches_uncached_model(backend):
+    ctx, device = on(backend)
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    if backend == "cuda":
+        dtype = torch.bfloat16
+    with ctx:
+        worst = _example().run(device, dtype, steps=6, verbose=False)
+    assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
