@@ -1,5 +1,6 @@
 """tileattn: exact FlashAttention in Triton, a drop-in superset of the flash_attn 2.x Python API."""
 
+from tileattn import ops  # noqa: F401  (registers the tileattn:: custom ops)
 from tileattn.api import (
     flash_attn_func,
     flash_attn_kvpacked_func,

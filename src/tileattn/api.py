@@ -17,7 +17,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from tileattn import cpu, rng
+from tileattn import cpu
 from tileattn.kernels.configs import AttnParams, interpreting
 
 MAX_HEADDIM = 256
@@ -203,11 +203,9 @@ def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.de
     return alibi_slopes.contiguous()
 
 
-def _check_cu_seqlens(
-    name: str, cu: object, total: int, max_name: str, max_seqlen: object, device: torch.device
-) -> list[int]:
-    """cu_seqlens must be int32 (batch + 1,), start at 0, never decrease and end at the token count;
-    max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host)."""
+def _check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, device: torch.device) -> None:
+    """cu_seqlens must be an int32 (batch + 1,) tensor on q's device and max_seqlen an int. Their values
+    are checked by ``_check_cu_values`` where the kernels run (tracing sees no values)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor of shape (batch + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -216,16 +214,21 @@ def _check_cu_seqlens(
         raise ValueError(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
+        raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
+
+
+def _check_cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
+    """cu_seqlens must start at 0, never decrease and end at the token count (``total``, if given);
+    max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host)."""
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {values[-1]}")
-    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
-        raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
     return lengths
@@ -247,33 +250,6 @@ def _nothing_to_attend(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.numel() == 0 or k.shape[-3] == 0
 
 
-class _FlashAttnFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, p: AttnParams):  # type: ignore[override]
-        impl = _implementation(q)
-        if _nothing_to_attend(q, k):
-            out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
-        else:
-            with _on_device(q):
-                out, lse = impl.attn_fwd(q, k, v, p)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = p
-        ctx.impl = impl
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        if _nothing_to_attend(q, k):
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-        with _on_device(q):
-            dq, dk, dv = ctx.impl.attn_bwd(dout, q, k, v, out, lse, ctx.params)
-        return dq, dk, dv, None
-
-
 def _run(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -281,11 +257,28 @@ def _run(
     p: AttnParams,
     return_attn_probs: bool,
 ):
-    out, lse = _FlashAttnFunc.apply(q, k, v, p)
+    """Calls the ``tileattn::fwd`` custom op (``tileattn.ops``), which carries the autograd."""
+    out, lse, rng_state = torch.ops.tileattn.fwd(
+        q,
+        k,
+        v,
+        p.alibi_slopes,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        p.seqlen_q,
+        p.seqlen_k,
+        p.softmax_scale,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        p.dropout_p,
+        p.deterministic,
+    )
     if not return_attn_probs:
         return out
-    probs = cpu.attn_probs(q.detach(), k.detach(), lse, p)
-    return out, lse, probs
+    from tileattn import ops
+
+    return out, lse, ops.attn_probs(q, k, lse, rng_state, p)
 
 
 def _params(
@@ -319,7 +312,6 @@ def _params(
         softcap=softcap,
         alibi_slopes=_check_alibi(alibi_slopes, batch, q.shape[-2], q.device),
         dropout_p=dropout_p,
-        philox_seed=rng.new_seed() if dropout_p > 0 else 0,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         deterministic=deterministic,
@@ -503,9 +495,8 @@ def flash_attn_varlen_func(
     k = _check_tensor("k", k, "(total_k, nheads_k, headdim)")
     v = _check_tensor("v", v, "(total_k, nheads_k, headdim)")
     _check_qkv(q, k, v)
-    total_q = q.shape[0]
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel() - 1} and "
@@ -546,7 +537,7 @@ flash_attn_varlen_func.__doc__ = (
         k, v: ``(total_k, nheads_k, headdim)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, cumulative sequence lengths starting at 0:
             sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``. Empty sequences are
-            allowed. They are read on the host to validate them.
+            allowed. Their values are read on the host to validate them before the kernels run.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
         Masks are aligned to the bottom-right corner of each sequence."""
     + _DENSE_DOC_ARGS

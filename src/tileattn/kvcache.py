@@ -18,6 +18,7 @@ import math
 import numbers
 
 import torch
+from torch import Tensor
 
 from tileattn import api
 from tileattn.kernels.configs import AttnParams
@@ -249,17 +250,15 @@ def flash_attn_with_kvcache(
                     f"the cache, got {tuple(t.shape)}"
                 )
 
-    num_pages = page_size = 0
     if block_table is not None:
         block_table = _check_table(block_table, batch, device)
         max_pages = block_table.shape[1]
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps pages)")
-        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        page_size = k_cache.shape[1]
         if page_size < 1:
             raise ValueError(f"k_cache: page_block_size must be at least 1, got {page_size}")
         capacity = max_pages * page_size
-        batch_cache = batch
     else:
         capacity, batch_cache = k_cache.shape[1], k_cache.shape[0]
         api._check_extent(capacity, {"k_cache": k_cache, "v_cache": v_cache})
@@ -287,11 +286,62 @@ def flash_attn_with_kvcache(
     _, scale, left, right, softcap = api._check_options(0.0, softmax_scale, causal, window_size, softcap, False, False)
     local = tuple(window_size) != (-1, -1)
     q_span = seqlen_q if (causal or local) else 1
-    rotary_span = max(seqlen_new, q_span)
     api._check_extent(seqlen_q, {"q": q})
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
 
+    out, lse = torch.ops.tileattn.fwd_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary[0] if rotary is not None else None,
+        rotary[1] if rotary is not None else None,
+        seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        api._check_alibi(alibi_slopes, batch, nheads, device),
+        1.0 / math.sqrt(headdim) if scale is None else scale,
+        left,
+        right,
+        softcap,
+        rotary_interleaved,
+        int(num_splits),
+        q_span,
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+@torch.library.custom_op("tileattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def _fwd_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    seqlens: Tensor,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+    q_span: int,
+) -> tuple[Tensor, Tensor]:
+    """Value checks, rotary, the in-place append and the attention (metadata already validated)."""
+    batch, seqlen_q = q.shape[:2]
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     max_seqlen_k = None
     if batch and not _capturing(device):
         max_seqlen_k = _check_values(
@@ -300,82 +350,77 @@ def flash_attn_with_kvcache(
             capacity,
             cache_leftpad,
             cache_batch_idx,
-            batch_cache,
+            k_cache.shape[0],
             block_table,
-            num_pages,
-            page_size,
-            rotary[0].shape[0] if rotary is not None else None,
-            rotary_span,
+            k_cache.shape[0],
+            k_cache.shape[1],
+            rotary_cos.shape[0] if rotary_cos is not None else None,
+            max(seqlen_new, q_span),
         )
-
     p = AttnParams(
         batch=batch,
         seqlen_q=seqlen_q,
         seqlen_k=capacity,
-        headdim=headdim,
-        softmax_scale=1.0 / math.sqrt(headdim) if scale is None else scale,
-        window_left=left,
-        window_right=right,
+        headdim=q.shape[-1],
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
         softcap=softcap,
-        alibi_slopes=api._check_alibi(alibi_slopes, batch, nheads, device),
+        alibi_slopes=alibi_slopes,
     )
+    if k is not None:
+        positions = seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
+        if rotary_cos is not None:
+            k = rotary_at(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        _append(k_cache, k, positions, block_table, cache_batch_idx)
+        _append(v_cache, v, positions, block_table, cache_batch_idx)
+    if rotary_cos is not None:
+        offsets = torch.arange(q_span, device=device)
+        q = rotary_at(q, rotary_cos, rotary_sin, seqlens.long().unsqueeze(1) + offsets, rotary_interleaved)
+    c = CacheLayout(
+        seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
+        leftpad=cache_leftpad,
+        batch_idx=cache_batch_idx,
+        block_table=block_table,
+        num_splits=num_splits,
+        max_seqlen_k=max_seqlen_k,
+    )
+    if q.numel() == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
+    with api._on_device(q):
+        out, lse = api._implementation(q).attn_fwd_kvcache(q, k_cache, v_cache, p, c)
+    return out.contiguous(), lse
 
-    with torch.no_grad():
-        if has_new:
-            positions = seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
-            if rotary is not None:
-                k = rotary_at(k, *rotary, positions, rotary_interleaved)
-            _append(k_cache, k, positions, block_table, cache_batch_idx)
-            _append(v_cache, v, positions, block_table, cache_batch_idx)
-        if rotary is not None:
-            offsets = torch.arange(seqlen_q, device=device) if q_span > 1 else torch.zeros(1, device=device)
-            q = rotary_at(q, *rotary, seqlens.long().unsqueeze(1) + offsets.long(), rotary_interleaved)
-        c = CacheLayout(
-            seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
-            leftpad=cache_leftpad,
-            batch_idx=cache_batch_idx,
-            block_table=block_table,
-            num_splits=int(num_splits),
-            max_seqlen_k=max_seqlen_k,
-        )
-        if q.numel() == 0:
-            out, lse = torch.zeros_like(q), p.new_lse(q).fill_(float("inf"))
-        else:
-            with api._on_device(q):
-                out, lse = api._implementation(q).attn_fwd_kvcache(q, k_cache, v_cache, p, c)
-    return (out, lse) if return_softmax_lse else out
+
+@_fwd_kvcache.register_fake
+def _(q, *args):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
 def paged_varlen_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    block_table: torch.Tensor,
+    block_table: Tensor,
     p_options: dict,
-) -> torch.Tensor:
+) -> Tensor:
     """``flash_attn_varlen_func`` with ``block_table``: queries packed by cu_seqlens_q, the keys of
     sequence b are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages in
     ``k``/``v (num_pages, page_block_size, nheads_k, headdim)``. Forward only."""
-    api._check_tensor("k", k, "paged (num_pages, page_block_size, nheads_k, headdim)")
-    api._check_tensor("v", v, "paged (num_pages, page_block_size, nheads_k, headdim)")
     device = q.device
-    api._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, device)
-    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.dim() != 1:
-        raise TypeError("cu_seqlens_k must be an int32 tensor of shape (batch + 1,)")
+    api._check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, device)
+    api._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, device)
     batch = cu_seqlens_q.numel() - 1
     if cu_seqlens_k.numel() != batch + 1:
         raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries, got {cu_seqlens_k.numel()}")
-    lengths_k = api._check_cu_seqlens(
-        "cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]) if batch >= 0 else 0, "max_seqlen_k", max_seqlen_k, device
-    )
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"cu_seqlens_q describes {batch} sequences; at most {api.MAX_DENSE_BATCH}")
     block_table = _check_table(block_table, batch, device)
-    max_pages = block_table.shape[1]
     if p_options["dropout_p"] != 0.0:
         raise NotImplementedError(
             "flash_attn_varlen_func: dropout with a paged KV cache (block_table) is not supported"
@@ -384,10 +429,57 @@ def paged_varlen_fwd(
         raise NotImplementedError("flash_attn_varlen_func: return_attn_probs with block_table is not supported")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (no backward through pages)")
-    page_size = k.shape[1]
-    capacity = max_pages * page_size
+    _, scale, left, right, softcap = api._check_options(
+        0.0,
+        p_options["softmax_scale"],
+        p_options["causal"],
+        p_options["window_size"],
+        p_options["softcap"],
+        p_options["deterministic"],
+        False,
+    )
+    return torch.ops.tileattn.fwd_paged_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q.contiguous(),
+        cu_seqlens_k.contiguous(),
+        block_table,
+        api._check_alibi(p_options["alibi_slopes"], batch, q.shape[1], device),
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        left,
+        right,
+        softcap,
+    )
+
+
+@torch.library.custom_op("tileattn::fwd_paged_varlen", mutates_args=())
+def _fwd_paged_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    block_table: Tensor,
+    alibi_slopes: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> Tensor:
+    batch = cu_seqlens_q.numel() - 1
+    device = q.device
+    capacity = block_table.shape[1] * k.shape[1]
+    longest = None
+    if not _capturing(device):
+        api._check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        lengths = api._check_cu_values("cu_seqlens_k", cu_seqlens_k, None, "max_seqlen_k", max_seqlen_k)
+        longest = max(lengths, default=0)
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-    longest = max(lengths_k, default=0)
     if batch and not _capturing(device):
         _check_values(
             seqlens,
@@ -398,35 +490,31 @@ def paged_varlen_fwd(
             batch,
             block_table,
             k.shape[0],
-            page_size,
+            k.shape[1],
             None,
             0,
             "key lengths (cu_seqlens_k)",
         )
-    _, scale, left, right, softcap = api._check_options(
-        0.0,
-        p_options["softmax_scale"],
-        p_options["causal"],
-        p_options["window_size"],
-        p_options["softcap"],
-        p_options["deterministic"],
-        False,
-    )
     p = AttnParams(
         batch=batch,
-        seqlen_q=int(max_seqlen_q),
+        seqlen_q=max_seqlen_q,
         seqlen_k=capacity,
         headdim=q.shape[-1],
-        softmax_scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
-        window_left=left,
-        window_right=right,
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
         softcap=softcap,
-        alibi_slopes=api._check_alibi(p_options["alibi_slopes"], batch, q.shape[1], device),
-        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        alibi_slopes=alibi_slopes,
+        cu_seqlens_q=cu_seqlens_q,
     )
-    c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
     if q.numel() == 0 or batch == 0:
-        return torch.zeros_like(q)
+        return torch.zeros(q.shape, dtype=q.dtype, device=device)
+    c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
     with api._on_device(q):
         out, _ = api._implementation(q).attn_fwd_kvcache(q, k, v, p, c)
-    return out
+    return out.contiguous()
+
+
+@_fwd_paged_varlen.register_fake
+def _(q, *args):
+    return q.new_empty(q.shape)

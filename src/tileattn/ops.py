@@ -1,0 +1,185 @@
+"""The attention kernels as ``torch.library`` custom ops, so ``torch.compile`` sees them as single
+opaque nodes (no graph break) with fake (meta) implementations for tracing and registered autograd.
+
+``tileattn::fwd`` returns ``(out, softmax_lse, rng_state)``: rng_state is an int64 CPU tensor holding
+the dropout seed the forward drew, which ``tileattn::bwd`` takes to regenerate the same mask. The public
+functions in ``tileattn.api`` validate metadata (works on fake tensors while tracing) and call these
+ops; checks that need tensor *values* (cu_seqlens) run here, in the real implementation, before any
+kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tileattn import api, cpu, rng
+from tileattn.kernels.configs import AttnParams
+
+
+def params(
+    q: Tensor,
+    alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    seed: int,
+    deterministic: bool,
+) -> AttnParams:
+    varlen = cu_seqlens_q is not None
+    return AttnParams(
+        batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
+        seqlen_q=max_seqlen_q,
+        seqlen_k=max_seqlen_k,
+        headdim=q.shape[-1],
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        philox_seed=seed,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        deterministic=deterministic,
+    )
+
+
+def _like(t: Tensor, ref: Tensor) -> Tensor:
+    """``t`` with the strides ``torch.empty_like(ref)`` has (what the fake implementations promise)."""
+    out = torch.empty_like(ref)
+    if out.stride() == t.stride():
+        return t
+    return out.copy_(t)
+
+
+@torch.library.custom_op("tileattn::fwd", mutates_args=())
+def attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if cu_seqlens_q is not None:
+        api._check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        api._check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    seed = rng.new_seed() if dropout_p > 0 else 0
+    p = params(
+        q,
+        alibi_slopes,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        window_left,
+        window_right,
+        softcap,
+        dropout_p,
+        seed,
+        deterministic,
+    )
+    if api._nothing_to_attend(q, k):
+        out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
+    else:
+        with api._on_device(q):
+            out, lse = api._implementation(q).attn_fwd(q, k, v, p)
+    return _like(out, q), lse, torch.tensor([seed], dtype=torch.int64)
+
+
+@attn_fwd.register_fake
+def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *args):
+    nheads = q.shape[-2]
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((nheads, q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], nheads, q.shape[1]), dtype=torch.float32)
+    return torch.empty_like(q), lse, torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("tileattn::bwd", mutates_args=())
+def attn_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    rng_state: Tensor,
+    alibi_slopes: Tensor | None,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if api._nothing_to_attend(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    p = params(
+        q,
+        alibi_slopes,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        window_left,
+        window_right,
+        softcap,
+        dropout_p,
+        int(rng_state[0]),
+        deterministic,
+    )
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    with api._on_device(q):
+        dq, dk, dv = api._implementation(q).attn_bwd(dout, q, k, v, out, lse, p)
+    return _like(dq, q), _like(dk, k), _like(dv, v)
+
+
+@attn_bwd.register_fake
+def _(dout, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3])
+    ctx.options = options[3:]
+
+
+def _backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state, alibi, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, rng_state, alibi, cu_q, cu_k, *ctx.options)
+    return (dq, dk, dv) + (None,) * 11
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, p: AttnParams) -> Tensor:
+    """S_dmask of ``return_attn_probs`` (materialised N×N, for tests)."""
+    p.philox_seed = int(rng_state[0])
+    return cpu.attn_probs(q.detach(), k.detach(), lse, p)

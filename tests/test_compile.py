@@ -1,0 +1,145 @@
+"""torch.compile and torch.library: every public function is a custom op with a fake implementation
+and registered autograd, so compiled models call it without graph breaks (fullgraph=True)."""
+
+import pytest
+import torch
+
+import tileattn
+from tileattn.testing import check_close
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+# CPU runs use the aot_eager backend (traces, functionalises and partitions like inductor, without a
+# C++ toolchain); on GPU the real inductor compiles the surrounding graph.
+BACKEND = "inductor" if HAS_CUDA else "aot_eager"
+
+
+def _t(*shape, grad=False, dtype=None):
+    return torch.randn(*shape, device=DEVICE, dtype=dtype or DTYPE).requires_grad_(grad)
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def test_opcheck_fwd_bwd_dense_and_varlen():
+    q, k, v = _t(2, 9, 4, 16, grad=True), _t(2, 7, 2, 16, grad=True), _t(2, 7, 2, 16, grad=True)
+    args = (q, k, v, None, None, None, 9, 7, 0.25, -1, 0, 0.0, 0.0, False)
+    torch.library.opcheck(torch.ops.tileattn.fwd.default, args)
+    out, lse, rng_state = torch.ops.tileattn.fwd(*args)
+    bwd_args = (
+        torch.randn_like(out),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        rng_state,
+        None,
+        None,
+        None,
+        9,
+        7,
+        0.25,
+        -1,
+        0,
+        0.0,
+        0.0,
+        False,
+    )
+    # tileattn::bwd is the backward kernel and has no derivative itself (no double backward), so its
+    # aot_dispatch check (which differentiates the op) is left out; the fwd check above already runs it
+    # through AOT autograd as fwd's backward.
+    torch.library.opcheck(
+        torch.ops.tileattn.bwd.default,
+        bwd_args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+    cu = _i32([0, 5, 12])
+    qv, kv = _t(12, 4, 16, grad=True), _t(12, 2, 16, grad=True)
+    slopes = torch.rand(4, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.tileattn.fwd.default, (qv, kv, kv, slopes, cu, cu, 7, 7, 0.25, 3, 0, 2.0, 0.0, False)
+    )
+
+
+def test_opcheck_kvcache_and_paged_varlen():
+    q = _t(2, 1, 4, 16)
+    kc, vc = _t(2, 10, 2, 16), _t(2, 10, 2, 16)
+    k, v = _t(2, 1, 2, 16), _t(2, 1, 2, 16)
+    angle = torch.rand(12, 8, device=DEVICE)
+    args = (
+        q, kc, vc, k, v, angle.cos().to(DTYPE), angle.sin().to(DTYPE), _i32([3, 7]), None, None, None, None,
+        0.25, -1, 0, 0.0, True, 0, 1,
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.tileattn.fwd_kvcache.default, args)
+    pool = _t(6, 4, 2, 16)
+    table = _i32([[0, 1, 2], [3, 4, 5]])
+    args = (_t(5, 4, 16), pool, pool, _i32([0, 2, 5]), _i32([0, 9, 19]), table, None, 3, 10, 0.25, -1, 0, 0.0)
+    torch.library.opcheck(torch.ops.tileattn.fwd_paged_varlen.default, args)
+
+
+class Block(torch.nn.Module):
+    """Pre-norm attention block calling the public functions."""
+
+    def __init__(self, d=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.qkv = torch.nn.Linear(d, (heads + 2 * kv_heads) * self.hd)
+        self.out = torch.nn.Linear(d, d)
+
+    def split(self, x):
+        q, k, v = self.qkv(x).split([self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1)
+        return (
+            q.unflatten(-1, (self.heads, self.hd)),
+            k.unflatten(-1, (self.kv_heads, self.hd)),
+            v.unflatten(-1, (self.kv_heads, self.hd)),
+        )
+
+    def forward(self, x, cu=None, max_len=None):
+        q, k, v = self.split(x)
+        if cu is None:
+            a = tileattn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+        else:
+            a = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+        return x + self.out(a.flatten(-2))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_compiled_model_has_no_graph_break(varlen):
+    torch._dynamo.reset()
+    model = Block().to(DEVICE, DTYPE)
+    if varlen:
+        x = _t(21, 64)
+        args = (_i32([0, 4, 21]), 17)
+    else:
+        x = _t(2, 13, 64)
+        args = ()
+    compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
+    out = compiled(x, *args)
+    expected = model(x, *args)
+    torch.testing.assert_close(out, expected, atol=2e-2 if HAS_CUDA else 1e-5, rtol=1e-3)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    ref_grads = torch.autograd.grad(expected.sum(), list(model.parameters()))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=5e-2 if HAS_CUDA else 1e-4, rtol=1e-2)
+
+
+def test_compiled_decode_step_writes_the_cache():
+    torch._dynamo.reset()
+    kc, vc = (
+        torch.zeros(2, 16, 2, 16, device=DEVICE, dtype=DTYPE),
+        torch.zeros(2, 16, 2, 16, device=DEVICE, dtype=DTYPE),
+    )
+
+    def step(q, k, v, seqlens):
+        return tileattn.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend=BACKEND)
+    q, k, v = _t(2, 1, 4, 16), _t(2, 1, 2, 16), _t(2, 1, 2, 16)
+    out = compiled(q, k, v, _i32([3, 8]))
+    assert torch.equal(kc[0, 3], k[0, 0]) and torch.equal(vc[1, 8], v[1, 0]), "the compiled call did not append"
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = tileattn.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=_i32([4, 9]), causal=True)
+    check_close("compiled decode", out, expected.double(), expected)
