@@ -17,7 +17,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from tileattn import cpu
+from tileattn import cpu, rng
 from tileattn.kernels.configs import AttnParams, interpreting
 
 MAX_HEADDIM = 256
@@ -183,7 +183,7 @@ def _check_options(
     if causal:
         right = 0
     scale = None if softmax_scale is None else float(softmax_scale)
-    return float(dropout_p), scale, left, right, float(softcap)
+    return rng.quantize_dropout_p(float(dropout_p)), scale, left, right, float(softcap)
 
 
 def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device) -> torch.Tensor | None:
@@ -323,9 +323,10 @@ def _params(
 # --------------------------------------------------------------------------------------------------
 
 _DENSE_DOC_ARGS = """
-        dropout_p: probability of dropping an attention weight (training only; pass 0.0 at eval).
-            Decisions come from a counter-based RNG (Philox) seeded from PyTorch's default generator,
-            so ``torch.manual_seed`` makes them reproducible; the backward pass regenerates them.
+        dropout_p: probability of dropping an attention weight (training only; pass 0.0 at eval),
+            rounded to a multiple of 2**-16 (each decision uses 16 random bits). Decisions come from a
+            counter-based RNG (Philox) seeded from PyTorch's default generator, so ``torch.manual_seed``
+            makes them reproducible; the backward pass regenerates them.
         softmax_scale: scale of QKᵀ before the softmax; default ``1 / sqrt(headdim)``.
         causal: causal mask aligned to the bottom-right corner: with ``seqlen_q != seqlen_k``, query i
             sees keys ``j <= i + seqlen_k - seqlen_q``.

@@ -5,9 +5,16 @@ computes the very same numbers with PyTorch integer ops, so that the CPU path, t
 tests all see the dropout mask the GPU kernels use. Nothing is stored between forward and backward:
 each element's decision is a pure function of ``(seed, offset)``.
 
-Offsets: element ``(b, h, i, j)`` of an attention with ``nheads`` heads, padded to
-``seqlen_q`` x ``seqlen_k`` (the max lengths in varlen mode) uses
-``offset = ((b * nheads + h) * seqlen_q + i) * seqlen_k + j``.
+Dropout draws 16 random bits per attention element and gets 8 elements from one Philox evaluation
+(four 32-bit words, two 16-bit halves each), FlashAttention-2's economy (it takes 16 elements of 8 bits):
+Philox is integer work, and one evaluation per element cost more than the tensor-core math it gated.
+``dropout_p`` is therefore rounded to a multiple of 2**-16 (``quantize_dropout_p``); an element is kept
+when its 16 bits are >= ``dropout_p * 2**16``, so the rate is exactly the rounded p.
+
+Offsets: element ``(b, h, i, j)`` of an attention with ``nheads`` heads, padded to ``seqlen_q`` x
+``seqlen_k`` (the max lengths in varlen mode) has ``offset = ((b * nheads + h) * seqlen_q + i) * row + j``
+with ``row = 8 * ceil(seqlen_k / 8)``. Its Philox counter is ``offset // 8`` and ``offset % 8 = s`` picks
+half ``s % 2`` (low half first) of output word ``s // 2``.
 """
 
 from __future__ import annotations
@@ -35,10 +42,9 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi & _MASK32, mid & _MASK32
 
 
-def philox_uint32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox4x32-10 for counters ``(offset_lo, offset_hi, 0, 0)`` and key
-    ``(seed_lo, seed_hi)``, as int64 values in [0, 2**32). Matches ``tl.randint(seed, offsets)``
-    for int64 ``offsets``."""
+def philox4_uint32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The four output words of Philox4x32-10 for counters ``(offset_lo, offset_hi, 0, 0)`` and key
+    ``(seed_lo, seed_hi)``, int64 values in [0, 2**32): ``tl.randint4x(seed, offsets)``."""
     offsets = offsets.to(torch.int64)
     c0 = offsets & _MASK32
     c1 = (offsets >> 32) & _MASK32
@@ -51,7 +57,14 @@ def philox_uint32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
+
+
+def philox_uint32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 for counters ``(offset_lo, offset_hi, 0, 0)`` and key
+    ``(seed_lo, seed_hi)``, as int64 values in [0, 2**32). Matches ``tl.randint(seed, offsets)``
+    for int64 ``offsets``."""
+    return philox4_uint32(seed, offsets)[0]
 
 
 def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -60,6 +73,16 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     x = torch.where(x >= 2**31, x - 2**32, x)  # reinterpret as int32
     x = torch.where(x < 0, -x - 1, x)
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+DROPOUT_BITS = 16
+_LEVELS = 1 << DROPOUT_BITS
+
+
+def quantize_dropout_p(dropout_p: float) -> float:
+    """``dropout_p`` rounded to the multiple of 2**-16 that the 16-bit draws realise (at most
+    1 - 2**-16, so that something is always kept)."""
+    return min(round(dropout_p * _LEVELS), _LEVELS - 1) / _LEVELS
 
 
 def dropout_offsets(
@@ -71,13 +94,20 @@ def dropout_offsets(
     seqlen_q: int,
     seqlen_k: int,
 ) -> torch.Tensor:
-    """Philox offsets of elements (b, h, i, j); arguments broadcast against each other."""
-    return ((torch.as_tensor(b, dtype=torch.int64) * nheads + h) * seqlen_q + i) * seqlen_k + j
+    """Offsets of elements (b, h, i, j); arguments broadcast against each other."""
+    row = 8 * ((seqlen_k + 7) // 8)
+    return ((torch.as_tensor(b, dtype=torch.int64) * nheads + h) * seqlen_q + i) * row + j
 
 
 def dropout_keep(seed: int, offsets: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Boolean keep-mask: an element is kept when its uniform draw is >= dropout_p."""
-    return philox_uniform(seed, offsets) >= dropout_p
+    """Boolean keep-mask: an element is kept when its 16 random bits are >= dropout_p * 2**16
+    (dropout_p already quantized)."""
+    offsets = offsets.to(torch.int64)
+    words = philox4_uint32(seed, offsets // 8)
+    s = offsets % 8
+    word = torch.where(s < 4, torch.where(s < 2, words[0], words[1]), torch.where(s < 6, words[2], words[3]))
+    bits = (word >> ((s % 2) * 16)) & 0xFFFF
+    return bits >= round(dropout_p * _LEVELS)
 
 
 def new_seed() -> int:

@@ -77,11 +77,12 @@ def _dkdv_tiles(
     window_right,
     philox_seed,
     rng_base,
-    seqlen_k_rng,
+    row_groups,
     dropout_p,
     HEAD_DIM: tl.constexpr,
     PAD_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
@@ -91,6 +92,7 @@ def _dkdv_tiles(
 ):
     """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head. Works in the
     transposed orientation (keys are rows) so dK and dV come out of ``tl.dot`` directly."""
+    n_start = tl.min(offs_n, 0)  # the key block's first column, a multiple of BLOCK_N (dropout counters)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q = common.load_tile(
@@ -127,8 +129,8 @@ def _dkdv_tiles(
         pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]; 0 for rows with lse=+inf
         dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
         if HAS_DROPOUT:
-            keepT = common.dropout_keep(
-                philox_seed, rng_base, offs_m[None, :], offs_n[:, None], seqlen_k_rng, dropout_p
+            keepT = tl.trans(
+                common.dropout_keep(philox_seed, rng_base, offs_m, n_start, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             )
             inv_keep = 1.0 / (1.0 - dropout_p)
             dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D]
@@ -203,7 +205,7 @@ def _attn_bwd_dkdv(
     pid = tl.program_id(0)
     h_k = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    seqlen_k_rng = seqlen_k
+    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
     if IS_VARLEN:
         b, n_block = common.seq_tile(pid, CuSeqlensK, batch, BLOCK_N, BATCH_PAD)
         if b >= batch:
@@ -254,7 +256,7 @@ def _attn_bwd_dkdv(
             slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
         rng_base = 0
         if HAS_DROPOUT:
-            rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+            rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
         dk, dv = _dkdv_tiles(
             dk,
             dv,
@@ -281,11 +283,12 @@ def _attn_bwd_dkdv(
             window_right,
             philox_seed,
             rng_base,
-            seqlen_k_rng,
+            row_groups,
             dropout_p,
             HEAD_DIM,
             PAD_D,
             BLOCK_M,
+            BLOCK_N,
             True,
             HAS_SOFTCAP,
             HAS_ALIBI,
@@ -319,11 +322,12 @@ def _attn_bwd_dkdv(
             window_right,
             philox_seed,
             rng_base,
-            seqlen_k_rng,
+            row_groups,
             dropout_p,
             HEAD_DIM,
             PAD_D,
             BLOCK_M,
+            BLOCK_N,
             False,
             HAS_SOFTCAP,
             HAS_ALIBI,
@@ -357,11 +361,12 @@ def _attn_bwd_dkdv(
             window_right,
             philox_seed,
             rng_base,
-            seqlen_k_rng,
+            row_groups,
             dropout_p,
             HEAD_DIM,
             PAD_D,
             BLOCK_M,
+            BLOCK_N,
             True,
             HAS_SOFTCAP,
             HAS_ALIBI,
@@ -405,10 +410,11 @@ def _dq_tiles(
     window_right,
     philox_seed,
     rng_base,
-    seqlen_k_rng,
+    row_groups,
     dropout_p,
     HEAD_DIM: tl.constexpr,
     PAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -448,7 +454,7 @@ def _dq_tiles(
         p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_k_rng, dropout_p)
+            keep = common.dropout_keep(philox_seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -514,7 +520,7 @@ def _attn_bwd_dq(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    seqlen_k_rng = seqlen_k
+    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:
@@ -563,7 +569,7 @@ def _attn_bwd_dq(
         slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
     rng_base = 0
     if HAS_DROPOUT:
-        rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+        rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = common.key_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
@@ -593,10 +599,11 @@ def _attn_bwd_dq(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_SOFTCAP,
@@ -630,10 +637,11 @@ def _attn_bwd_dq(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         False,
         HAS_SOFTCAP,
@@ -667,10 +675,11 @@ def _attn_bwd_dq(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_SOFTCAP,

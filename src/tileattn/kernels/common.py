@@ -201,8 +201,23 @@ def scores(
 
 
 @triton.jit
-def dropout_keep(seed, rng_base, i, j, seqlen_k_rng, dropout_p):
-    """Keep-mask of Philox dropout for elements (i, j) of one (batch, head); see ``tileattn.rng``.
-    rng_base = (b * nheads + h) * seqlen_q_rng * seqlen_k_rng, int64."""
-    offsets = rng_base + i.to(tl.int64) * seqlen_k_rng + j
-    return tl.rand(seed, offsets) >= dropout_p
+def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask ``[BLOCK_M, BLOCK_N]`` of Philox dropout for rows ``offs_m`` and columns
+    ``start_n + arange(BLOCK_N)`` (start_n a multiple of 8) of one (batch, head); see ``tileattn.rng``.
+
+    One ``randint4x`` per 8 columns: its four words give two 16-bit draws each, spread over the 8
+    columns (column 8g + s takes half s % 2 of word s // 2). rng_base = (b * nheads + h) * seqlen_q_rng
+    * row_groups (int64), row_groups = ceil(seqlen_k_rng / 8)."""
+    GROUPS: tl.constexpr = BLOCK_N // 8
+    g = start_n // 8 + tl.arange(0, GROUPS)
+    counters = rng_base + offs_m.to(tl.int64)[:, None] * row_groups + g[None, :]  # [BLOCK_M, GROUPS]
+    w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    s = tl.arange(0, 8)[None, None, :]
+    word = tl.where(
+        s < 4,
+        tl.where(s < 2, w0[:, :, None], w1[:, :, None]),
+        tl.where(s < 6, w2[:, :, None], w3[:, :, None]),
+    )  # [BLOCK_M, GROUPS, 8]
+    bits = ((word >> ((s % 2) * 16).to(tl.uint32)) & 0xFFFF).to(tl.float32)  # exact: < 2**16
+    # dropout_p is a multiple of 2**-16 (tileattn.rng.quantize_dropout_p), so the threshold is exact too
+    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= dropout_p * 65536.0

@@ -37,10 +37,11 @@ def _fwd_tiles(
     window_right,
     philox_seed,
     rng_base,
-    seqlen_k_rng,
+    row_groups,
     dropout_p,
     HEAD_DIM: tl.constexpr,
     PAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -85,7 +86,7 @@ def _fwd_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, i[:, None], offs_n[None, :], seqlen_k_rng, dropout_p)
+            keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
         m_i = m_new
@@ -150,7 +151,7 @@ def _attn_fwd(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    seqlen_k_rng = seqlen_k
+    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:
@@ -194,7 +195,7 @@ def _attn_fwd(
         slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
     rng_base = 0
     if HAS_DROPOUT:
-        rng_base = (b64 * nheads + h) * seqlen_q_rng * seqlen_k_rng
+        rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -229,10 +230,11 @@ def _attn_fwd(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_SOFTCAP,
@@ -265,10 +267,11 @@ def _attn_fwd(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         False,
         HAS_SOFTCAP,
@@ -301,10 +304,11 @@ def _attn_fwd(
         window_right,
         philox_seed,
         rng_base,
-        seqlen_k_rng,
+        row_groups,
         dropout_p,
         HEAD_DIM,
         PAD_D,
+        BLOCK_M,
         BLOCK_N,
         True,
         HAS_SOFTCAP,
