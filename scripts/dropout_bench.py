@@ -16,12 +16,12 @@ for headdim in (64, 128):
         )
         dout = torch.randn_like(q)
 
-        def ours(p):
+        def ours(p, q=q, k=k, v=v, dout=dout):
             return lambda: torch.autograd.grad(
                 tileattn.flash_attn_func(q, k, v, dropout_p=p, causal=True), (q, k, v), dout
             )
 
-        def fa2():
+        def fa2(q=q, k=k, v=v, dout=dout):
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, dropout_p=0.1, is_causal=True)
