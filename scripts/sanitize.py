@@ -4,8 +4,10 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
-tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ) and the varlen scheduling,
-with every feature flag."""
+tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
+with every feature flag, and the KV-cache kernels (contiguous and paged caches, split-KV and its combine,
+leftpad, batch_idx, the table lookahead and in-loop variants, paged prefill), with odd head dims and
+ragged tails."""
 
 import torch
 
@@ -34,5 +36,38 @@ cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.i
 for kw in (dict(causal=True), dict(window_size=(3, 9), dropout_p=0.1)):
     out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
+# KV cache: odd head dims, capacities that are not multiples of the tile, empty and full caches.
+for d, page, kw in ((59, None, dict(causal=True)), (96, 16, dict(window_size=(7, 0))), (40, 5, dict(softcap=2.0))):
+    b, hk, h, cap = 3, 2, 6, 301
+    q = torch.randn(b, 3, h, d, device=dev, dtype=dt)
+    if page:
+        pages = -(-cap // page)
+        kc = torch.randn(b * pages + 1, page, hk, d, device=dev, dtype=dt)
+        table = torch.randperm(b * pages + 1, device=dev)[: b * pages].view(b, pages).int()
+        extra = dict(block_table=table, cache_leftpad=torch.tensor([0, 7, 100], dtype=torch.int32, device=dev))
+    else:
+        kc = torch.randn(b + 1, cap, hk, d, device=dev, dtype=dt)
+        extra = dict(cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev))
+    vc = torch.randn_like(kc)
+    new = torch.randn(b, 3, hk, d, device=dev, dtype=dt)
+    seqlens = torch.tensor([0, 150, cap - 3], dtype=torch.int32, device=dev)
+    angle = torch.rand(cap + 3, 8, device=dev)
+    for splits in (1, 4, 0):
+        tileattn.flash_attn_with_kvcache(
+            q, kc, vc, new, new, angle.cos().to(dt), angle.sin().to(dt), seqlens, num_splits=splits, **extra, **kw
+        )
+    if page:
+        lens_q, lens_k = [3, 0, 9], [40, 7, 290]
+        qv = torch.randn(sum(lens_q), h, d, device=dev, dtype=dt)
+        cq = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        ck = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        tileattn.flash_attn_varlen_func(qv, kc, vc, cq, ck, 9, 290, causal=True, block_table=table)
+# the paged kernel's in-loop table variant runs at full occupancy: a batch of many sequences
+kc = torch.randn(64 * 8, 16, 2, 64, device=dev, dtype=dt)
+table = torch.randperm(64 * 8, device=dev).view(64, 8).int()
+q = torch.randn(64, 1, 8, 64, device=dev, dtype=dt)
+tileattn.flash_attn_with_kvcache(
+    q, kc, kc, cache_seqlens=torch.randint(0, 129, (64,), dtype=torch.int32, device=dev), block_table=table
+)
 torch.cuda.synchronize()
 print("sanitize workload done")
