@@ -1,8 +1,12 @@
 """Attention against a KV cache: in-place append, rotary, paged caches, split-KV, and the paged
 prefill of flash_attn_varlen_func, each against the per-sequence reference (tests/kvcache_ref.py)."""
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tileattn
 from helpers import on
@@ -171,3 +175,85 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
     monkeypatch.setattr(decode, "_sm_count", lambda device: 1)
     test_kvcache_matches_reference(backend, "chunk-causal-neox", "page4", 3)
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
+
+
+@st.composite
+def kvcache_problems(draw, max_len):
+    batch = draw(st.integers(1, 3))
+    nheads_k = draw(st.integers(1, 2))
+    page = draw(st.sampled_from([None, None, 1, 4, 16]))
+    seqlen_new = draw(st.integers(0, 4))
+    capacity = draw(st.integers(max(seqlen_new, 1), max_len))
+    seqlens = draw(st.lists(st.integers(0, capacity - seqlen_new), min_size=batch, max_size=batch))
+    leftpad = draw(st.booleans())
+    rotary = draw(st.sampled_from([None, "interleaved", "neox"])) if seqlen_new else None
+    window = (draw(st.integers(-1, 20)), draw(st.integers(-1, 20))) if draw(st.booleans()) else (-1, -1)
+    return dict(
+        batch=batch,
+        nheads_k=nheads_k,
+        nheads=nheads_k * draw(st.sampled_from([1, 2, 4])),
+        headdim=draw(st.sampled_from([16, 24, 40, 64])),
+        seqlen_q=draw(st.integers(1, 5)),
+        seqlen_new=seqlen_new,
+        capacity=capacity,
+        page=page,
+        seqlens=seqlens,
+        leftpad=[draw(st.integers(0, n)) for n in seqlens] if leftpad else None,
+        rotary=rotary,
+        causal=draw(st.booleans()),
+        window=window,
+        softcap=draw(st.sampled_from([0.0, 0.0, 4.0])),
+        alibi=draw(st.booleans()),
+        num_splits=draw(st.sampled_from([0, 1, 2, 5])),
+    )
+
+
+def _check_kvcache_problem(backend, pb):
+    ctx, device = on(backend)
+    b, h, hk, d, cap = pb["batch"], pb["nheads"], pb["nheads_k"], pb["headdim"], pb["capacity"]
+    q = torch.randn(b, pb["seqlen_q"], h, d, dtype=F16, device=device)
+    args = dict(causal=pb["causal"], window_size=pb["window"], softcap=pb["softcap"], num_splits=pb["num_splits"])
+    if pb["page"]:
+        pages = -(-cap // pb["page"])
+        kc = torch.randn(b * pages + 2, pb["page"], hk, d, dtype=F16, device=device)
+        args["block_table"] = torch.randperm(b * pages + 2, device=device)[: b * pages].view(b, pages).int()
+    else:
+        kc = torch.randn(b, cap, hk, d, dtype=F16, device=device)
+    vc = torch.randn_like(kc)
+    args["cache_seqlens"] = torch.tensor(pb["seqlens"], dtype=torch.int32, device=device)
+    if pb["seqlen_new"]:
+        args["k"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=F16, device=device)
+        args["v"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=F16, device=device)
+    if pb["leftpad"] is not None:
+        args["cache_leftpad"] = torch.tensor(pb["leftpad"], dtype=torch.int32, device=device)
+    if pb["alibi"]:
+        args["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
+    if pb["rotary"]:
+        angle = torch.rand(cap + pb["seqlen_q"], d // 4, device=device) * 6.283
+        args.update(rotary_cos=angle.cos().to(F16), rotary_sin=angle.sin().to(F16))
+        args["rotary_interleaved"] = pb["rotary"] == "interleaved"
+    ref_args = {key: val for key, val in args.items() if key != "num_splits"}
+    ref, k_ref, _ = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
+    lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(ref_args))
+    with ctx:
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
+    check_close(f"{pb} out", out, ref, lowp)
+    got = dense_view(kc, args.get("block_table"), k_ref.shape[1])
+    assert torch.equal(got, k_ref.to(F16)), f"{pb}: k_cache after append"
+
+
+_KV_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 100}
+
+
+def test_property_random_kvcache_calls(backend):
+    """Random decode / chunked-prefill calls: batch, GQA, head dim, capacity, page size (1 to 16 or
+    contiguous), cache lengths (empty and full), new tokens, leftpad, rotary, causal, windows, softcap,
+    ALiBi and split counts, against the per-sequence reference."""
+    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", _KV_EXAMPLES[backend]))
+
+    @settings(max_examples=n, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
+    @given(kvcache_problems(200 if backend == "cuda" else 40))
+    def run(pb):
+        _check_kvcache_problem(backend, pb)
+
+    run()
