@@ -257,3 +257,40 @@ def test_property_random_kvcache_calls(backend):
         _check_kvcache_problem(backend, pb)
 
     run()
+
+
+def test_empty_batch_and_empty_queries(backend):
+    ctx, device = on(backend)
+    kc = torch.randn(2, 8, 1, 16, dtype=F16, device=device)
+    with ctx:
+        out, lse = tileattn.flash_attn_with_kvcache(
+            torch.randn(0, 1, 2, 16, dtype=F16, device=device), kc, kc, cache_seqlens=3, return_softmax_lse=True
+        )
+        assert out.shape == (0, 1, 2, 16) and lse.shape == (0, 2, 1)
+        out = tileattn.flash_attn_with_kvcache(
+            torch.randn(2, 0, 2, 16, dtype=F16, device=device), kc, kc, cache_seqlens=3
+        )
+        assert out.shape == (2, 0, 2, 16)
+
+
+def test_nan_in_the_cache_reaches_only_rows_that_see_it(backend):
+    """A NaN key at position 5 of sequence 0: that sequence's rows are NaN once they see position 5
+    (not before, with causal decoding), sequence 1 is untouched; no hang, no crash. (A NaN *value* also
+    reaches rows that load its tile without seeing it, through 0 · NaN, as in FlashAttention.)"""
+    ctx, device = on(backend)
+    q = torch.randn(2, 4, 2, 16, dtype=F16, device=device)
+    kc = torch.randn(2, 16, 1, 16, dtype=F16, device=device)
+    vc = torch.randn_like(kc)
+    kc[0, 5, 0, 3] = float("nan")
+    with ctx:
+        out = tileattn.flash_attn_with_kvcache(
+            q,
+            kc,
+            vc,
+            cache_seqlens=torch.tensor([6, 9], dtype=torch.int32, device=device),
+            causal=True,
+            num_splits=2,
+        )
+    # sequence 0 has 6 keys and 4 queries: query i sees keys <= i + 2, so row 3 (it sees key 5) is NaN
+    assert torch.isfinite(out[0, :3]).all() and torch.isnan(out[0, 3]).all()
+    assert torch.isfinite(out[1]).all()
