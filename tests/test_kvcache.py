@@ -294,3 +294,28 @@ def test_nan_in_the_cache_reaches_only_rows_that_see_it(backend):
     # sequence 0 has 6 keys and 4 queries: query i sees keys <= i + 2, so row 3 (it sees key 5) is NaN
     assert torch.isfinite(out[0, :3]).all() and torch.isnan(out[0, 3]).all()
     assert torch.isfinite(out[1]).all()
+
+
+def test_append_kernel_drops_out_of_range_writes():
+    """What runs under CUDA graph capture, where the API cannot read index values: the append kernel
+    writes rows whose position, cache row and page are in range and drops the others (nothing outside
+    the caches is touched). Called directly, bypassing validation."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
+        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    from tileattn.kernels import decode
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pool = torch.zeros(4, 4, 1, 16, dtype=F16, device=device)
+    before = pool.clone()
+    new = torch.ones(3, 2, 1, 16, dtype=F16, device=device)
+    table = torch.tensor([[0, 1], [2, 9], [3, -1]], dtype=torch.int32, device=device)  # 9 and -1 are bad pages
+    seqlens = torch.tensor([7, 3, 1], dtype=torch.int32, device=device)  # 7 + 1 runs past capacity 8
+    decode.kvcache_append(new[:, :1, :, :], pool, pool.clone(), new, new, None, seqlens, None, table, 1)
+    written = (pool != before).any(-1).any(-1)  # (page, slot)
+    expected = torch.zeros(4, 4, dtype=torch.bool, device=device)
+    expected[1, 3] = True  # seq 0, position 7 -> page 1 slot 3; position 8 is past capacity
+    expected[2, 3] = True  # seq 1, position 3 -> page 2 slot 3; position 4 -> page 9 dropped
+    expected[3, 1] = expected[3, 2] = True  # seq 2, positions 1, 2 -> page 3
+    assert torch.equal(written, expected), written

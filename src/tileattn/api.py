@@ -63,7 +63,10 @@ def _triton_implementation() -> SimpleNamespace:
     from tileattn.kernels import backward, decode, forward
 
     return SimpleNamespace(
-        attn_fwd=forward.attn_fwd, attn_bwd=backward.attn_bwd, attn_fwd_kvcache=decode.attn_fwd_kvcache
+        attn_fwd=forward.attn_fwd,
+        attn_bwd=backward.attn_bwd,
+        attn_fwd_kvcache=decode.attn_fwd_kvcache,
+        kvcache_append=decode.kvcache_append,
     )
 
 

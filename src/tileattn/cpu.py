@@ -20,6 +20,7 @@ import torch
 
 from tileattn import reference, rng
 from tileattn.kernels.configs import AttnParams
+from tileattn.rotary import rotary_at
 
 BLOCK_M = 128
 BLOCK_N = 256
@@ -210,6 +211,39 @@ def attn_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttnParam
             pb = torch.where(keep, pb, -pb)
         probs[b, :, :seqlen_q, :seqlen_k] = pb
     return probs
+
+
+def _write_rows(
+    cache: torch.Tensor,
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor | None,
+    batch_idx: torch.Tensor | None,
+) -> None:
+    """Writes ``new (batch, seqlen_new, nheads_k, d)`` into ``cache`` at ``positions (batch, seqlen_new)``."""
+    if block_table is not None:
+        page_size = cache.shape[1]
+        pages = block_table.long().gather(1, positions.div(page_size, rounding_mode="floor"))
+        cache[pages, positions % page_size] = new
+    else:
+        rows = batch_idx.long() if batch_idx is not None else torch.arange(new.shape[0], device=new.device)
+        cache[rows.unsqueeze(1), positions] = new
+
+
+def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span):
+    """Rotates the new keys at their cache positions and writes k, v into the caches in place; returns q
+    rotated at ``seqlens + i`` (``q_span`` > 1) or at ``seqlens`` (q_span 1), or q itself without rotary.
+    ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as ``kernels.decode.kvcache_append``."""
+    if k is not None:
+        positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
+        if rotary is not None:
+            k = rotary_at(k, *rotary[:2], positions, rotary[2])
+        _write_rows(k_cache, k, positions, block_table, batch_idx)
+        _write_rows(v_cache, v, positions, block_table, batch_idx)
+    if rotary is None:
+        return q
+    offsets = torch.arange(q_span, device=q.device)
+    return rotary_at(q, *rotary[:2], seqlens.long().unsqueeze(1) + offsets, rotary[2])
 
 
 def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c):

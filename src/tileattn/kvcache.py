@@ -23,7 +23,6 @@ from torch import Tensor
 from tileattn import api
 from tileattn.kernels.configs import AttnParams
 from tileattn.kernels.decode import CacheLayout
-from tileattn.rotary import rotary_at
 
 
 def _check_int32(name: str, t: object, shape: tuple[int, ...], layout: str, device: torch.device) -> torch.Tensor:
@@ -149,23 +148,6 @@ def _check_values(
             f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + new tokens)"
         )
     return longest
-
-
-def _append(
-    cache: torch.Tensor,
-    new: torch.Tensor,
-    positions: torch.Tensor,
-    block_table: torch.Tensor | None,
-    batch_idx: torch.Tensor | None,
-) -> None:
-    """Writes ``new (batch, seqlen_new, nheads_k, d)`` into ``cache`` at ``positions (batch, seqlen_new)``."""
-    if block_table is not None:
-        page_size = cache.shape[1]
-        pages = block_table.long().gather(1, positions.div(page_size, rounding_mode="floor"))
-        cache[pages, positions % page_size] = new
-    else:
-        rows = batch_idx.long() if batch_idx is not None else torch.arange(new.shape[0], device=new.device)
-        cache[rows.unsqueeze(1), positions] = new
 
 
 def flash_attn_with_kvcache(
@@ -368,15 +350,10 @@ def _fwd_kvcache(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
-    if k is not None:
-        positions = seqlens.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
-        if rotary_cos is not None:
-            k = rotary_at(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
-        _append(k_cache, k, positions, block_table, cache_batch_idx)
-        _append(v_cache, v, positions, block_table, cache_batch_idx)
-    if rotary_cos is not None:
-        offsets = torch.arange(q_span, device=device)
-        q = rotary_at(q, rotary_cos, rotary_sin, seqlens.long().unsqueeze(1) + offsets, rotary_interleaved)
+    impl = api._implementation(q)
+    rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
+    with api._on_device(q):
+        q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span)
     c = CacheLayout(
         seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
         leftpad=cache_leftpad,
@@ -388,7 +365,7 @@ def _fwd_kvcache(
     if q.numel() == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
     with api._on_device(q):
-        out, lse = api._implementation(q).attn_fwd_kvcache(q, k_cache, v_cache, p, c)
+        out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c)
     return out.contiguous(), lse
 
 

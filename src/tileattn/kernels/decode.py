@@ -577,3 +577,141 @@ def attn_fwd_kvcache(
             num_warps=4,
         )
     return out, lse
+
+
+@triton.jit
+def _rotate_rows(
+    Src,
+    Dst,
+    Seqlens,
+    BatchIdx,
+    Table,
+    Cos,
+    Sin,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    stride_db,
+    stride_dt,
+    stride_dh,
+    stride_tb,
+    stride_c,
+    seqlen,
+    nheads,
+    rot_half,
+    capacity,
+    num_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    POS_PER_TOKEN: tl.constexpr,
+    DST_MODE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+):
+    """Copies row (b, t, h) of ``Src`` to its destination, rotated (if ROTARY) at position
+    ``Seqlens[b] + t`` (``Seqlens[b]`` when not POS_PER_TOKEN). DST_MODE 0: ``Dst[b, t, h]``; 1: a
+    contiguous cache, ``Dst[row, pos, h]`` with row = BatchIdx[b] or b; 2: a paged cache through
+    ``Table``. The rotation is computed in fp32 as ``x·cos ∓ partner·sin`` and rounded once, like
+    ``tileattn.rotary`` (launched without FMA contraction, so the bits match it). Writes whose position
+    (``< capacity``), cache row or page (``< num_rows``) is out of range are dropped: the API refuses such
+    values, and under CUDA graph capture, where it cannot read them, nothing outside the cache is written."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // seqlen
+    t = pid % seqlen
+    base = tl.load(Seqlens + b)
+    pos = base + t
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    src = Src + b.to(tl.int64) * stride_sb + t.to(tl.int64) * stride_st + h * stride_sh
+    x = tl.load(src + offs_d, mask=mask_d, other=0.0)
+    if ROTARY:
+        rot = offs_d < 2 * rot_half
+        if INTERLEAVED:
+            partner = offs_d ^ 1
+            freq = offs_d // 2
+            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+        else:
+            first = offs_d < rot_half
+            partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
+            freq = tl.where(first, offs_d, offs_d - rot_half)
+            sign = tl.where(first, -1.0, 1.0)
+        rot_pos = pos if POS_PER_TOKEN else base
+        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(Cos + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(Sin + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        x = tl.where(rot, xf * c + (sign * xp) * s, xf)
+    ok = mask_d
+    if DST_MODE == 0:
+        dst = Dst + b.to(tl.int64) * stride_db + t.to(tl.int64) * stride_dt + h * stride_dh
+    else:
+        in_range = (pos >= 0) & (pos < capacity)
+        safe_pos = tl.where(in_range, pos, 0)
+        if DST_MODE == 1:
+            row = b
+            if HAS_BATCH_IDX:
+                row = tl.load(BatchIdx + b)
+            in_range = in_range & (row >= 0) & (row < num_rows)
+            dst = Dst + row.to(tl.int64) * stride_db + safe_pos.to(tl.int64) * stride_dt + h * stride_dh
+        else:
+            page = tl.load(Table + b.to(tl.int64) * stride_tb + safe_pos // PAGE_SIZE)
+            in_range = in_range & (page >= 0) & (page < num_rows)
+            dst = Dst + page.to(tl.int64) * stride_db + (safe_pos % PAGE_SIZE) * stride_dt + h * stride_dh
+        ok = ok & in_range
+    tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=ok)
+
+
+def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode):
+    batch, seqlen, nheads, headdim = src.shape
+    if batch * seqlen * nheads == 0:
+        return
+    cos, sin, interleaved = rotary if rotary is not None else (seqlens, seqlens, False)
+    _rotate_rows[(batch * seqlen, nheads)](
+        src,
+        dst,
+        seqlens,
+        batch_idx if batch_idx is not None else seqlens,
+        block_table if block_table is not None else seqlens,
+        cos,
+        sin,
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        dst.stride(0),
+        dst.stride(1),
+        dst.stride(2),
+        block_table.stride(0) if block_table is not None else 0,
+        cos.stride(0) if rotary is not None else 0,
+        seqlen,
+        nheads,
+        cos.shape[1] if rotary is not None else 0,
+        block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
+        dst.shape[0],
+        HEAD_DIM=headdim,
+        BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+        ROTARY=rotary is not None,
+        INTERLEAVED=bool(interleaved),
+        POS_PER_TOKEN=pos_per_token,
+        DST_MODE=dst_mode,
+        PAGE_SIZE=dst.shape[1] if dst_mode == 2 else 1,
+        HAS_BATCH_IDX=batch_idx is not None,
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
+
+
+def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span):
+    """The in-place append of ``flash_attn_with_kvcache`` in one launch per tensor (rotated k, v, and
+    the rotated copy of q): same interface and results as ``tileattn.cpu.kvcache_append``."""
+    if k is not None:
+        mode = 2 if block_table is not None else 1
+        _launch_rotate(k, k_cache, seqlens, batch_idx, block_table, rotary, True, mode)
+        _launch_rotate(v, v_cache, seqlens, batch_idx, block_table, None, True, mode)
+    if rotary is None:
+        return q
+    q_rot = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    _launch_rotate(q, q_rot, seqlens, None, None, rotary, q_span > 1, 0)
+    return q_rot
