@@ -638,7 +638,9 @@ def _rotate_rows(
             partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
             freq = tl.where(first, offs_d, offs_d - rot_half)
             sign = tl.where(first, -1.0, 1.0)
-        rot_pos = pos if POS_PER_TOKEN else base
+        rot_pos = base
+        if POS_PER_TOKEN:
+            rot_pos = pos
         xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
         c = tl.load(Cos + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=1.0).to(tl.float32)
         s = tl.load(Sin + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=0.0).to(tl.float32)
