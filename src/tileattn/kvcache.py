@@ -451,27 +451,27 @@ def _fwd_paged_varlen(
     batch = cu_seqlens_q.numel() - 1
     device = q.device
     capacity = block_table.shape[1] * k.shape[1]
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     longest = None
     if not _capturing(device):
         api._check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
         lengths = api._check_cu_values("cu_seqlens_k", cu_seqlens_k, None, "max_seqlen_k", max_seqlen_k)
         longest = max(lengths, default=0)
-    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-    if batch and not _capturing(device):
-        _check_values(
-            seqlens,
-            0,
-            capacity,
-            None,
-            None,
-            batch,
-            block_table,
-            k.shape[0],
-            k.shape[1],
-            None,
-            0,
-            "key lengths (cu_seqlens_k)",
-        )
+        if batch:
+            _check_values(
+                seqlens,
+                0,
+                capacity,
+                None,
+                None,
+                batch,
+                block_table,
+                k.shape[0],
+                k.shape[1],
+                None,
+                0,
+                "key lengths (cu_seqlens_k)",
+            )
     p = AttnParams(
         batch=batch,
         seqlen_q=max_seqlen_q,

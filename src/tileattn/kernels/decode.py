@@ -481,10 +481,11 @@ def attn_fwd_kvcache(
     paged = c.block_table is not None
     m_blocks = triton.cdiv(rows, cfg.block_m)
     programs = m_blocks * p.batch * nheads_k
+    sm_count = _sm_count(q.device)
     num_splits = c.num_splits
     if num_splits == 0:
         max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
-        num_splits = choose_splits(programs, max_k, cfg.block_n, _sm_count(q.device))
+        num_splits = choose_splits(programs, max_k, cfg.block_n, sm_count)
     num_splits = max(1, min(num_splits, _MAX_SPLITS, triton.cdiv(max(p.seqlen_k, 1), cfg.block_n)))
     split = num_splits > 1
     if split:
@@ -543,7 +544,7 @@ def attn_fwd_kvcache(
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=page_size,
         PAGED=paged,
-        PREFETCH_TABLE=paged and programs * num_splits < 2 * _sm_count(q.device),
+        PREFETCH_TABLE=paged and programs * num_splits < 2 * sm_count,
         HAS_LEFTPAD=c.leftpad is not None,
         HAS_BATCH_IDX=c.batch_idx is not None,
         MASK_LEFT=p.window_left >= 0,
