@@ -29,9 +29,9 @@ def test_philox_replica_matches_triton():
 
 
 def test_grouped_dropout_bits_match_the_replica():
-    """The kernels' keep-mask helper (8 columns per Philox draw, 16 bits each) equals
+    """The kernels' keep-mask helper (16 columns per Philox draw, 8 bits each) equals
     tileattn.rng.dropout_keep element for element, at an unaligned row, a later column block and a
-    key length that is not a multiple of 8."""
+    key length that is not a multiple of 64."""
     import triton
     import triton.language as tl
 
@@ -42,15 +42,15 @@ def test_grouped_dropout_bits_match_the_replica():
         tl.store(Out + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], keep.to(tl.int32))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = torch.zeros(16, 32, dtype=torch.int32, device=device)
-    seed, sq, sk, nheads, b, h = 0x1234_5678_9ABC, 40, 70, 3, 1, 2
-    row_groups = (sk + 7) // 8
+    out = torch.zeros(16, 128, dtype=torch.int32, device=device)
+    seed, sq, sk, nheads, b, h = 0x1234_5678_9ABC, 40, 300, 3, 1, 2
+    row_groups = 4 * ((sk + 63) // 64)
     p = rng.quantize_dropout_p(0.37)
-    _keep[(1,)](out, seed, (b * nheads + h) * sq * row_groups, row_groups, p, 32, BLOCK_M=16, BLOCK_N=32)
-    i, j = (3 + torch.arange(16)).view(-1, 1), (32 + torch.arange(32)).view(1, -1)
+    _keep[(1,)](out, seed, (b * nheads + h) * sq * row_groups, row_groups, p, 64, BLOCK_M=16, BLOCK_N=128)
+    i, j = (3 + torch.arange(16)).view(-1, 1), (64 + torch.arange(128)).view(1, -1)
     expected = rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, sq, sk), p)
     assert torch.equal(out.cpu().bool(), expected)
-    assert p == 24248 / 65536 and rng.quantize_dropout_p(0.9999999) == 65535 / 65536
+    assert p == 95 / 256 and rng.quantize_dropout_p(0.9999999) == 255 / 256
 
 
 @pytest.mark.parametrize("feats", [{}, {"causal": True}, {"window_size": (10, 4), "softcap": 3.0}], ids=str)

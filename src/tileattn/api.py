@@ -327,7 +327,7 @@ def _params(
 
 _DENSE_DOC_ARGS = """
         dropout_p: probability of dropping an attention weight (training only; pass 0.0 at eval),
-            rounded to a multiple of 2**-16 (each decision uses 16 random bits). Decisions come from a
+            rounded to a multiple of 2**-8 (each decision uses 8 random bits, as in flash_attn). Decisions come from a
             counter-based RNG (Philox) seeded from PyTorch's default generator, so ``torch.manual_seed``
             makes them reproducible; the backward pass regenerates them.
         softmax_scale: scale of QKᵀ before the softmax; default ``1 / sqrt(headdim)``.

@@ -5,16 +5,20 @@ computes the very same numbers with PyTorch integer ops, so that the CPU path, t
 tests all see the dropout mask the GPU kernels use. Nothing is stored between forward and backward:
 each element's decision is a pure function of ``(seed, offset)``.
 
-Dropout draws 16 random bits per attention element and gets 8 elements from one Philox evaluation
-(four 32-bit words, two 16-bit halves each), FlashAttention-2's economy (it takes 16 elements of 8 bits):
-Philox is integer work, and one evaluation per element cost more than the tensor-core math it gated.
-``dropout_p`` is therefore rounded to a multiple of 2**-16 (``quantize_dropout_p``); an element is kept
-when its 16 bits are >= ``dropout_p * 2**16``, so the rate is exactly the rounded p.
+Dropout draws 8 random bits per attention element and gets 16 elements from one Philox evaluation
+(four 32-bit words, four bytes each), FlashAttention-2's economy: Philox is integer work, and one
+evaluation per element cost more than the tensor-core math it gated. ``dropout_p`` is therefore rounded
+to a multiple of 2**-8 (``quantize_dropout_p``); an element is kept when its byte is >= ``dropout_p * 2**8``,
+so the rate is exactly the rounded p (and the output is rescaled by the rounded p).
+
+Which 16 elements share an evaluation follows the kernels' register layout: on Hopper a thread of the
+MMA accumulator holds, of each row, the column pairs ``8i + 2c + {0, 1}`` for one ``c < 4``. So counter
+``(row, j, c)`` serves columns ``64j + 8i + 2c + h`` (``i < 8``, ``h < 2``): word ``i // 2``, byte
+``2 (i % 2) + h``. A thread then evaluates only the counters it needs, each once.
 
 Offsets: element ``(b, h, i, j)`` of an attention with ``nheads`` heads, padded to ``seqlen_q`` x
 ``seqlen_k`` (the max lengths in varlen mode) has ``offset = ((b * nheads + h) * seqlen_q + i) * row + j``
-with ``row = 8 * ceil(seqlen_k / 8)``. Its Philox counter is ``offset // 8`` and ``offset % 8 = s`` picks
-half ``s % 2`` (low half first) of output word ``s // 2``.
+with ``row = 64 * ceil(seqlen_k / 64)``. Its Philox counter is ``4 * (offset // 64) + (offset % 8) // 2``.
 """
 
 from __future__ import annotations
@@ -75,13 +79,13 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
 
-DROPOUT_BITS = 16
+DROPOUT_BITS = 8
 _LEVELS = 1 << DROPOUT_BITS
 
 
 def quantize_dropout_p(dropout_p: float) -> float:
-    """``dropout_p`` rounded to the multiple of 2**-16 that the 16-bit draws realise (at most
-    1 - 2**-16, so that something is always kept)."""
+    """``dropout_p`` rounded to the multiple of 2**-8 that the 8-bit draws realise (at most
+    1 - 2**-8, so that something is always kept)."""
     return min(round(dropout_p * _LEVELS), _LEVELS - 1) / _LEVELS
 
 
@@ -95,18 +99,18 @@ def dropout_offsets(
     seqlen_k: int,
 ) -> torch.Tensor:
     """Offsets of elements (b, h, i, j); arguments broadcast against each other."""
-    row = 8 * ((seqlen_k + 7) // 8)
+    row = 64 * ((seqlen_k + 63) // 64)
     return ((torch.as_tensor(b, dtype=torch.int64) * nheads + h) * seqlen_q + i) * row + j
 
 
 def dropout_keep(seed: int, offsets: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Boolean keep-mask: an element is kept when its 16 random bits are >= dropout_p * 2**16
+    """Boolean keep-mask: an element is kept when its 8 random bits are >= dropout_p * 2**8
     (dropout_p already quantized)."""
     offsets = offsets.to(torch.int64)
-    words = philox4_uint32(seed, offsets // 8)
-    s = offsets % 8
-    word = torch.where(s < 4, torch.where(s < 2, words[0], words[1]), torch.where(s < 6, words[2], words[3]))
-    bits = (word >> ((s % 2) * 16)) & 0xFFFF
+    words = philox4_uint32(seed, 4 * (offsets // 64) + (offsets % 8) // 2)
+    i = (offsets % 64) // 8
+    word = torch.where(i < 4, torch.where(i < 2, words[0], words[1]), torch.where(i < 6, words[2], words[3]))
+    bits = (word >> (8 * (2 * (i % 2) + offsets % 2))) & 0xFF
     return bits >= round(dropout_p * _LEVELS)
 
 

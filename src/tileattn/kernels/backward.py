@@ -205,7 +205,7 @@ def _attn_bwd_dkdv(
     pid = tl.program_id(0)
     h_k = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
+    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, n_block = common.seq_tile(pid, CuSeqlensK, batch, BLOCK_N, BATCH_PAD)
         if b >= batch:
@@ -453,7 +453,7 @@ def _attn_bwd_dq(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
+    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:

@@ -203,21 +203,26 @@ def scores(
 @triton.jit
 def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep-mask ``[BLOCK_M, BLOCK_N]`` of Philox dropout for rows ``offs_m`` and columns
-    ``start_n + arange(BLOCK_N)`` (start_n a multiple of 8) of one (batch, head); see ``tileattn.rng``.
+    ``start_n + arange(BLOCK_N)`` (start_n and BLOCK_N multiples of 64) of one (batch, head); see
+    ``tileattn.rng`` for the mapping, which this helper and the torch replica share.
 
-    One ``randint4x`` per 8 columns: its four words give two 16-bit draws each, spread over the 8
-    columns (column 8g + s takes half s % 2 of word s // 2). rng_base = (b * nheads + h) * seqlen_q_rng
-    * row_groups (int64), row_groups = ceil(seqlen_k_rng / 8)."""
-    GROUPS: tl.constexpr = BLOCK_N // 8
-    g = start_n // 8 + tl.arange(0, GROUPS)
-    counters = rng_base + offs_m.to(tl.int64)[:, None] * row_groups + g[None, :]  # [BLOCK_M, GROUPS]
+    One ``randint4x`` gives 16 8-bit draws. They go to the 16 columns ``64j + 8i + 2c + h`` (i < 8,
+    h < 2) of counter ``(row, j, c)``: in Hopper's MMA accumulator layout one thread holds exactly these
+    columns of its row, so the compiler evaluates each Philox counter once, in the thread that needs it,
+    instead of converting the mask's layout or recomputing a draw in several lanes.
+    rng_base = (b * nheads + h) * seqlen_q_rng * row_groups (int64), row_groups = 4 * ceil(seqlen_k_rng / 64)."""
+    tl.static_assert(BLOCK_N % 64 == 0, "dropout needs key tiles of a multiple of 64 columns")
+    J: tl.constexpr = BLOCK_N // 64
+    g = (start_n // 64 + tl.arange(0, J))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [J, C]
+    counters = rng_base + offs_m.to(tl.int64)[:, None, None] * row_groups + g[None, :, :]  # [BLOCK_M, J, C]
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    s = tl.arange(0, 8)[None, None, :]
+    i = tl.arange(0, 8)[None, None, :, None]
     word = tl.where(
-        s < 4,
-        tl.where(s < 2, w0[:, :, None], w1[:, :, None]),
-        tl.where(s < 6, w2[:, :, None], w3[:, :, None]),
-    )  # [BLOCK_M, GROUPS, 8]
-    bits = ((word >> ((s % 2) * 16).to(tl.uint32)) & 0xFFFF).to(tl.float32)  # exact: < 2**16
-    # dropout_p is a multiple of 2**-16 (tileattn.rng.quantize_dropout_p), so the threshold is exact too
-    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= dropout_p * 65536.0
+        i < 4,
+        tl.where(i < 2, w0[:, :, None, :], w1[:, :, None, :]),
+        tl.where(i < 6, w2[:, :, None, :], w3[:, :, None, :]),
+    )  # [BLOCK_M, J, I, C]: word i // 2
+    shift = ((i % 2) * 2)[:, :, :, :, None] * 8 + tl.arange(0, 2)[None, None, None, None, :] * 8
+    bits = ((word[:, :, :, :, None] >> shift.to(tl.uint32)) & 0xFF).to(tl.float32)  # [BLOCK_M, J, I, C, H]
+    # dropout_p is a multiple of 2**-8 (tileattn.rng.quantize_dropout_p), so the threshold is exact
+    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= dropout_p * 256.0

@@ -91,6 +91,13 @@ class AttnParams:
 
 
 _INTERPRET_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# Dropout draws cover 64 key columns each (tileattn.rng), so key tiles are multiples of 64 with dropout.
+_INTERPRET_DROPOUT_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=1)
+
+
+def _interpret_config(p: AttnParams) -> KernelConfig:
+    return _INTERPRET_DROPOUT_CONFIG if p.dropout_p > 0 else _INTERPRET_CONFIG
+
 
 # Tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages), the fastest of
 # ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md).
@@ -121,12 +128,12 @@ _BWD_DQ = {
 
 
 def fwd_config(p: AttnParams) -> KernelConfig:
-    return _INTERPRET_CONFIG if interpreting() else _FWD[p.block_d]
+    return _interpret_config(p) if interpreting() else _FWD[p.block_d]
 
 
 def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
-    return _INTERPRET_CONFIG if interpreting() else _BWD_DKDV[p.block_d]
+    return _interpret_config(p) if interpreting() else _BWD_DKDV[p.block_d]
 
 
 def bwd_dq_config(p: AttnParams) -> KernelConfig:
-    return _INTERPRET_CONFIG if interpreting() else _BWD_DQ[p.block_d]
+    return _interpret_config(p) if interpreting() else _BWD_DQ[p.block_d]

@@ -151,7 +151,7 @@ def _attn_fwd(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     seqlen_q_rng = seqlen_q
-    row_groups = (seqlen_k + 7) // 8  # dropout counters: 8 columns per Philox draw
+    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:
