@@ -4,9 +4,11 @@ with the one tolerance rule (tileattn.testing.check_close)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, seed, settings
 
 from tileattn.api import cpu_backend
 from tileattn.reference import attention_ref
@@ -43,3 +45,27 @@ def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=Tru
     scale = torch.stack([gr.abs().max() for gr in g_ref])
     for gname, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
         check_close(f"{name} {gname}", g, gr, gl, floor_scale=scale)
+
+
+# Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
+# test runs in shards of fresh examples, spread over pytest-xdist workers since every new feature
+# combination compiles. TILEATTN_HYPOTHESIS_SHARDS / TILEATTN_HYPOTHESIS_EXAMPLES override the counts.
+PROPERTY_SHARDS = int(os.environ.get("TILEATTN_HYPOTHESIS_SHARDS", "4")) if torch.cuda.is_available() else 1
+
+
+def run_property(check, strategy, examples: dict, backend: str, shard: int) -> None:
+    """Runs ``check(backend, example)`` over examples drawn from ``strategy``: ``examples[backend]`` of
+    them (per shard on the GPU, each shard with its own seed)."""
+    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", examples[backend]))
+    gpu = backend == "cuda"
+
+    @settings(
+        max_examples=n, deadline=None, derandomize=not gpu, suppress_health_check=list(HealthCheck), database=None
+    )
+    @given(strategy)
+    def run(example):
+        check(backend, example)
+
+    if gpu:
+        run = seed(shard)(run)
+    run()

@@ -5,11 +5,10 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tileattn
-from helpers import on
+from helpers import PROPERTY_SHARDS, on, run_property
 from kvcache_ref import dense_view, kvcache_ref
 from tileattn.testing import check_close
 
@@ -242,21 +241,17 @@ def _check_kvcache_problem(backend, pb):
     assert torch.equal(got, k_ref.to(F16)), f"{pb}: k_cache after append"
 
 
-_KV_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 100}
+_KV_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 40}
 
 
-def test_property_random_kvcache_calls(backend):
+@pytest.mark.parametrize("shard", range(PROPERTY_SHARDS))
+def test_property_random_kvcache_calls(backend, shard):
     """Random decode / chunked-prefill calls: batch, GQA, head dim, capacity, page size (1 to 16 or
     contiguous), cache lengths (empty and full), new tokens, leftpad, rotary, causal, windows, softcap,
     ALiBi and split counts, against the per-sequence reference."""
-    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", _KV_EXAMPLES[backend]))
-
-    @settings(max_examples=n, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
-    @given(kvcache_problems(200 if backend == "cuda" else 40))
-    def run(pb):
-        _check_kvcache_problem(backend, pb)
-
-    run()
+    run_property(
+        _check_kvcache_problem, kvcache_problems(200 if backend == "cuda" else 40), _KV_EXAMPLES, backend, shard
+    )
 
 
 def test_empty_batch_and_empty_queries(backend):
@@ -300,7 +295,6 @@ def test_append_kernel_drops_out_of_range_writes():
     """What runs under CUDA graph capture, where the API cannot read index values: the append kernel
     writes rows whose position, cache row and page are in range and drops the others (nothing outside
     the caches is touched). Called directly, bypassing validation."""
-    import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
         pytest.skip("needs the Triton kernels (GPU or interpreter)")

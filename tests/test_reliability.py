@@ -1,15 +1,12 @@
 """Reliability: numerics at the edges, non-finite inputs, determinism, tensors past 2**31 elements,
 devices and streams, and property-based tests against the reference over random shapes and features."""
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import tileattn
-from helpers import check_attention, on, randn
+from helpers import PROPERTY_SHARDS, check_attention, on, randn, run_property
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
@@ -179,12 +176,9 @@ def test_non_default_device():
 # Property-based: random shapes and feature combinations against the reference
 # ------------------------------------------------------------------------------------------------
 
-# Examples per backend: CI runs 120 on the CPU path and 100 under the interpreter (>= 200 in all,
-# derandomized so CI is reproducible); the GPU runs 4 shards of 75 fresh examples each (spread over
-# pytest-xdist workers, since each new feature combination compiles). TILEATTN_HYPOTHESIS_EXAMPLES
-# sets the examples per shard.
+# Examples per backend: CI runs 120 on the CPU path and 100 under the interpreter (>= 200 in all);
+# the GPU runs PROPERTY_SHARDS shards of fresh examples (helpers.run_property).
 _EXAMPLES = {"torch": 120, "interpret": 100, "cuda": 75}
-_SHARDS = 4 if ON_GPU else 1
 
 
 @st.composite
@@ -227,22 +221,9 @@ def _check_problem(backend, pb):
     check_attention(str(pb), out, grads, q, k, v, dout, kwargs)
 
 
-@pytest.mark.parametrize("shard", range(_SHARDS))
+@pytest.mark.parametrize("shard", range(PROPERTY_SHARDS))
 def test_property_random_problems(backend, shard):
-    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", _EXAMPLES[backend]))
-    max_len = 300 if backend == "cuda" else 48
-    gpu = backend == "cuda"
-
-    @settings(
-        max_examples=n, deadline=None, derandomize=not gpu, suppress_health_check=list(HealthCheck), database=None
-    )
-    @given(attention_problems(max_len))
-    def run(pb):
-        _check_problem(backend, pb)
-
-    if gpu:
-        run = seed(shard)(run)
-    run()
+    run_property(_check_problem, attention_problems(300 if backend == "cuda" else 48), _EXAMPLES, backend, shard)
 
 
 @st.composite
@@ -302,16 +283,11 @@ def _check_varlen_problem(backend, pb):
         check_close(f"{pb} {name}", g, gr, gl, floor_scale=scale)
 
 
-_VARLEN_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 60}
+_VARLEN_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 30}
 
 
-def test_property_random_varlen_batches(backend):
-    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", _VARLEN_EXAMPLES[backend]))
-    max_len = 200 if backend == "cuda" else 40
-
-    @settings(max_examples=n, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
-    @given(varlen_problems(max_len))
-    def run(pb):
-        _check_varlen_problem(backend, pb)
-
-    run()
+@pytest.mark.parametrize("shard", range(PROPERTY_SHARDS))
+def test_property_random_varlen_batches(backend, shard):
+    run_property(
+        _check_varlen_problem, varlen_problems(200 if backend == "cuda" else 40), _VARLEN_EXAMPLES, backend, shard
+    )
