@@ -4,6 +4,10 @@ import pytest
 import torch
 
 import tileattn
+from tileattn.bert_padding import unpad_input
+from tileattn.cache import PagedKVCache
+from tileattn.modules import MHA
+from tileattn.rotary import apply_rotary_emb
 
 F16 = torch.float16
 
@@ -105,6 +109,50 @@ CASES = [
     ),
     ("block-table-unpaged-k", _varlen(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError, ["k", "paged"]),
     ("alibi-batch-varlen", _varlen(alibi_slopes=torch.rand(3, 4)), ValueError, ["alibi_slopes", "(2, 4)"]),
+    # modules, rotary, padding helpers and the cache manager
+    ("mha-embed-heads", lambda: MHA(60, 8), ValueError, ["embed_dim", "divisible by num_heads"]),
+    ("mha-kv-heads", lambda: MHA(64, 4, num_heads_kv=3), ValueError, ["num_heads_kv"]),
+    ("mha-rotary-odd", lambda: MHA(64, 4, rotary_emb_dim=5), ValueError, ["rotary_emb_dim", "even"]),
+    ("mha-x-embed", lambda: MHA(64, 4)(torch.randn(2, 5, 32)), ValueError, ["x", "embed_dim=64"]),
+    ("mha-x-rank", lambda: MHA(64, 4)(torch.randn(5, 64)), ValueError, ["x", "(batch, seqlen, embed_dim)"]),
+    (
+        "mha-padding-mask",
+        lambda: MHA(64, 4)(torch.randn(2, 5, 64), key_padding_mask=torch.ones(2, 4, dtype=torch.bool)),
+        ValueError,
+        ["key_padding_mask", "(2, 5)"],
+    ),
+    (
+        "mha-packed-max-seqlen",
+        lambda: MHA(64, 4)(torch.randn(5, 64), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)),
+        ValueError,
+        ["max_seqlen"],
+    ),
+    (
+        "rotary-table-short",
+        lambda: apply_rotary_emb(q0, torch.ones(4, 8), torch.zeros(4, 8)),
+        ValueError,
+        ["cos/sin", "positions"],
+    ),
+    (
+        "rotary-dim-too-big",
+        lambda: apply_rotary_emb(q0, torch.ones(8, 9), torch.zeros(8, 9)),
+        ValueError,
+        ["rotary_dim", "head dim"],
+    ),
+    (
+        "rotary-offsets-shape",
+        lambda: apply_rotary_emb(q0, torch.ones(16, 8), torch.zeros(16, 8), seqlen_offsets=torch.zeros(3)),
+        ValueError,
+        ["seqlen_offsets", "(2,)"],
+    ),
+    (
+        "unpad-mask-shape",
+        lambda: unpad_input(torch.randn(2, 5, 8), torch.ones(2, 4, dtype=torch.bool)),
+        ValueError,
+        ["attention_mask", "(2, 5)"],
+    ),
+    ("cache-page-size", lambda: PagedKVCache(1, 4, 0, 2, 16), ValueError, ["page_size", "positive int"]),
+    ("cache-unknown-seq", lambda: PagedKVCache(1, 4, 16, 2, 16).append([7], [1]), KeyError, ["unknown sequence"]),
 ]
 
 

@@ -75,12 +75,3 @@ def test_self_and_cross_attention_wrappers(backend):
     torch.testing.assert_close(out_self, ref_self, atol=tol, rtol=tol)
     torch.testing.assert_close(out_cross, ref_cross, atol=tol, rtol=tol)
     torch.testing.assert_close(out_varlen, ref_self.flatten(0, 1), atol=tol, rtol=tol)
-
-
-def test_mha_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="divisible by num_heads"):
-        MHA(60, 8)
-    with pytest.raises(ValueError, match="num_heads_kv"):
-        MHA(64, 4, num_heads_kv=3)
-    with pytest.raises(ValueError, match="rotary_emb_dim must be even"):
-        MHA(64, 4, rotary_emb_dim=5)

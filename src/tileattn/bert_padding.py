@@ -57,6 +57,12 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
         indices int64 ``(total,)`` into the flattened ``batch * seqlen`` axis; cu_seqlens int32
         ``(batch + 1,)``; max_seqlen int; seqused int32 ``(batch,)``, the real tokens per sequence.
     """
+    for name, mask in (("attention_mask", attention_mask), ("unused_mask", unused_mask)):
+        if mask is not None and tuple(mask.shape) != tuple(hidden_states.shape[:2]):
+            raise ValueError(
+                f"{name} must be (batch, seqlen) = {tuple(hidden_states.shape[:2])} like hidden_states, "
+                f"got {tuple(mask.shape)}"
+            )
     all_masks = (attention_mask + unused_mask) if unused_mask is not None else attention_mask
     seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
     seqused = attention_mask.sum(dim=-1, dtype=torch.int32)

@@ -194,9 +194,8 @@ class MHA(nn.Module):
         max_seqlen. ``key_padding_mask``: bool ``(batch, seqlen)``, True for real tokens; padded
         positions are dropped before the projections (the batch runs packed, varlen) and their outputs
         are 0. Rotary positions count from 0 in each sequence."""
+        self._check_input(x, key_padding_mask, cu_seqlens, max_seqlen)
         if key_padding_mask is not None:
-            if cu_seqlens is not None:
-                raise ValueError("pass key_padding_mask or cu_seqlens, not both")
             batch, seqlen = x.shape[:2]
             x_packed, indices, cu_seqlens, max_seqlen, _ = unpad_input(x, key_padding_mask)
             out = self.forward(x_packed, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
@@ -212,6 +211,24 @@ class MHA(nn.Module):
                 q, k = self.rotary_emb(q, pos), self.rotary_emb(k, pos)
         out = self._attend(q, k, v, cu_seqlens, max_seqlen)
         return self.out_proj(out.flatten(-2))
+
+    def _check_input(self, x, key_padding_mask, cu_seqlens, max_seqlen) -> None:
+        embed_dim = self.out_proj.in_features
+        packed = cu_seqlens is not None
+        want = "(total, embed_dim) with cu_seqlens" if packed else "(batch, seqlen, embed_dim)"
+        if not isinstance(x, torch.Tensor) or x.dim() != (2 if packed else 3) or x.shape[-1] != embed_dim:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be {want} with embed_dim={embed_dim}, got {got}")
+        if packed and key_padding_mask is not None:
+            raise ValueError("pass key_padding_mask or cu_seqlens, not both")
+        if packed and max_seqlen is None:
+            raise ValueError("max_seqlen is required with cu_seqlens")
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != tuple(x.shape[:2]):
+                raise ValueError(
+                    f"key_padding_mask must be bool (batch, seqlen) = {tuple(x.shape[:2])}, got "
+                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                )
 
     def extra_repr(self) -> str:
         return (

@@ -44,6 +44,8 @@ def apply_rotary_emb(
     """Rotary embedding of ``x (batch, seqlen, nheads, headdim)``: token s of sequence b sits at position
     ``seqlen_offsets (+ [b]) + s``. ``cos``/``sin``: ``(seqlen_ro, rotary_dim / 2)`` with
     ``rotary_dim <= headdim``; ``seqlen_offsets``: an int or an integer tensor ``(batch,)``."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2:
         raise ValueError(f"cos and sin must share a shape (seqlen_ro, rotary_dim / 2), got {cos.shape}, {sin.shape}")
     if 2 * cos.shape[1] > x.shape[-1]:
@@ -51,6 +53,11 @@ def apply_rotary_emb(
     batch, seqlen = x.shape[:2]
     pos = torch.arange(seqlen, device=x.device).unsqueeze(0)
     if isinstance(seqlen_offsets, torch.Tensor):
+        if seqlen_offsets.shape not in ((), (batch,)) or seqlen_offsets.is_floating_point():
+            raise ValueError(
+                f"seqlen_offsets must be an int or an integer tensor (batch,) = ({batch},), got "
+                f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}"
+            )
         pos = pos + seqlen_offsets.to(device=x.device, dtype=torch.long).view(-1, 1)
     else:
         pos = pos + int(seqlen_offsets)
