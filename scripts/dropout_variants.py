@@ -88,7 +88,10 @@ def _flat(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.co
 
 
 VARIANTS = {"current": None, "consecutive16": _consecutive16, "mma32": _mma32, "cheap": _cheap, "flat": _flat}
-SHAPES = [(64, 2048), (128, 2048), (64, 8192)]
+# (head dim, seqlen, causal); DROPOUT_SHAPES="64,512,0;..." overrides (16k tokens, hidden 2048 in each)
+SHAPES = [(64, 2048, 1), (128, 2048, 1), (64, 8192, 1)]
+if os.environ.get("DROPOUT_SHAPES"):
+    SHAPES = [tuple(int(x) for x in item.split(",")) for item in os.environ["DROPOUT_SHAPES"].split(";")]
 
 
 def _time(fn, inputs, grad_out):
@@ -106,16 +109,17 @@ def run_one(name):
     import tileattn
 
     rows = []
-    for headdim, seqlen in SHAPES:
+    for headdim, seqlen, causal in SHAPES:
+        causal = bool(causal)
         batch, nheads = 16384 // seqlen, 2048 // headdim
         q, k, v = (
             torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             for _ in range(3)
         )
         dout = torch.randn_like(q)
-        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=causal)
         fwd, both = _time(
-            lambda q=q, k=k, v=v: tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=True), (q, k, v), dout
+            lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=c), (q, k, v), dout
         )
         rows.append(
             dict(
@@ -136,7 +140,8 @@ def anchors():
     import tileattn
 
     rows = []
-    for headdim, seqlen in SHAPES:
+    for headdim, seqlen, causal in SHAPES:
+        causal = bool(causal)
         batch, nheads = 16384 // seqlen, 2048 // headdim
         q, k, v = (
             torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -144,15 +149,15 @@ def anchors():
         )
         dout = torch.randn_like(q)
 
-        def fa2(p, q=q, k=k, v=v):
+        def fa2(p, q=q, k=k, v=v, causal=causal):
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True)
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=causal)
 
-        ours = lambda q=q, k=k, v=v: tileattn.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+        ours = lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(q, k, v, causal=c)  # noqa: E731
         for name, fn, grad_out in (("p=0", ours, dout), ("fa2 p=0.1", lambda: fa2(0.1), dout.transpose(1, 2))):
             fwd, both = _time(fn, (q, k, v), grad_out)
-            rows.append(dict(variant=name, headdim=headdim, seqlen=seqlen, fwd_ms=fwd, fwdbwd_ms=both))
+            rows.append(dict(variant=name, headdim=headdim, seqlen=seqlen, causal=causal, fwd_ms=fwd, fwdbwd_ms=both))
     return rows
 
 
@@ -173,8 +178,10 @@ if __name__ == "__main__":
         if r.returncode or not line:
             print(f"{name}: FAILED\n{r.stderr[-3000:]}", flush=True)
             continue
-        table += json.loads(line[0][4:])
-        print(name, "done", flush=True)
+        rows = json.loads(line[0][4:])
+        table += rows
+        for r in rows:
+            print(f"{name}: {r}", flush=True)
     with open(f"{out_dir}/dropout_variants.json", "w") as f:
         json.dump(table, f, indent=1)
     for r in table:
