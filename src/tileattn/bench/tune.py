@@ -28,7 +28,16 @@ FWD_CANDIDATES = [
     (128, 32, 8, 2),
     (64, 128, 4, 3),
 ]
-DKDV_CANDIDATES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 2), (128, 128, 8, 2)]
+DKDV_CANDIDATES = [
+    (64, 128, 8, 2),
+    (32, 128, 4, 3),
+    (64, 64, 4, 3),
+    (64, 128, 8, 3),
+    (32, 64, 4, 2),
+    (128, 128, 8, 2),
+    (32, 128, 8, 3),
+    (32, 64, 4, 3),
+]
 DQ_CANDIDATES = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 128, 8, 2)]
 # Head dim 256 needs smaller tiles or fewer stages to fit shared memory and registers.
 HD256_CANDIDATES = {
@@ -59,7 +68,14 @@ def _smem_ok(cfg: tuple, block_d: int, kind: str) -> bool:
     return need <= 220 * 1024
 
 
-def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: int = 2048):
+def _usable(cfg: tuple, block_d: int, kind: str, dropout_p: float) -> bool:
+    return _smem_ok(cfg, block_d, kind) and (dropout_p == 0 or cfg[1] % 64 == 0)
+
+
+def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: int = 2048, dropout_p: float = 0.0):
+    """Times every candidate; with ``dropout_p`` the timed calls use dropout (each candidate's forward is
+    still checked against the reference without dropout first) and candidates whose key tiles are not a
+    multiple of 64 columns, which dropout's draws need, are left out."""
     import tileattn
 
     batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
@@ -75,20 +91,21 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
     try:
         for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:
-            if not _smem_ok(cand, block_d, "fwd"):
+            if not _usable(cand, block_d, "fwd", dropout_p):
                 continue
             configs._FWD[block_d] = KernelConfig(*cand)
             try:
                 out = tileattn.flash_attn_func(q, k, v, causal=causal)
                 check_backend("tileattn", out, q, k, v, causal)
                 ms = triton.testing.do_bench(
-                    lambda: tileattn.flash_attn_func(q, k, v, causal=causal), return_mode="median"
+                    lambda: tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal),
+                    return_mode="median",
                 )
                 results.append(dict(kind="fwd", cfg=cand, ms=ms, tflops=f_fwd / ms / 1e9))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just skipped
                 results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
         configs._FWD.update(saved[0])
-        out = tileattn.flash_attn_func(q, k, v, causal=causal)
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
         for kind, table, cands in (
             ("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES),
             ("dq", configs._BWD_DQ, DQ_CANDIDATES),
@@ -96,7 +113,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
             if block_d == 256:
                 cands = HD256_CANDIDATES[kind]
             for cand in dict.fromkeys(cands):
-                if not _smem_ok(cand, block_d, kind):
+                if not _usable(cand, block_d, kind, dropout_p):
                     continue
                 table[block_d] = KernelConfig(*cand)
                 try:
@@ -122,11 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     everything = {}
     for d in args.headdim:
-        res = sweep(d, args.seqlen, args.causal)
+        res = sweep(d, args.seqlen, args.causal, dropout_p=args.dropout)
         everything[d] = res
         for kind in ("fwd", "dkdv", "dq"):
             ok = sorted((r for r in res if r["kind"] == kind and "ms" in r), key=lambda r: r["ms"])
