@@ -284,6 +284,11 @@ def _run(
     return out, lse, ops.attn_probs(q, k, lse, rng_state, p)
 
 
+def resolve_scale(softmax_scale: float | None, headdim: int) -> float:
+    """The softmax scale a call uses: ``softmax_scale``, or ``1 / sqrt(headdim)`` when it is None."""
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
 def _params(
     q: torch.Tensor,
     batch: int,
@@ -309,7 +314,7 @@ def _params(
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
         headdim=headdim,
-        softmax_scale=1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale,
+        softmax_scale=resolve_scale(softmax_scale, headdim),
         window_left=left,
         window_right=right,
         softcap=softcap,

@@ -14,7 +14,6 @@ out-of-range values then give unspecified results instead of an error.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -285,7 +284,7 @@ def flash_attn_with_kvcache(
         cache_leftpad,
         block_table,
         api._check_alibi(alibi_slopes, batch, nheads, device),
-        1.0 / math.sqrt(headdim) if scale is None else scale,
+        api.resolve_scale(scale, headdim),
         left,
         right,
         softcap,
@@ -425,7 +424,7 @@ def paged_varlen_fwd(
         api._check_alibi(p_options["alibi_slopes"], batch, q.shape[1], device),
         int(max_seqlen_q),
         int(max_seqlen_k),
-        1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        api.resolve_scale(scale, q.shape[-1]),
         left,
         right,
         softcap,

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -21,6 +19,7 @@ from tileattn.api import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    resolve_scale,
 )
 from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.rotary import rotary_at
@@ -234,5 +233,5 @@ class MHA(nn.Module):
         return (
             f"num_heads={self.num_heads}, num_heads_kv={self.num_heads_kv}, head_dim={self.head_dim}, "
             f"causal={self.causal}, rotary_emb_dim={self.rotary_emb.dim if self.rotary_emb else 0}, "
-            f"softmax_scale={self.softmax_scale or 1 / math.sqrt(self.head_dim):.4g}"
+            f"softmax_scale={resolve_scale(self.softmax_scale, self.head_dim):.4g}"
         )
