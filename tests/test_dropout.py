@@ -86,3 +86,38 @@ def test_dropout_rate_and_reproducibility(backend):
     dropped = (s1 < 0).float().mean().item()
     n = s1.numel()
     assert abs(dropped - p) < 5 * (p * (1 - p) / n) ** 0.5, f"dropped fraction {dropped:.4f}, expected {p}"
+
+
+@pytest.mark.parametrize(
+    "feats",
+    [
+        {"dropout_p": 0.17, "causal": True},
+        {"dropout_p": 0.17, "softcap": 3.0, "window_size": (20, 5)},
+        {"causal": True},
+    ],
+    ids=str,
+)
+def test_dkdv_query_major_tiles(backend, feats, monkeypatch):
+    """The dK/dV kernel's query x key orientation (KernelConfig.q_major) gives the same gradients as
+    the reference, with and without dropout (GQA, odd lengths and head dim)."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    import dataclasses
+
+    from tileattn.kernels import backward
+
+    original = backward.bwd_dkdv_config
+    monkeypatch.setattr(backward, "bwd_dkdv_config", lambda p: dataclasses.replace(original(p), q_major=True))
+    ctx, device = on(backend)
+    b, sq, sk, h, hk, d = 2, 47, 71, 4, 2, 40
+    q = randn(b, sq, h, d, dtype=torch.float16, device=device)
+    k = randn(b, sk, hk, d, dtype=torch.float16, device=device)
+    v = randn(b, sk, hk, d, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    with ctx:
+        out, _, s_dmask = tileattn.flash_attn_func(q, k, v, return_attn_probs=True, **feats)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_kwargs = dict(feats)
+    if "dropout_p" in feats:
+        ref_kwargs["dropout_mask"] = s_dmask >= 0
+    check_attention("q-major dkdv", out, grads, q, k, v, dout, ref_kwargs)

@@ -58,13 +58,15 @@ HD256_CANDIDATES = {
 def _smem_ok(cfg: tuple, block_d: int, kind: str) -> bool:
     """keep(): drop configs whose shared-memory footprint cannot fit in the H100/H200's 227 KB."""
     if block_d == 256:
-        return cfg in HD256_CANDIDATES[kind]
-    bm, bn, _, stages = cfg
+        return cfg[:4] in HD256_CANDIDATES[kind]
+    bm, bn, _, stages = cfg[:4]
     if kind == "fwd":
         need = 2 * (bm * block_d + stages * 2 * bn * block_d)
     else:
         rows = bm if kind == "dkdv" else bn
         need = 2 * (2 * (bn if kind == "dkdv" else bm) * block_d + stages * 2 * rows * block_d)
+        if len(cfg) > 4 and cfg[4]:
+            need += 2 * 2 * bm * bn  # q_major: P and dS transposed through shared memory
     return need <= 220 * 1024
 
 
@@ -112,6 +114,8 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
         ):
             if block_d == 256:
                 cands = HD256_CANDIDATES[kind]
+            if kind == "dkdv" and dropout_p > 0:  # both tile orientations (KernelConfig.q_major)
+                cands = [(*c, q_major) for c in cands for q_major in (False, True)]
             for cand in dict.fromkeys(cands):
                 if not _usable(cand, block_d, kind, dropout_p):
                     continue

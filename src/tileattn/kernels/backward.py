@@ -89,9 +89,14 @@ def _dkdv_tiles(
     HAS_DROPOUT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
+    Q_MAJOR: tl.constexpr,
 ):
-    """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head. Works in the
-    transposed orientation (keys are rows) so dK and dV come out of ``tl.dot`` directly."""
+    """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head.
+
+    By default the score tile is transposed (keys are rows), so P and dS feed the dK / dV dots from
+    registers. With Q_MAJOR it is queries x keys, as in the forward: dropout's draws are then the ones
+    each thread holds (``common.dropout_keep``) instead of being evaluated in several lanes, and P and
+    dS reach the dots transposed (through shared memory)."""
     n_start = tl.min(offs_n, 0)  # the key block's first column, a multiple of BLOCK_N (dropout counters)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
@@ -107,11 +112,25 @@ def _dkdv_tiles(
         else:
             lse = tl.load(Lse_base + offs_m)
             delta = tl.load(Delta_base + offs_m)
-        qkT = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] = k @ qᵀ
-        sT, tT = common.scores(
-            qkT,
-            offs_m[None, :],
-            offs_n[:, None],
+        # The score tile, its query / key indices, LSE and Δ broadcast along its query axis, and dP.
+        if Q_MAJOR:
+            qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
+            rows_i = offs_m[:, None]
+            cols_j = offs_n[None, :]
+            lse_b = lse[:, None]
+            delta_b = delta[:, None]
+            dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
+        else:
+            qk = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M] = k @ qᵀ
+            rows_i = offs_m[None, :]
+            cols_j = offs_n[:, None]
+            lse_b = lse[None, :]
+            delta_b = delta[None, :]
+            dp = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
+        s, t = common.scores(
+            qk,
+            rows_i,
+            cols_j,
             seqlen_q,
             seqlen_k,
             qk_scale,
@@ -126,21 +145,24 @@ def _dkdv_tiles(
             MASK_LEFT,
             MASK_RIGHT,
         )
-        pT = tl.exp2(sT - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M]; 0 for rows with lse=+inf
-        dpT = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
+        p = tl.exp2(s - lse_b * 1.4426950408889634)  # 0 for rows with lse=+inf
+        pv = p  # the weights dV sees: p with dropout applied
         if HAS_DROPOUT:
-            keepT = tl.trans(
-                common.dropout_keep(philox_seed, rng_base, offs_m, n_start, row_groups, dropout_p, BLOCK_M, BLOCK_N)
-            )
+            keep = common.dropout_keep(philox_seed, rng_base, offs_m, n_start, row_groups, dropout_p, BLOCK_M, BLOCK_N)
+            if not Q_MAJOR:
+                keep = tl.trans(keep)
             inv_keep = 1.0 / (1.0 - dropout_p)
-            dv = tl.dot(tl.where(keepT, pT * inv_keep, 0.0).to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D]
-            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv)  # [BLOCK_N, BLOCK_D] += pᵀ @ dO
-        dsT = pT * (dpT - delta[None, :])
+            pv = tl.where(keep, p * inv_keep, 0.0)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        ds = p * (dp - delta_b)
         if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)  # d(softcap·tanh(x/softcap))/dx
-        dk = tl.dot(dsT.to(q.dtype), q, dk)  # [BLOCK_N, BLOCK_D] += dsᵀ @ q
+            ds = ds * (1.0 - t * t)  # d(softcap·tanh(x/softcap))/dx
+        if Q_MAJOR:
+            dv = tl.dot(tl.trans(pv.to(do.dtype)), do, dv)  # [BLOCK_N, BLOCK_D] += pᵀ @ dO
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk)  # [BLOCK_N, BLOCK_D] += dsᵀ @ q
+        else:
+            dv = tl.dot(pv.to(do.dtype), do, dv)
+            dk = tl.dot(ds.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -200,6 +222,7 @@ def _attn_bwd_dkdv(
     HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BATCH_PAD: tl.constexpr,
+    Q_MAJOR: tl.constexpr,
 ):
     """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group."""
     pid = tl.program_id(0)
@@ -306,6 +329,7 @@ def _attn_bwd_dkdv(
                 HAS_DROPOUT,
                 MASK_LEFT,
                 MASK_RIGHT,
+                Q_MAJOR,
             )
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
@@ -656,6 +680,7 @@ def attn_bwd(
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        Q_MAJOR=cfg.q_major,
         **flags,
     )
 

@@ -26,6 +26,8 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # dK/dV kernel only: score tiles in query x key orientation (see backward._dkdv_tiles)
+    q_major: bool = False
 
 
 @dataclass
