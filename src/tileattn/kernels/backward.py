@@ -281,16 +281,7 @@ def _attn_bwd_dkdv(
         if HAS_DROPOUT:
             rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
         for seg in tl.static_range(3):
-            # masked edge [lo, full_lo), unmasked middle [full_lo, full_hi), masked edge [full_hi, hi)
-            if seg == 0:
-                seg_lo = lo
-                seg_hi = full_lo
-            elif seg == 1:
-                seg_lo = full_lo
-                seg_hi = full_hi
-            else:
-                seg_lo = full_hi
-                seg_hi = hi
+            seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_tiles(
                 dk,
                 dv,
@@ -532,16 +523,7 @@ def _attn_bwd_dq(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
     for seg in tl.static_range(3):
-        # masked edge [lo, full_lo), unmasked middle [full_lo, full_hi), masked edge [full_hi, hi)
-        if seg == 0:
-            seg_lo = lo
-            seg_hi = full_lo
-        elif seg == 1:
-            seg_lo = full_lo
-            seg_hi = full_hi
-        else:
-            seg_lo = full_hi
-            seg_hi = hi
+        seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
         dq = _dq_tiles(
             dq,
             q,

@@ -201,6 +201,23 @@ def scores(
 
 
 @triton.jit
+def segment(seg: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Bounds of loop segment ``seg`` (``tl.static_range(3)``) of a tile range split by ``key_range`` /
+    ``query_range``: 0 the masked edge [lo, full_lo), 1 the unmasked middle [full_lo, full_hi), 2 the
+    masked edge [full_hi, hi). The kernels compile the tile loop once per segment, masking only edges."""
+    if seg == 0:
+        seg_lo = lo
+        seg_hi = full_lo
+    elif seg == 1:
+        seg_lo = full_lo
+        seg_hi = full_hi
+    else:
+        seg_lo = full_hi
+        seg_hi = hi
+    return seg_lo, seg_hi
+
+
+@triton.jit
 def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep-mask ``[BLOCK_M, BLOCK_N]`` of Philox dropout for rows ``offs_m`` and columns
     ``start_n + arange(BLOCK_N)`` (start_n and BLOCK_N multiples of 64) of one (batch, head); see

@@ -322,16 +322,7 @@ def _attn_fwd_kvcache(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for seg in tl.static_range(3):
-        # masked left edge, unmasked middle, masked diagonal / ragged end
-        if seg == 0:
-            a = s_lo
-            z = full_lo
-        elif seg == 1:
-            a = full_lo
-            z = full_hi
-        else:
-            a = full_hi
-            z = s_hi
+        a, z = common.segment(seg, s_lo, full_lo, full_hi, s_hi)
         acc, l_i, m_i = _kv_tiles(
             acc,
             l_i,

@@ -207,16 +207,7 @@ def _attn_fwd(
     # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and
     # the ragged end of the keys (masked).
     for seg in tl.static_range(3):
-        # masked edge [lo, full_lo), unmasked middle [full_lo, full_hi), masked edge [full_hi, hi)
-        if seg == 0:
-            seg_lo = lo
-            seg_hi = full_lo
-        elif seg == 1:
-            seg_lo = full_lo
-            seg_hi = full_hi
-        else:
-            seg_lo = full_hi
-            seg_hi = hi
+        seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
         acc, l_i, m_i = _fwd_tiles(
             acc,
             l_i,
