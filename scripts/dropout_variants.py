@@ -6,6 +6,7 @@ Variants (timing only; the production mask is ``current``):
   current        ``common.dropout_keep``: 8-bit draws, 16 columns per Philox call spread so that one
                  thread of the MMA accumulator layout holds all 16: column 64j + 8i + 2c + h takes byte
                  2(i%2) + h of word i // 2 of counter (j, c)
+  qmajor         current, with the dK/dV kernel's tiles in query x key orientation (``q_major``)
   consecutive16  the previous mask: 16-bit draws, 8 consecutive columns per call, [M, N/8, 8] -> [M, N]
   mma32          16-bit draws, 8 columns per call, thread-local like ``current``: column 32j + 8w + 2c + h
                  takes half h of word w of counter (j, c)
@@ -87,7 +88,14 @@ def _flat(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.co
     return ((x >> 16).to(tl.float32)) >= dropout_p * 65536.0
 
 
-VARIANTS = {"current": None, "consecutive16": _consecutive16, "mma32": _mma32, "cheap": _cheap, "flat": _flat}
+VARIANTS = {
+    "current": None,
+    "qmajor": None,  # the current mask with the dK/dV kernel in query x key orientation (KernelConfig.q_major)
+    "consecutive16": _consecutive16,
+    "mma32": _mma32,
+    "cheap": _cheap,
+    "flat": _flat,
+}
 # (head dim, seqlen, causal); DROPOUT_SHAPES="64,512,0;..." overrides (16k tokens, hidden 2048 in each)
 SHAPES = [(64, 2048, 1), (128, 2048, 1), (64, 8192, 1)]
 if os.environ.get("DROPOUT_SHAPES"):
@@ -106,6 +114,13 @@ def run_one(name):
 
     if VARIANTS[name] is not None:
         common.dropout_keep = VARIANTS[name]
+    if name == "qmajor":
+        import dataclasses
+
+        from tileattn.kernels import backward
+
+        original = backward.bwd_dkdv_config
+        backward.bwd_dkdv_config = lambda p: dataclasses.replace(original(p), q_major=True)
     import tileattn
 
     rows = []
