@@ -25,9 +25,8 @@ from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.rotary import rotary_at
 
 
-class SelfAttention(nn.Module):
-    """softmax(QKᵀ·scale)·V on packed ``qkv``: ``(batch, seqlen, 3, nheads, headdim)``, or
-    ``(total, 3, nheads, headdim)`` with ``cu_seqlens`` and ``max_seqlen``."""
+class _InnerAttention(nn.Module):
+    """Options shared by SelfAttention and CrossAttention (flash_attn's constructor arguments)."""
 
     def __init__(
         self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1), deterministic=False
@@ -36,8 +35,8 @@ class SelfAttention(nn.Module):
         self.causal, self.softmax_scale, self.drop_p = causal, softmax_scale, attention_dropout
         self.window_size, self.deterministic = window_size, deterministic
 
-    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None):
-        kwargs = dict(
+    def _kwargs(self, causal, alibi_slopes) -> dict:
+        return dict(
             dropout_p=self.drop_p if self.training else 0.0,
             softmax_scale=self.softmax_scale,
             causal=self.causal if causal is None else causal,
@@ -45,21 +44,22 @@ class SelfAttention(nn.Module):
             alibi_slopes=alibi_slopes,
             deterministic=self.deterministic,
         )
+
+
+class SelfAttention(_InnerAttention):
+    """softmax(QKᵀ·scale)·V on packed ``qkv``: ``(batch, seqlen, 3, nheads, headdim)``, or
+    ``(total, 3, nheads, headdim)`` with ``cu_seqlens`` and ``max_seqlen``."""
+
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None):
+        kwargs = self._kwargs(causal, alibi_slopes)
         if cu_seqlens is not None:
             return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **kwargs)
         return flash_attn_qkvpacked_func(qkv, **kwargs)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(_InnerAttention):
     """Attention of ``q`` over packed ``kv``: dense ``q (batch, seqlen_q, nheads, d)``,
     ``kv (batch, seqlen_k, 2, nheads_k, d)``, or varlen with cu_seqlens / cu_seqlens_k."""
-
-    def __init__(
-        self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1), deterministic=False
-    ):
-        super().__init__()
-        self.causal, self.softmax_scale, self.drop_p = causal, softmax_scale, attention_dropout
-        self.window_size, self.deterministic = window_size, deterministic
 
     def forward(
         self,
@@ -72,14 +72,7 @@ class CrossAttention(nn.Module):
         max_seqlen_k=None,
         alibi_slopes=None,
     ):
-        kwargs = dict(
-            dropout_p=self.drop_p if self.training else 0.0,
-            softmax_scale=self.softmax_scale,
-            causal=self.causal if causal is None else causal,
-            window_size=self.window_size,
-            alibi_slopes=alibi_slopes,
-            deterministic=self.deterministic,
-        )
+        kwargs = self._kwargs(causal, alibi_slopes)
         if cu_seqlens is not None:
             return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
         return flash_attn_kvpacked_func(q, kv, **kwargs)
