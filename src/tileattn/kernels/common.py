@@ -201,6 +201,20 @@ def scores(
 
 
 @triton.jit
+def online_softmax(s, m_i, l_i, acc):
+    """One key tile of the online softmax over log2-domain scores ``s [BLOCK_M, BLOCK_N]``: returns
+    ``p = exp2(s - m_new)`` and the running max, sum and accumulator rescaled to ``m_new``; the caller
+    adds ``p @ v`` to the accumulator.
+
+    m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all masked
+    keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def segment(seg: tl.constexpr, lo, full_lo, full_hi, hi):
     """Bounds of loop segment ``seg`` (``tl.static_range(3)``) of a tile range split by ``key_range`` /
     ``query_range``: 0 the masked edge [lo, full_lo), 1 the unmasked middle [full_lo, full_hi), 2 the

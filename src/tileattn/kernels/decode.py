@@ -178,13 +178,8 @@ def _kv_tiles(
             MASK_LEFT,
             MASK_RIGHT,
         )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc)
         acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
     return acc, l_i, m_i
 
 

@@ -78,18 +78,11 @@ def _fwd_tiles(
             MASK_LEFT,
             MASK_RIGHT,
         )
-        # m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all
-        # masked keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc)  # p: [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
-        m_i = m_new
     return acc, l_i, m_i
 
 
