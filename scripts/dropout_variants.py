@@ -109,6 +109,16 @@ def _time(fn, inputs, grad_out):
     return fwd, both
 
 
+def _problem(headdim, seqlen):
+    """q, k, v and dout of the papers' setting: 16k tokens, hidden 2048, bf16."""
+    batch, nheads = 16384 // seqlen, 2048 // headdim
+    q, k, v = (
+        torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    return q, k, v, torch.randn_like(q)
+
+
 def run_one(name):
     from tileattn.kernels import common
 
@@ -126,12 +136,7 @@ def run_one(name):
     rows = []
     for headdim, seqlen, causal in SHAPES:
         causal = bool(causal)
-        batch, nheads = 16384 // seqlen, 2048 // headdim
-        q, k, v = (
-            torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
-        )
-        dout = torch.randn_like(q)
+        q, k, v, dout = _problem(headdim, seqlen)
         out = tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=causal)
         fwd, both = _time(
             lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=c), (q, k, v), dout
@@ -157,12 +162,7 @@ def anchors():
     rows = []
     for headdim, seqlen, causal in SHAPES:
         causal = bool(causal)
-        batch, nheads = 16384 // seqlen, 2048 // headdim
-        q, k, v = (
-            torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
-        )
-        dout = torch.randn_like(q)
+        q, k, v, dout = _problem(headdim, seqlen)
 
         def fa2(p, q=q, k=k, v=v, causal=causal):
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
