@@ -75,6 +75,31 @@ def test_forward_backward(backend, case, dtype):
     _run_case(backend, case, dtype)
 
 
+# The kernels' TMA variant (row tiles through tensor descriptors; a head dim of 59 is not 16-byte
+# aligned and falls back to pointer loads) and, on the GPU, the forward's warp-specialised key loop.
+TMA_CASES = [CASES[i] for i in (1, 3, 4, 5, 9, 10, 16, 18)]
+
+
+@pytest.mark.parametrize("warp_spec", [False, True], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("case", TMA_CASES, ids=_case_id)
+def test_tma_variants(backend, case, warp_spec, monkeypatch):
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    if warp_spec and backend != "cuda":
+        pytest.skip("warp specialisation is a compiler schedule; the interpreter runs the tma case")
+    import dataclasses
+
+    from tileattn.kernels import backward, forward
+
+    for module, name in ((forward, "fwd_config"), (backward, "bwd_dkdv_config"), (backward, "bwd_dq_config")):
+        original = getattr(module, name)
+        ws = warp_spec and name == "fwd_config"
+        monkeypatch.setattr(
+            module, name, lambda p, f=original, ws=ws: dataclasses.replace(f(p), tma=True, warp_spec=ws)
+        )
+    _run_case(backend, case, torch.float16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU_ONLY_CASES, ids=_case_id)

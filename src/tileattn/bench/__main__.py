@@ -101,6 +101,10 @@ def cpu_peak_mib(name: str, case: tuple) -> float:
         return float("nan")
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def check_backend(name, out, q, k, v, causal):
     """Tolerance rule on one (batch, head) slice, so the reference fits in memory at long seqlens."""
     sl = (slice(0, 1), slice(None), slice(0, 1))
@@ -134,9 +138,9 @@ def run_case(case, backends, device, modes, progress):
         except Unavailable as exc:
             progress(f"skip {name}: {exc}")
             continue
-        except (AssertionError, RuntimeError, torch.OutOfMemoryError) as exc:
-            progress(f"{name} failed: {str(exc).splitlines()[0][:160]}")
-            row["error"] = str(exc).splitlines()[0][:300]
+        except Exception as exc:  # noqa: BLE001 - one backend failing (or rejecting a shape) must not end the run
+            progress(f"{name} failed: {_first_line(exc)[:160]}")
+            row["error"] = _first_line(exc)[:300]
             rows.append(row)
             continue
         if device == "cuda":
@@ -157,8 +161,8 @@ def run_case(case, backends, device, modes, progress):
                 t_all = time_ms(fwd_bwd, device)
                 row["bwd_ms"] = max(t_all - t_fwd, 1e-9)
                 row["bwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd") / row["bwd_ms"] / 1e9
-            except (RuntimeError, torch.OutOfMemoryError) as exc:
-                progress(f"{name} backward failed: {str(exc).splitlines()[0][:160]}")
+            except Exception as exc:  # noqa: BLE001
+                progress(f"{name} backward failed: {_first_line(exc)[:160]}")
         if device == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         else:
@@ -189,6 +193,10 @@ _CSV_FIELDS = [
     "fwd_bwd_ms",
     "useful_fwd_tflops",
     "cache_len",
+    "case",
+    "baseline",
+    "fwd_ratio",
+    "bwd_ratio",
     "nheads_k",
     "ms",
     "gbps",
@@ -402,6 +410,11 @@ def parse_args(argv=None):
         action="store_true",
         help="decode: one query token against long KV caches (contiguous and paged), GB/s of K+V read",
     )
+    ap.add_argument(
+        "--features",
+        action="store_true",
+        help="tileattn with causal, GQA, windows, varlen and padded head dims against its dense speed",
+    )
     return ap.parse_args(argv)
 
 
@@ -435,6 +448,17 @@ def main(argv=None) -> int:
         rows = run_decode(dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
         append_results(args.out, rows)
         print(format_decode(rows))
+        return 0
+    if args.features:
+        if device != "cuda":
+            print("--features times CUDA kernels; no GPU here")
+            return 1
+        from tileattn.bench.features import format_features, run_features
+
+        headdims = args.headdim if args.headdim != [64, 128, 256] else [128, 64]
+        rows = [r for d in headdims for r in run_features(time_ms, d, 4096, args.tokens, args.hidden, dtype=dtype)]
+        append_results(args.out, rows)
+        print(format_features(rows))
         return 0
     if args.varlen:
         rows = []

@@ -58,6 +58,8 @@ def _dkdv_tiles(
     v,
     Q_base,
     DO_base,
+    q_desc,
+    do_desc,
     Lse_base,
     Delta_base,
     stride_qm,
@@ -90,8 +92,10 @@ def _dkdv_tiles(
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
     Q_MAJOR: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head.
+    """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head (Q/dO through
+    descriptors with USE_TMA).
 
     By default the score tile is transposed (keys are rows), so P and dS feed the dK / dV dots from
     registers. With Q_MAJOR it is queries x keys, as in the forward: dropout's draws are then the ones
@@ -100,11 +104,11 @@ def _dkdv_tiles(
     n_start = tl.min(offs_n, 0)  # the key block's first column, a multiple of BLOCK_N (dropout counters)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
-        q = common.load_tile(
-            Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D
+        q = common.load_rows(
+            q_desc, Q_base, stride_qm, start_m, offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_M, BLOCK_D]
-        do = common.load_tile(
-            DO_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D
+        do = common.load_rows(
+            do_desc, DO_base, stride_dom, start_m, offs_m, seqlen_q, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_M, BLOCK_D]
         if MASKED:
             lse = tl.load(Lse_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
@@ -223,6 +227,7 @@ def _attn_bwd_dkdv(
     IS_VARLEN: tl.constexpr,
     BATCH_PAD: tl.constexpr,
     Q_MAJOR: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group."""
     pid = tl.program_id(0)
@@ -280,6 +285,11 @@ def _attn_bwd_dkdv(
         rng_base = 0
         if HAS_DROPOUT:
             rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
+        q_desc = Q_base
+        do_desc = DO_base
+        if USE_TMA:
+            q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
+            do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D)
         for seg in tl.static_range(3):
             seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_tiles(
@@ -289,6 +299,8 @@ def _attn_bwd_dkdv(
                 v,
                 Q_base,
                 DO_base,
+                q_desc,
+                do_desc,
                 Lse_base,
                 Delta_base,
                 stride_qm,
@@ -321,6 +333,7 @@ def _attn_bwd_dkdv(
                 MASK_LEFT,
                 MASK_RIGHT,
                 Q_MAJOR,
+                USE_TMA,
             )
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
@@ -341,6 +354,8 @@ def _dq_tiles(
     delta,
     K_base,
     V_base,
+    k_desc,
+    v_desc,
     stride_kn,
     stride_vn,
     offs_m,
@@ -370,15 +385,16 @@ def _dq_tiles(
     HAS_DROPOUT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """Accumulates dQ of one query block over key tiles [lo, hi)."""
+    """Accumulates dQ of one query block over key tiles [lo, hi) (K/V through descriptors with USE_TMA)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k = common.load_tile(
-            K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        k = common.load_rows(
+            k_desc, K_base, stride_kn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
-        v = common.load_tile(
-            V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        v = common.load_rows(
+            v_desc, V_base, stride_vn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
         s, t = common.scores(
@@ -463,6 +479,7 @@ def _attn_bwd_dq(
     HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BATCH_PAD: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Program (query tile, head, batch): dQ of BLOCK_M query rows of one head."""
     pid = tl.program_id(0)
@@ -519,6 +536,11 @@ def _attn_bwd_dq(
     if HAS_DROPOUT:
         rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_desc = K_base
+    v_desc = V_base
+    if USE_TMA:
+        k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
     lo, full_lo, full_hi, hi = common.key_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
@@ -532,6 +554,8 @@ def _attn_bwd_dq(
             delta,
             K_base,
             V_base,
+            k_desc,
+            v_desc,
             stride_kn,
             stride_vn,
             offs_m,
@@ -561,6 +585,7 @@ def _attn_bwd_dq(
             HAS_DROPOUT,
             MASK_LEFT,
             MASK_RIGHT,
+            USE_TMA,
         )
     dq = dq * sm_scale
     mask = mask_m[:, None]
@@ -663,6 +688,7 @@ def attn_bwd(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         Q_MAJOR=cfg.q_major,
+        USE_TMA=common.use_tma(cfg, q4, do4),
         **flags,
     )
 
@@ -693,6 +719,7 @@ def attn_bwd(
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        USE_TMA=common.use_tma(cfg, k4, v4),
         **flags,
     )
     return dq, dk, dv

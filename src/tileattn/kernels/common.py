@@ -7,10 +7,35 @@ sequence; the diagonal sits at ``j = i + seqlen_k - seqlen_q`` (bottom-right ali
 in the log2 domain (natural-log scores times log2(e)) so the softmax uses ``exp2``.
 """
 
+import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 LOG2E = 1.4426950408889634
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma(cfg, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel launched with ``cfg`` reads the row tiles of ``tensors`` through TMA descriptors
+    (``rows_desc``): asked for by the config, a GPU with TMA (sm90+; the interpreter emulates it),
+    16-byte aligned data and strides, contiguous head dim. Descriptors built on the device need a
+    global scratch allocator: one backed by PyTorch's caching allocator is installed unless the caller
+    has set their own."""
+    if not cfg.tma:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+    return True
 
 
 @triton.jit
@@ -52,6 +77,46 @@ def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROW
             tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
         else:
             tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def rows_desc(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """TMA descriptor over one sequence's rows of one head, ``[n_rows, HEAD_DIM]`` with row stride
+    ``stride_row``, read in [BLOCK_R, BLOCK_D] tiles (rows past n_rows and columns past HEAD_DIM are
+    zeros). The launcher checks the 16-byte alignment TMA needs (``use_tma``)."""
+    rows = tl.maximum(n_rows, 1)  # an empty varlen sequence visits no tile
+    return tl.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_row, 1], [BLOCK_R, BLOCK_D])
+
+
+@triton.jit
+def load_rows(
+    desc,
+    base,
+    stride_row,
+    start,
+    offs_rows,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    PAD_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """The [rows, BLOCK_D] tile starting at row ``start`` (``offs_rows = start + arange``): through the
+    descriptor with USE_TMA, else a masked pointer load (``load_tile``)."""
+    if USE_TMA:
+        tile = desc.load([start, 0])
+    else:
+        tile = load_tile(
+            base + offs_rows[:, None] * stride_row + offs_d[None, :],
+            offs_rows,
+            n_rows,
+            offs_d,
+            HEAD_DIM,
+            CHECK_ROWS,
+            PAD_D,
+        )
     return tile
 
 

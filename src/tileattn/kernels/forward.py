@@ -20,6 +20,8 @@ def _fwd_tiles(
     q,
     K_base,
     V_base,
+    k_desc,
+    v_desc,
     stride_kn,
     stride_vn,
     i,
@@ -49,15 +51,20 @@ def _fwd_tiles(
     HAS_DROPOUT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
-    """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block.
+
+    With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
+    HEAD_DIM read as zeros), otherwise through masked pointer loads."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n_base
-        k = common.load_tile(
-            K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        k = common.load_rows(
+            k_desc, K_base, stride_kn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
-        v = common.load_tile(
-            V_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+        v = common.load_rows(
+            v_desc, V_base, stride_vn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
         s, _ = common.scores(
@@ -133,6 +140,8 @@ def _attn_fwd(
     HAS_DROPOUT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     BATCH_PAD: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
@@ -194,6 +203,12 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    k_desc = K_base
+    v_desc = V_base
+    if USE_TMA:
+        k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+
     lo, full_lo, full_hi, hi = common.key_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
@@ -208,6 +223,8 @@ def _attn_fwd(
             q,
             K_base,
             V_base,
+            k_desc,
+            v_desc,
             stride_kn,
             stride_vn,
             offs_m,
@@ -237,6 +254,8 @@ def _attn_fwd(
             HAS_DROPOUT,
             MASK_LEFT,
             MASK_RIGHT,
+            USE_TMA,
+            WARP_SPEC,
         )
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
@@ -271,6 +290,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
     else:
         grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+    use_tma = common.use_tma(cfg, k4, v4)
     _attn_fwd[grid](
         q4,
         k4,
@@ -308,6 +328,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
         HAS_DROPOUT=p.dropout_p > 0,
         IS_VARLEN=p.is_varlen,
         BATCH_PAD=p.batch_pad,
+        USE_TMA=use_tma,
+        WARP_SPEC=cfg.warp_spec,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
