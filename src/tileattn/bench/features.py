@@ -82,7 +82,12 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
         sl = (slice(0, 1), slice(None), slice(0, 1))
         ref = attention_ref(q[sl], k[sl], v[sl], upcast=torch.float64, **kwargs)[0]
         lowp = attention_ref(q[sl], k[sl], v[sl], upcast=False, **kwargs)[0]
-        check_close(f"features {name}", out[sl], ref, lowp)
+        try:
+            check_close(f"features {name}", out[sl], ref, lowp)
+        except AssertionError as exc:  # reported in the table; the other cases still run
+            rows.append(dict(kind="features", backend="tileattn", device="cuda", case=name, headdim=d, error=str(exc)))
+            print(exc, flush=True)
+            continue
         dout = torch.randn_like(call())
         t_fwd = time_ms(call, "cuda")
         t_all = time_ms(lambda call=call, inputs=inputs, dout=dout: torch.autograd.grad(call(), inputs, dout), "cuda")
@@ -105,8 +110,11 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
                 bwd_tflops=2.5 * work / (t_all - t_fwd) / 1e9,
             )
         )
+    by_case = {r["case"]: r for r in rows if "error" not in r}
     for r in rows:  # the causal row against dense; the other causal rows against causal
-        b = rows[1] if r["causal"] and r["case"] != "causal" else rows[0]
+        if "error" in r or "dense" not in by_case or "causal" not in by_case:
+            continue
+        b = by_case["causal"] if r["causal"] and r["case"] != "causal" else by_case["dense"]
         r["baseline"] = b["case"]
         r["fwd_ratio"] = r["fwd_tflops"] / b["fwd_tflops"]
         r["bwd_ratio"] = r["bwd_tflops"] / b["bwd_tflops"]
@@ -116,6 +124,7 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
 def format_features(rows) -> str:
     from tabulate import tabulate
 
+    rows = [r for r in rows if "fwd_ratio" in r]
     table = [
         [
             f"hd{r['headdim']}",

@@ -28,7 +28,7 @@ class KernelConfig:
     num_stages: int
     # dK/dV kernel only: score tiles in query x key orientation (see backward._dkdv_tiles)
     q_major: bool = False
-    # forward only: K/V tiles through TMA tensor descriptors (Hopper+, aligned rows; see forward.tma_ok)
+    # row tiles read in the kernel loops through TMA tensor descriptors (sm90+, aligned rows; common.use_tma)
     tma: bool = False
     # forward only: the key loop warp-specialised by the compiler (tl.range(warp_specialize=True))
     warp_spec: bool = False
@@ -108,14 +108,15 @@ def _interpret_config(p: AttnParams) -> KernelConfig:
 # Tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages), the fastest of
 # ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md).
 # Head dim 256 has its own candidate list (smaller tiles, fewer stages) in the sweep.
-# Head dim 128's forward reads K/V through TMA descriptors: +3-7 % there, -3 % at head dim 64, none at
-# 256 (scripts/tma_probe.py); the backward kernels read their row tiles with pointer loads, which were as
-# fast or faster in the same run.
+# KernelConfig.tma (row tiles through TMA descriptors) is off everywhere: it made head dim 128's forward
+# 3-7 % faster, but one run of `bench --features` on a freshly started GPU failed its GQA check with it,
+# which 360 bitwise comparisons and four reruns since did not reproduce (docs/perf.md). The dK/dV and dQ
+# kernels were as fast or faster without it in the same run (scripts/tma_probe.py).
 _FWD = {
     16: KernelConfig(128, 64, 8, 3),
     32: KernelConfig(128, 64, 8, 3),
     64: KernelConfig(128, 64, 8, 3),
-    128: KernelConfig(128, 64, 8, 3, tma=True),
+    128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(128, 64, 8, 2),
 }
 # Backward: the dK/dV pass walks query tiles for a block of keys, the dQ pass key tiles for a block
