@@ -145,3 +145,32 @@ def test_compiled_decode_step_writes_the_cache():
     kc2, vc2 = kc.clone(), vc.clone()
     expected = tileattn.flash_attn_with_kvcache(q, kc2, vc2, cache_seqlens=_i32([4, 9]), causal=True)
     check_close("compiled decode", out, expected.double(), expected)
+
+
+def test_eager_calls_skip_the_dispatcher_with_the_same_results(monkeypatch):
+    """Eager calls on plain tensors run the ops' implementations directly (api.direct); the results,
+    gradients (dropout included) and cache writes equal those through the custom ops, and the caches'
+    version counters move as the op's would."""
+    from tileattn import api
+
+    direct_rule = api.direct
+    q, k, v = _t(2, 37, 4, 16, grad=True), _t(2, 41, 2, 16, grad=True), _t(2, 41, 2, 16, grad=True)
+    dout = torch.randn_like(q)
+    kc, vc, kn, vn = _t(2, 64, 2, 16), _t(2, 64, 2, 16), _t(2, 3, 2, 16), _t(2, 3, 2, 16)
+    results = {}
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(api, "direct", lambda *tensors: False)
+        torch.manual_seed(7)
+        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        k_cache, v_cache = kc.clone(), vc.clone()
+        version = k_cache._version
+        dec = tileattn.flash_attn_with_kvcache(q[:, :3], k_cache, v_cache, kn, vn, cache_seqlens=20, causal=True)
+        assert k_cache._version > version
+        results[direct] = (out, *grads, dec, k_cache, v_cache)
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
+    assert direct_rule(q, None)
+    with torch._subclasses.FakeTensorMode():
+        assert not direct_rule(torch.empty(1))

@@ -248,6 +248,15 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may run its custom op's implementation directly, skipping the dispatcher: not
+    while torch.compile / export trace, not under a dispatch or function mode (fake tensors, flop
+    counters, ...), and only for plain tensors (not subclasses)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
 def _nothing_to_attend(q: torch.Tensor, k: torch.Tensor) -> bool:
     """No query rows, or no keys at all: every output row is 0 (LSE +inf) and every gradient 0."""
     return q.numel() == 0 or k.shape[-3] == 0
@@ -260,8 +269,12 @@ def _run(
     p: AttnParams,
     return_attn_probs: bool,
 ):
-    """Calls the ``tileattn::fwd`` custom op (``tileattn.ops``), which carries the autograd."""
-    out, lse, rng_state = torch.ops.tileattn.fwd(
+    """Calls the ``tileattn::fwd`` custom op (``tileattn.ops``), which carries the autograd, or in eager
+    mode on plain tensors the same implementation without the op's dispatch (``direct``)."""
+    from tileattn import ops
+
+    op = ops.EagerAttention.apply if direct(q, k, v) else torch.ops.tileattn.fwd
+    out, lse, rng_state = op(
         q,
         k,
         v,
@@ -279,8 +292,6 @@ def _run(
     )
     if not return_attn_probs:
         return out
-    from tileattn import ops
-
     return out, lse, ops.attn_probs(q, k, lse, rng_state, p)
 
 

@@ -271,7 +271,10 @@ def flash_attn_with_kvcache(
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
 
-    out, lse = torch.ops.tileattn.fwd_kvcache(
+    # the op's implementation directly in eager mode on plain tensors (api.direct: no dispatcher overhead)
+    direct = api.direct(q, k_cache, v_cache, k, v)
+    op = _fwd_kvcache_impl if direct else torch.ops.tileattn.fwd_kvcache
+    out, lse = op(
         q,
         k_cache,
         v_cache,
@@ -292,11 +295,12 @@ def flash_attn_with_kvcache(
         int(num_splits),
         q_span,
     )
+    if direct and has_new:  # what the op's dispatcher does for its mutated arguments
+        torch.autograd.graph.increment_version((k_cache, v_cache))
     return (out, lse) if return_softmax_lse else out
 
 
-@torch.library.custom_op("tileattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
-def _fwd_kvcache(
+def _fwd_kvcache_impl(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -368,6 +372,9 @@ def _fwd_kvcache(
     return out.contiguous(), lse
 
 
+_fwd_kvcache = torch.library.custom_op("tileattn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
+
+
 @_fwd_kvcache.register_fake
 def _(q, *args):
     batch, seqlen_q, nheads, _ = q.shape
@@ -414,7 +421,8 @@ def paged_varlen_fwd(
         p_options["deterministic"],
         False,
     )
-    return torch.ops.tileattn.fwd_paged_varlen(
+    op = _fwd_paged_varlen_impl if api.direct(q, k, v) else torch.ops.tileattn.fwd_paged_varlen
+    return op(
         q,
         k,
         v,
@@ -431,8 +439,7 @@ def paged_varlen_fwd(
     )
 
 
-@torch.library.custom_op("tileattn::fwd_paged_varlen", mutates_args=())
-def _fwd_paged_varlen(
+def _fwd_paged_varlen_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -489,6 +496,9 @@ def _fwd_paged_varlen(
     with api._on_device(q):
         out, _ = api._implementation(q).attn_fwd_kvcache(q, k, v, p, c)
     return out.contiguous()
+
+
+_fwd_paged_varlen = torch.library.custom_op("tileattn::fwd_paged_varlen", _fwd_paged_varlen_impl, mutates_args=())
 
 
 @_fwd_paged_varlen.register_fake

@@ -170,7 +170,8 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.jit
+# a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
+@triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dkdv(
     Q,
     K,
@@ -427,7 +428,8 @@ def _dq_tiles(
     return dq
 
 
-@triton.jit
+# a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
+@triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dq(
     Q,
     K,

@@ -93,7 +93,8 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
+@triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
     Q,
     K,

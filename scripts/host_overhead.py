@@ -1,0 +1,73 @@
+"""Host time of tileattn calls at a launch-bound size (BERT-large's attention, one layer), against SDPA.
+
+Host time per call: 20 calls issued after a synchronize (the launch queue never fills, so the clock
+stops when the host is done issuing), best of 10 rounds. GPU time: CUDA events around the same calls.
+``--compare-op`` also times the calls through the ``torch.library`` custom op (what torch.compile
+traces) instead of the direct eager path (``tileattn.api.direct``).
+"""
+
+import argparse
+import time
+
+import torch
+
+import tileattn
+from tileattn import api
+
+
+def host_and_gpu_us(fn, calls=20, rounds=10):
+    for _ in range(5):
+        fn()
+    host = []
+    gpu = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3 / calls)
+    return min(host), min(gpu)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compare-op", action="store_true")
+    args = ap.parse_args()
+    q, k, v = (torch.randn(8, 512, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def sdpa(p):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p
+        ).transpose(1, 2)
+
+    def grad(out):
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    cases = {
+        "tileattn fwd": lambda: tileattn.flash_attn_func(q, k, v),
+        "tileattn fwd+bwd": lambda: grad(tileattn.flash_attn_func(q, k, v)),
+        "tileattn fwd+bwd p=0.1": lambda: grad(tileattn.flash_attn_func(q, k, v, dropout_p=0.1)),
+        "sdpa fwd": lambda: sdpa(0.0),
+        "sdpa fwd+bwd": lambda: grad(sdpa(0.0)),
+        "sdpa fwd+bwd p=0.1": lambda: grad(sdpa(0.1)),
+    }
+    paths = {"direct": api.direct}
+    if args.compare_op:
+        paths["custom op"] = lambda *t: False
+    for path, rule in paths.items():
+        api.direct = rule
+        for name, fn in cases.items():
+            if path != "direct" and not name.startswith("tileattn"):
+                continue
+            host, gpu = host_and_gpu_us(fn)
+            print(f"{path:9} {name:24} host {host:7.1f} us/call   GPU {gpu:7.1f} us/call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
