@@ -168,3 +168,24 @@ def test_varlen_schedule_one_long_many_short(backend):
             0
         ]
         check_close(f"seq {b}", out[o : o + n], ref, lowp)
+
+
+def test_cu_seqlens_checked_once_until_modified(monkeypatch):
+    """The values of a cu_seqlens tensor are read on the host once (a device sync), not once per layer:
+    later calls with the same, unmodified tensor reuse the result; an in-place change is checked again."""
+    from tileattn import api
+
+    q = torch.randn(9, 2, 16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = cu_q.clone()
+    reads = []
+    original = api._cu_lengths
+    monkeypatch.setattr(api, "_cu_lengths", lambda *a: reads.append(a[0]) or original(*a))
+    for _ in range(3):
+        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 5, 5)
+    assert reads == ["cu_seqlens_q", "cu_seqlens_k"]
+    tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)  # another max_seqlen: checked again
+    assert len(reads) == 4
+    cu_k[1] = 10  # now decreasing
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)

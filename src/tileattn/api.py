@@ -12,6 +12,7 @@ import contextlib
 import functools
 import math
 import numbers
+import weakref
 from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 
@@ -221,9 +222,27 @@ def _check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, 
         raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
 
 
+# cu_seqlens tensors whose values passed _check_cu_values: id -> (weak reference, version counter, total,
+# max_seqlen, lengths). A model calls attention once per layer with the same cu_seqlens; reading them on
+# the host (a device sync) once per tensor instead of once per call keeps the launches queued.
+_CHECKED_CU: dict[int, tuple] = {}
+
+
 def _check_cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     """cu_seqlens must start at 0, never decrease and end at the token count (``total``, if given);
-    max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host)."""
+    max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host, unless this
+    tensor, unmodified since, passed the same check before)."""
+    seen = _CHECKED_CU.get(id(cu))
+    if seen is not None and seen[0]() is cu and seen[1:4] == (cu._version, total, max_seqlen):
+        return seen[4]
+    lengths = _cu_lengths(name, cu, total, max_name, max_seqlen)
+    if len(_CHECKED_CU) > 256:
+        _CHECKED_CU.clear()
+    _CHECKED_CU[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen, lengths)
+    return lengths
+
+
+def _cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
