@@ -12,5 +12,5 @@ timeout 200 python3 scripts/features_tma.py on --headdim 128 64 256 --out "$OUT/
   | tee "$OUT/features_tma.log" | tail -32
 timeout 200 python3 scripts/features_tma.py off --headdim 128 64 256 --out "$OUT/features.jsonl" 2>&1 \
   | tee "$OUT/features.log" | tail -32
-timeout 60 python3 scripts/host_overhead.py --compare-op 2>&1 | tee "$OUT/host.log" | tail -9
+timeout 90 python3 scripts/host_overhead.py --compare-op --profile 2>&1 | tee "$OUT/host.log" | head -60
 timeout 100 python3 scripts/tma_stress.py 40 2>&1 | tee "$OUT/tma_stress.log" | tail -3

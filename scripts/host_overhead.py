@@ -3,10 +3,14 @@
 Host time per call: 20 calls issued after a synchronize (the launch queue never fills, so the clock
 stops when the host is done issuing), best of 10 rounds. GPU time: CUDA events around the same calls.
 ``--compare-op`` also times the calls through the ``torch.library`` custom op (what torch.compile
-traces) instead of the direct eager path (``tileattn.api.direct``).
+traces) instead of the direct eager path (``tileattn.api.direct``). ``--profile`` ends with a cProfile of
+tileattn forward+backward calls, synchronising every 10 calls so that no time is spent waiting on a full
+launch queue (which cProfile would charge to whatever call happened to block).
 """
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -37,6 +41,7 @@ def host_and_gpu_us(fn, calls=20, rounds=10):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare-op", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     q, k, v = (torch.randn(8, 512, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
@@ -67,6 +72,17 @@ def main():
                 continue
             host, gpu = host_and_gpu_us(fn)
             print(f"{path:9} {name:24} host {host:7.1f} us/call   GPU {gpu:7.1f} us/call", flush=True)
+    api.direct = paths["direct"]
+    if args.profile:
+        prof = cProfile.Profile()
+        for _ in range(20):
+            torch.cuda.synchronize()
+            prof.enable()
+            for _ in range(10):
+                cases["tileattn fwd+bwd"]()
+            prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
