@@ -1,5 +1,6 @@
-"""``python -m tileattn.bench --features`` with the kernels' TMA reads switched on or off in every tile
-table (KernelConfig.tma), to compare the feature rows both ways or to rerun a check with TMA on.
+"""``python -m tileattn.bench --features`` with the forward's TMA reads switched on or off
+(KernelConfig.tma; the backward tables are set to off either way), to compare the feature rows both ways
+or to rerun a check with TMA on.
 
     python scripts/features_tma.py on|off [bench arguments, e.g. --headdim 128 64 256]
 """

@@ -174,3 +174,27 @@ def test_eager_calls_skip_the_dispatcher_with_the_same_results(monkeypatch):
     assert direct_rule(q, None)
     with torch._subclasses.FakeTensorMode():
         assert not direct_rule(torch.empty(1))
+
+
+def test_direct_path_edge_cases():
+    """The direct eager path keeps what the custom op allowed: varlen under inference mode (no version
+    counters), torch.jit.trace (goes through the op), and a double backward that fails loudly instead of
+    returning gradients without a graph."""
+    from tileattn import api
+
+    with torch.inference_mode():
+        q = torch.randn(9, 2, 16)
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        out = tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5)
+        assert out.shape == q.shape
+
+    q = torch.randn(1, 5, 2, 16)
+    traced = torch.jit.trace(lambda a: tileattn.flash_attn_func(a, a, a, causal=True), (q,), check_trace=False)
+    assert torch.equal(traced(q), tileattn.flash_attn_func(q, q, q, causal=True))
+    assert api.direct(q)
+
+    qg = q.clone().requires_grad_()
+    out = tileattn.flash_attn_func(qg, qg, qg)
+    (dq,) = torch.autograd.grad(out.sum(), qg, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        torch.autograd.grad(dq.sum(), qg)

@@ -32,6 +32,27 @@ def _cu(lengths, device):
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_varlen_matches_per_sequence_reference(backend, lengths, feats, dtype):
+    _check_varlen(backend, lengths, feats, dtype)
+
+
+@pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
+def test_varlen_tma_variant(backend, lengths, feats, monkeypatch):
+    """The kernels' TMA reads (KernelConfig.tma) on packed batches: descriptors per sequence, empty ones
+    included, rows past a sequence read as zeros."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    import dataclasses
+
+    from tileattn.kernels import backward, forward
+
+    for module, name in ((forward, "fwd_config"), (backward, "bwd_dkdv_config"), (backward, "bwd_dq_config")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda p, f=original: dataclasses.replace(f(p), tma=True))
+    _check_varlen(backend, lengths, feats, torch.float16)
+
+
+def _check_varlen(backend, lengths, feats, dtype):
     interpreter_skips(backend, dtype)
     ctx, device = on(backend)
     seqs = LENGTHS[lengths]

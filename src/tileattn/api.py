@@ -222,23 +222,30 @@ def _check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, 
         raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
 
 
-# cu_seqlens tensors whose values passed _check_cu_values: id -> (weak reference, version counter, total,
-# max_seqlen, lengths). A model calls attention once per layer with the same cu_seqlens; reading them on
-# the host (a device sync) once per tensor instead of once per call keeps the launches queued.
-_CHECKED_CU: dict[int, tuple] = {}
+# cu_seqlens tensors whose values passed _check_cu_values: (id, total, max_seqlen) -> (weak reference,
+# version counter, lengths). A model calls attention once per layer with the same cu_seqlens; reading
+# them on the host (a device sync) once per tensor instead of once per call keeps the launches queued.
+# Changes made through torch ops bump the version counter and are checked again; writes that bypass it
+# (``.data``, ``.numpy()``, DLPack aliases, a custom kernel) are not seen, as documented on
+# flash_attn_varlen_func.
+_CHECKED_CU: dict[tuple, tuple] = {}
 
 
 def _check_cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     """cu_seqlens must start at 0, never decrease and end at the token count (``total``, if given);
     max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host, unless this
-    tensor, unmodified since, passed the same check before)."""
-    seen = _CHECKED_CU.get(id(cu))
-    if seen is not None and seen[0]() is cu and seen[1:4] == (cu._version, total, max_seqlen):
-        return seen[4]
+    tensor, unmodified since, passed the same check before; inference tensors have no version counter
+    and are read every time)."""
+    if cu.is_inference():
+        return _cu_lengths(name, cu, total, max_name, max_seqlen)
+    key = (id(cu), total, max_seqlen)
+    seen = _CHECKED_CU.get(key)
+    if seen is not None and seen[0]() is cu and seen[1] == cu._version:
+        return seen[2]
     lengths = _cu_lengths(name, cu, total, max_name, max_seqlen)
     if len(_CHECKED_CU) > 256:
         _CHECKED_CU.clear()
-    _CHECKED_CU[id(cu)] = (weakref.ref(cu), cu._version, total, max_seqlen, lengths)
+    _CHECKED_CU[key] = (weakref.ref(cu), cu._version, lengths)
     return lengths
 
 
@@ -269,9 +276,14 @@ def _on_device(t: torch.Tensor):
 
 def direct(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may run its custom op's implementation directly, skipping the dispatcher: not
-    while torch.compile / export trace, not under a dispatch or function mode (fake tensors, flop
+    while torch.compile / export / torch.jit trace, not under a dispatch or function mode (fake tensors, flop
     counters, ...), and only for plain tensors (not subclasses)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+    if (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._len_torch_function_stack()
+    ):
         return False
     return all(t is None or type(t) is torch.Tensor for t in tensors)
 
@@ -576,7 +588,10 @@ flash_attn_varlen_func.__doc__ = (
         k, v: ``(total_k, nheads_k, headdim)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, cumulative sequence lengths starting at 0:
             sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``. Empty sequences are
-            allowed. Their values are read on the host to validate them before the kernels run.
+            allowed. Their values are read on the host to validate them before the kernels run, once
+            per tensor: later calls with the same tensor (every layer of a model) reuse the check until
+            a torch op changes it. Writes that bypass PyTorch's version counter (``.data``,
+            ``.numpy()``, DLPack, your own kernels) are not seen: pass a new tensor instead.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
         Masks are aligned to the bottom-right corner of each sequence."""
     + _DENSE_DOC_ARGS

@@ -194,11 +194,11 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *options):
         out, lse, rng_state = forward_impl(q, k, v, *options)
-        ctx.mark_non_differentiable(lse, rng_state)
         _setup_context(ctx, (q, k, v, *options), (out, lse, rng_state))
         return out, lse, rng_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse, _drng):
         q, k, v, out, lse, rng_state, alibi, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = backward_impl(dout, q, k, v, out, lse, rng_state, alibi, cu_q, cu_k, *ctx.options)

@@ -193,14 +193,14 @@ _CSV_FIELDS = [
     "fwd_bwd_ms",
     "useful_fwd_tflops",
     "cache_len",
-    "case",
-    "baseline",
-    "fwd_ratio",
-    "bwd_ratio",
     "nheads_k",
     "ms",
     "gbps",
     "error",
+    "case",
+    "baseline",
+    "fwd_ratio",
+    "bwd_ratio",
 ]
 
 

@@ -84,8 +84,18 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
         lowp = attention_ref(q[sl], k[sl], v[sl], upcast=False, **kwargs)[0]
         try:
             check_close(f"features {name}", out[sl], ref, lowp)
-        except AssertionError as exc:  # reported in the table; the other cases still run
-            rows.append(dict(kind="features", backend="tileattn", device="cuda", case=name, headdim=d, error=str(exc)))
+        except AssertionError as exc:  # shown as a failed row; the other cases still run
+            rows.append(
+                dict(
+                    kind="features",
+                    backend="tileattn",
+                    device="cuda",
+                    case=name,
+                    headdim=d,
+                    causal=causal,
+                    error=str(exc),
+                )
+            )
             print(exc, flush=True)
             continue
         dout = torch.randn_like(call())
@@ -112,10 +122,10 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
         )
     by_case = {r["case"]: r for r in rows if "error" not in r}
     for r in rows:  # the causal row against dense; the other causal rows against causal
-        if "error" in r or "dense" not in by_case or "causal" not in by_case:
+        r["baseline"] = "causal" if r.get("causal") and r["case"] != "causal" else "dense"
+        b = by_case.get(r["baseline"])
+        if "error" in r or b is None:
             continue
-        b = by_case["causal"] if r["causal"] and r["case"] != "causal" else by_case["dense"]
-        r["baseline"] = b["case"]
         r["fwd_ratio"] = r["fwd_tflops"] / b["fwd_tflops"]
         r["bwd_ratio"] = r["bwd_tflops"] / b["bwd_tflops"]
     return rows
@@ -124,16 +134,20 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
 def format_features(rows) -> str:
     from tabulate import tabulate
 
-    rows = [r for r in rows if "fwd_ratio" in r]
+    def cell(r, key, fmt):
+        if "error" in r:
+            return "check failed" if key == "fwd_tflops" else ""
+        return format(r[key], fmt) if key in r else "—"
+
     table = [
         [
             f"hd{r['headdim']}",
             r["case"],
             r["baseline"],
-            f"{r['fwd_tflops']:.0f}",
-            f"{r['fwd_ratio']:.2f}",
-            f"{r['bwd_tflops']:.0f}",
-            f"{r['bwd_ratio']:.2f}",
+            cell(r, "fwd_tflops", ".0f"),
+            cell(r, "fwd_ratio", ".2f"),
+            cell(r, "bwd_tflops", ".0f"),
+            cell(r, "bwd_ratio", ".2f"),
         ]
         for r in rows
     ]

@@ -21,15 +21,15 @@ def _scratch(size: int, alignment: int, stream):
 
 def use_tma(cfg, *tensors: torch.Tensor) -> bool:
     """Whether a kernel launched with ``cfg`` reads the row tiles of ``tensors`` through TMA descriptors
-    (``rows_desc``): asked for by the config, a GPU with TMA (sm90+; the interpreter emulates it),
-    16-byte aligned data and strides, contiguous head dim. Descriptors built on the device need a
-    global scratch allocator: one backed by PyTorch's caching allocator is installed unless the caller
-    has set their own."""
-    if not cfg.tma:
+    (``rows_desc``): asked for by the config, an NVIDIA GPU with TMA (sm90+; the interpreter emulates
+    it), 16-byte aligned data, positive strides that are multiples of 16 bytes, contiguous head dim.
+    Descriptors built on the device need a global scratch allocator: one backed by PyTorch's caching
+    allocator is installed unless the caller has set their own."""
+    if not cfg.tma or torch.version.hip:
         return False
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s <= 0 or s * size % 16 for s in t.stride()[:-1]):
             return False
         if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
             return False
