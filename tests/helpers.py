@@ -15,6 +15,23 @@ from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 
+def patch_configs(monkeypatch, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None) -> None:
+    """Makes the kernels launch with their table config changed by these KernelConfig fields (for
+    variants that are off in the tables: tma, warp_spec, q_major)."""
+    import dataclasses
+
+    from tileattn.kernels import backward, forward
+
+    for module, name, changes in (
+        (forward, "fwd_config", fwd),
+        (backward, "bwd_dkdv_config", dkdv),
+        (backward, "bwd_dq_config", dq),
+    ):
+        if changes:
+            original = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda p, f=original, c=changes: dataclasses.replace(f(p), **c))
+
+
 def interpreter_skips(backend: str, dtype: torch.dtype) -> None:
     """Triton's interpreter cannot multiply bfloat16 (tileattn routes it to the CPU path there)."""
     if backend == "interpret" and dtype == torch.bfloat16:

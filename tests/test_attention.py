@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import check_attention, interpreter_skips, on, randn
+from helpers import check_attention, interpreter_skips, on, patch_configs, randn
 from tileattn.reference import attention_ref
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
@@ -87,16 +87,7 @@ def test_tma_variants(backend, case, warp_spec, monkeypatch):
         pytest.skip("a kernel variant")
     if warp_spec and backend != "cuda":
         pytest.skip("warp specialisation is a compiler schedule; the interpreter runs the tma case")
-    import dataclasses
-
-    from tileattn.kernels import backward, forward
-
-    for module, name in ((forward, "fwd_config"), (backward, "bwd_dkdv_config"), (backward, "bwd_dq_config")):
-        original = getattr(module, name)
-        ws = warp_spec and name == "fwd_config"
-        monkeypatch.setattr(
-            module, name, lambda p, f=original, ws=ws: dataclasses.replace(f(p), tma=True, warp_spec=ws)
-        )
+    patch_configs(monkeypatch, fwd=dict(tma=True, warp_spec=warp_spec), dkdv=dict(tma=True), dq=dict(tma=True))
     _run_case(backend, case, torch.float16)
 
 

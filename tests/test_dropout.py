@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import check_attention, interpreter_skips, on, randn
+from helpers import check_attention, interpreter_skips, on, patch_configs, randn
 from tileattn import rng
 from tileattn.kernels import common  # noqa: F401  (used by a kernel defined in a test)
 
@@ -102,12 +102,7 @@ def test_dkdv_query_major_tiles(backend, feats, monkeypatch):
     the reference, with and without dropout (GQA, odd lengths and head dim)."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    import dataclasses
-
-    from tileattn.kernels import backward
-
-    original = backward.bwd_dkdv_config
-    monkeypatch.setattr(backward, "bwd_dkdv_config", lambda p: dataclasses.replace(original(p), q_major=True))
+    patch_configs(monkeypatch, dkdv=dict(q_major=True))
     ctx, device = on(backend)
     b, sq, sk, h, hk, d = 2, 47, 71, 4, 2, 40
     q = randn(b, sq, h, d, dtype=torch.float16, device=device)

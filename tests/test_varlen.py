@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import interpreter_skips, on, randn
+from helpers import interpreter_skips, on, patch_configs, randn
 from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
@@ -42,13 +42,7 @@ def test_varlen_tma_variant(backend, lengths, feats, monkeypatch):
     included, rows past a sequence read as zeros."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    import dataclasses
-
-    from tileattn.kernels import backward, forward
-
-    for module, name in ((forward, "fwd_config"), (backward, "bwd_dkdv_config"), (backward, "bwd_dq_config")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda p, f=original: dataclasses.replace(f(p), tma=True))
+    patch_configs(monkeypatch, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
     _check_varlen(backend, lengths, feats, torch.float16)
 
 

@@ -177,10 +177,14 @@ def _setup_context(ctx, inputs, output):
     ctx.options = options[3:]
 
 
-def _backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, rng_state, alibi, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, rng_state, alibi, cu_q, cu_k, *ctx.options)
+def _grads(bwd, ctx, dout):
+    """(dq, dk, dv, None...) for the forward's 14 inputs, from what ``_setup_context`` saved."""
+    dq, dk, dv = bwd(dout, *ctx.saved_tensors, *ctx.options)
     return (dq, dk, dv) + (None,) * 11
+
+
+def _backward(ctx, dout, _dlse, _drng):
+    return _grads(attn_bwd, ctx, dout)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -200,9 +204,7 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse, _drng):
-        q, k, v, out, lse, rng_state, alibi, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = backward_impl(dout, q, k, v, out, lse, rng_state, alibi, cu_q, cu_k, *ctx.options)
-        return (dq, dk, dv) + (None,) * 11
+        return _grads(backward_impl, ctx, dout)
 
 
 def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, p: AttnParams) -> Tensor:

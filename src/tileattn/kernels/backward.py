@@ -286,11 +286,8 @@ def _attn_bwd_dkdv(
         rng_base = 0
         if HAS_DROPOUT:
             rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
-        q_desc = Q_base
-        do_desc = DO_base
-        if USE_TMA:
-            q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
-            do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         for seg in tl.static_range(3):
             seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_tiles(
@@ -538,11 +535,8 @@ def _attn_bwd_dq(
     if HAS_DROPOUT:
         rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_desc = K_base
-    v_desc = V_base
-    if USE_TMA:
-        k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     lo, full_lo, full_hi, hi = common.key_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )

@@ -81,12 +81,24 @@ def load_tile(ptrs, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROW
 
 
 @triton.jit
-def rows_desc(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """TMA descriptor over one sequence's rows of one head, ``[n_rows, HEAD_DIM]`` with row stride
-    ``stride_row``, read in [BLOCK_R, BLOCK_D] tiles (rows past n_rows and columns past HEAD_DIM are
-    zeros). The launcher checks the 16-byte alignment TMA needs (``use_tma``)."""
-    rows = tl.maximum(n_rows, 1)  # an empty varlen sequence visits no tile
-    return tl.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_row, 1], [BLOCK_R, BLOCK_D])
+def rows_desc(
+    base,
+    n_rows,
+    stride_row,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """With USE_TMA, a TMA descriptor over one sequence's rows of one head, ``[n_rows, HEAD_DIM]`` with
+    row stride ``stride_row``, read in [BLOCK_R, BLOCK_D] tiles (rows past n_rows and columns past
+    HEAD_DIM are zeros; the launcher checks the 16-byte alignment TMA needs, ``use_tma``); without it,
+    ``base`` itself, for ``load_rows``'s pointer loads."""
+    desc = base
+    if USE_TMA:
+        rows = tl.maximum(n_rows, 1)  # an empty varlen sequence visits no tile
+        desc = tl.make_tensor_descriptor(base, [rows, HEAD_DIM], [stride_row, 1], [BLOCK_R, BLOCK_D])
+    return desc
 
 
 @triton.jit
