@@ -29,7 +29,9 @@ def patch_configs(monkeypatch, fwd: dict | None = None, dkdv: dict | None = None
     ):
         if changes:
             original = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda p, f=original, c=changes: dataclasses.replace(f(p), **c))
+            monkeypatch.setattr(
+                module, name, lambda p, *a, f=original, c=changes, **kw: dataclasses.replace(f(p, *a, **kw), **c)
+            )
 
 
 def interpreter_skips(backend: str, dtype: torch.dtype) -> None:

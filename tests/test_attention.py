@@ -98,6 +98,37 @@ def test_forward_backward_large(case, dtype):
     _run_case("cuda", case, dtype)
 
 
+# The tile tables' forward builds at the size where one build was miscompiled: head dim 256's 128 x 64
+# pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens, so head
+# dim 256 reads through TMA and falls back to other tiles without it (configs._FWD_POINTER).
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("headdim,tma", [(64, True), (128, True), (256, True), (256, False)], ids=str)
+def test_forward_tables_gqa_at_scale(headdim, tma, causal, monkeypatch):
+    from tileattn.kernels import common
+
+    if not tma:
+        monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: False)
+    _run_case("cuda", (4 if headdim == 256 else 2, 4096, 4096, 8, 2, headdim, {"causal": causal}), torch.bfloat16)
+
+
+def test_forward_config_falls_back_without_tma(monkeypatch):
+    """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read."""
+    from tileattn.kernels import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for headdim, cfg in configs._FWD.items():
+        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
+        assert configs.fwd_config(p) is cfg
+        fallback = configs.fwd_config(p, tma_ok=False)
+        assert not fallback.tma
+        if cfg.tma:
+            assert fallback == configs._FWD_POINTER.get(headdim, fallback)
+        else:
+            assert fallback is cfg
+    assert configs._FWD[256].tma and not configs._FWD_POINTER[256].tma
+
+
 def test_cpu_path_float32():
     """The CPU path also takes float32 (compared against float64)."""
     ctx, device = on("torch")

@@ -9,7 +9,7 @@ while still crossing several tiles.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -108,16 +108,25 @@ def _interpret_config(p: AttnParams) -> KernelConfig:
 # Tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages), the fastest of
 # ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md).
 # Head dim 256 has its own candidate list (smaller tiles, fewer stages) in the sweep.
-# KernelConfig.tma (row tiles through TMA descriptors) is off everywhere: it made head dim 128's forward
-# 3-7 % faster, but one run of `bench --features` on a freshly started GPU failed its GQA check with it,
-# which 360 bitwise comparisons and four reruns since did not reproduce (docs/perf.md). The dK/dV and dQ
-# kernels were as fast or faster without it in the same run (scripts/tma_probe.py).
+# KernelConfig.tma (row tiles through TMA descriptors): on for head dim 256's forward only, where the
+# pointer-load build of the same tiles is wrong. That build (128 x 64, 8 warps, 2 stages) compiles to
+# 255 registers and gives wrong outputs or illegal-address faults for GQA inputs (a runtime group size)
+# at 4 x 4096 tokens; the TMA build of the same tiles (239 registers) is correct and as fast (docs/perf.md,
+# "head dim 256 forward"). Inputs TMA cannot read fall back to _FWD_POINTER. Elsewhere TMA is off: head
+# dim 128's forward gains 3-7 % from it, but one freshly started GPU once failed a GQA check with it that
+# 360 bitwise comparisons did not reproduce (it may have been this compiler fault). The dK/dV and dQ
+# kernels were as fast or faster without it (scripts/tma_probe.py).
 _FWD = {
     16: KernelConfig(128, 64, 8, 3),
     32: KernelConfig(128, 64, 8, 3),
     64: KernelConfig(128, 64, 8, 3),
     128: KernelConfig(128, 64, 8, 3),
-    256: KernelConfig(128, 64, 8, 2),
+    256: KernelConfig(128, 64, 8, 2, tma=True),
+}
+# The forward's tiles when a TMA config cannot read the inputs (common.use_tma is false: unaligned rows,
+# strides, not an NVIDIA sm90+ GPU): correct at 4 x 4096 GQA, 382-396 TFLOP/s at head dim 256.
+_FWD_POINTER = {
+    256: KernelConfig(64, 64, 4, 2),
 }
 # Backward: the dK/dV pass walks query tiles for a block of keys, the dQ pass key tiles for a block
 # of queries.
@@ -137,8 +146,14 @@ _BWD_DQ = {
 }
 
 
-def fwd_config(p: AttnParams) -> KernelConfig:
-    return _interpret_config(p) if interpreting() else _FWD[p.block_d]
+def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
+    """The forward's tiles; ``tma_ok=False`` when the inputs cannot be read through TMA descriptors."""
+    if interpreting():
+        return _interpret_config(p)
+    cfg = _FWD[p.block_d]
+    if cfg.tma and not tma_ok:
+        return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
+    return cfg
 
 
 def bwd_dkdv_config(p: AttnParams) -> KernelConfig:

@@ -283,12 +283,14 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     lse = p.new_lse(q4)
     cfg = fwd_config(p)
+    use_tma = common.use_tma(cfg, k4, v4)
+    if cfg.tma and not use_tma:
+        cfg = fwd_config(p, tma_ok=False)
     if p.is_varlen:
         grid = (triton.cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
     else:
         grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
-    use_tma = common.use_tma(cfg, k4, v4)
     _attn_fwd[grid](
         q4,
         k4,
