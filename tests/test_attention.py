@@ -98,18 +98,39 @@ def test_forward_backward_large(case, dtype):
     _run_case("cuda", case, dtype)
 
 
-# The tile tables' forward builds at the size where one build was miscompiled: head dim 256's 128 x 64
-# pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens, so head
-# dim 256 reads through TMA and falls back to other tiles without it (configs._FWD_POINTER).
+# The tile tables' builds at the size where one of them was miscompiled: head dim 256's 128 x 64
+# pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens (not at
+# the sizes above), so head dim 256 reads through TMA and falls back to other tiles without it
+# (configs._FWD_POINTER). Every table entry and the fallback, GQA 4:1 at 4k tokens, forward and
+# backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
+AT_SCALE_FEATURES = [
+    {},
+    {"causal": True},
+    {"window_size": (512, 0)},
+    {"softcap": 30.0, "alibi": "head"},
+    {"varlen": True},
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("feats", AT_SCALE_FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("headdim,tma", [(64, True), (128, True), (256, True), (256, False)], ids=str)
-def test_forward_tables_gqa_at_scale(headdim, tma, causal, monkeypatch):
+def test_tables_gqa_at_scale(headdim, tma, feats, monkeypatch):
     from tileattn.kernels import common
 
     if not tma:
         monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: False)
-    _run_case("cuda", (4 if headdim == 256 else 2, 4096, 4096, 8, 2, headdim, {"causal": causal}), torch.bfloat16)
+    batch = 4 if headdim == 256 and not feats else 2  # the failing size; 2 keeps the fp64 reference small
+    if "varlen" not in feats:
+        _run_case("cuda", (batch, 4096, 4096, 8, 2, headdim, feats), torch.bfloat16)
+        return
+    q = randn(batch, 4096, 8, headdim, dtype=torch.bfloat16, device="cuda")
+    k, v = (randn(batch, 4096, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    dout = torch.randn_like(q)
+    cu = torch.arange(0, (batch + 1) * 4096, 4096, dtype=torch.int32, device="cuda")
+    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, 4096, 4096)
+    grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
+    check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {})
 
 
 def test_forward_config_falls_back_without_tma(monkeypatch):
