@@ -313,3 +313,60 @@ def test_append_kernel_drops_out_of_range_writes():
     expected[2, 3] = True  # seq 1, position 3 -> page 2 slot 3; position 4 -> page 9 dropped
     expected[3, 1] = expected[3, 2] = True  # seq 2, positions 1, 2 -> page 3
     assert torch.equal(written, expected), written
+
+
+def test_cache_values_checked_once_per_step(monkeypatch):
+    """cache_seqlens and block_table are read on the host (a device sync) once until they change, not
+    once per layer: calls with the same, unmodified tensors reuse the check; an in-place update (the
+    next decode step) is checked again, and bad values are still refused with the caches unchanged."""
+    from tileattn import kvcache
+
+    reads = []
+    original = kvcache._check_values
+    monkeypatch.setattr(kvcache, "_check_values", lambda *a: reads.append(a[-1]) or original(*a))
+    page, hk, d = 4, 2, 16
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    layers = [(torch.zeros(6, page, hk, d, dtype=F16), torch.zeros(6, page, hk, d, dtype=F16)) for _ in range(3)]
+    q = torch.randn(2, 1, 4, d, dtype=F16)
+    k_new, v_new = (torch.randn(2, 1, hk, d, dtype=F16) for _ in range(2))
+    for kc, vc in layers:  # one decode step over three layers
+        tileattn.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == 1
+    seqlens += 1  # the next step
+    for kc, vc in layers:
+        tileattn.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == 2
+    assert all(torch.equal(kc[1, 0], k_new[0, 0]) and torch.equal(kc[5, 0], k_new[1, 0]) for kc, _ in layers)
+    table[1, 2] = 9  # a page that does not exist, now covering sequence 1's new token
+    seqlens[1] = 8
+    before = [t.clone() for t in layers[0]]
+    with pytest.raises(ValueError, match="block_table"):
+        tileattn.flash_attn_with_kvcache(q, *layers[0], k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert all(torch.equal(a, b) for a, b in zip(before, layers[0]))
+    with torch.inference_mode():  # no version counter: checked on every call
+        s = torch.tensor([1, 1], dtype=torch.int32)
+        for _ in range(2):
+            tileattn.flash_attn_with_kvcache(q, *layers[0], cache_seqlens=s, block_table=table[:, :1].clone())
+    assert len(reads) == 5
+
+
+def test_paged_prefill_values_checked_once(monkeypatch):
+    """The paged varlen call checks cu_seqlens and the block table once until they change."""
+    from tileattn import api, kvcache
+
+    reads = []
+    for module, name in ((kvcache, "_check_values"), (api, "_cu_lengths")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, f=original, n=name: reads.append(n) or f(*a))
+    kp = torch.randn(4, 4, 2, 16, dtype=F16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    q = torch.randn(5, 4, 16, dtype=F16)
+    for _ in range(3):
+        tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)
+    assert reads == ["_cu_lengths", "_cu_lengths", "_check_values"]
+    table[1, 1] = 7
+    with pytest.raises(ValueError, match="block_table"):
+        tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)

@@ -222,31 +222,48 @@ def _check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, 
         raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
 
 
-# cu_seqlens tensors whose values passed _check_cu_values: (id, total, max_seqlen) -> (weak reference,
-# version counter, lengths). A model calls attention once per layer with the same cu_seqlens; reading
-# them on the host (a device sync) once per tensor instead of once per call keeps the launches queued.
-# Changes made through torch ops bump the version counter and are checked again; writes that bypass it
-# (``.data``, ``.numpy()``, DLPack aliases, a custom kernel) are not seen, as documented on
-# flash_attn_varlen_func.
-_CHECKED_CU: dict[tuple, tuple] = {}
+class _CheckedOnce:
+    """Results of host-side value checks (each one a device sync), remembered per set of tensors.
+
+    A model passes the same cu_seqlens, cache_seqlens and block_table to every layer: reading them on
+    the host once per tensor instead of once per call keeps the launches queued ahead of the GPU. An
+    entry is keyed by the tensors' identities and the check's other arguments, and holds while every
+    tensor is alive and unmodified (PyTorch's version counter): changes through torch ops are checked
+    again. Inference tensors have no version counter and are checked on every call; writes that bypass
+    the counter (``.data``, ``.numpy()``, DLPack aliases, a custom kernel) are not seen, as documented on
+    flash_attn_varlen_func and flash_attn_with_kvcache."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._seen: dict[tuple, tuple] = {}
+        self._limit = limit
+
+    def __call__(self, tensors: tuple[torch.Tensor | None, ...], args: tuple, check):
+        present = [t for t in tensors if t is not None]
+        if any(t.is_inference() for t in present):
+            return check()
+        key = (tuple(None if t is None else id(t) for t in tensors), args)
+        seen = self._seen.get(key)
+        if seen is not None and all(
+            ref() is t and version == t._version for ref, version, t in zip(seen[0], seen[1], present)
+        ):
+            return seen[2]
+        result = check()
+        if len(self._seen) >= self._limit:
+            self._seen.clear()
+        self._seen[key] = ([weakref.ref(t) for t in present], [t._version for t in present], result)
+        return result
+
+
+checked_once = _CheckedOnce()
 
 
 def _check_cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     """cu_seqlens must start at 0, never decrease and end at the token count (``total``, if given);
-    max_seqlen must cover every sequence. Returns the lengths (reads cu_seqlens on the host, unless this
-    tensor, unmodified since, passed the same check before; inference tensors have no version counter
-    and are read every time)."""
-    if cu.is_inference():
-        return _cu_lengths(name, cu, total, max_name, max_seqlen)
-    key = (id(cu), total, max_seqlen)
-    seen = _CHECKED_CU.get(key)
-    if seen is not None and seen[0]() is cu and seen[1] == cu._version:
-        return seen[2]
-    lengths = _cu_lengths(name, cu, total, max_name, max_seqlen)
-    if len(_CHECKED_CU) > 256:
-        _CHECKED_CU.clear()
-    _CHECKED_CU[key] = (weakref.ref(cu), cu._version, lengths)
-    return lengths
+    max_seqlen must cover every sequence. Returns the lengths (read on the host once per unmodified
+    tensor: ``checked_once``)."""
+    return checked_once(
+        (cu,), ("cu_seqlens", total, max_seqlen), lambda: _cu_lengths(name, cu, total, max_name, max_seqlen)
+    )
 
 
 def _cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:

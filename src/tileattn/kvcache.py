@@ -182,7 +182,11 @@ def flash_attn_with_kvcache(
             rotated at its cache positions; q at positions ``cache_seqlens + i`` when causal or windowed,
             else all of q at ``cache_seqlens``. The first rotary_dim channels rotate.
         cache_seqlens: int or int32 ``(batch,)``: tokens already in each sequence's cache (None: the
-            whole capacity, only without k/v).
+            whole capacity, only without k/v). The index tensors (cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table) are read on the host to validate them, once until a torch op
+            changes one of them: the layers of a decode step share one check. Writes that bypass
+            PyTorch's version counter (``.data``, ``.numpy()``, DLPack, your own kernels) are not seen:
+            pass a new tensor instead. Under CUDA graph capture they are not read at all.
         cache_batch_idx: int32 ``(batch,)``: the cache row of each sequence (dense caches only).
         cache_leftpad: int32 ``(batch,)``: a sequence's keys start at this cache position.
         block_table: int32 ``(batch, max_pages)``: page of each ``page_block_size`` keys.
@@ -329,18 +333,30 @@ def _fwd_kvcache_impl(
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     max_seqlen_k = None
     if batch and not _capturing(device):
-        max_seqlen_k = _check_values(
-            seqlens,
-            seqlen_new,
-            capacity,
-            cache_leftpad,
-            cache_batch_idx,
-            k_cache.shape[0],
-            block_table,
-            k_cache.shape[0],
-            k_cache.shape[1],
-            rotary_cos.shape[0] if rotary_cos is not None else None,
-            max(seqlen_new, q_span),
+        rotary_len = rotary_cos.shape[0] if rotary_cos is not None else None
+        span = max(seqlen_new, q_span)
+        cache_rows, page_size = k_cache.shape[:2]  # batch_cache, or num_pages and page_size when paged
+
+        def check() -> int:
+            return _check_values(
+                seqlens,
+                seqlen_new,
+                capacity,
+                cache_leftpad,
+                cache_batch_idx,
+                cache_rows,
+                block_table,
+                cache_rows,
+                page_size,
+                rotary_len,
+                span,
+            )
+
+        # once per step, not per layer: the layers share cache_seqlens and block_table (api.checked_once)
+        max_seqlen_k = api.checked_once(
+            (seqlens, cache_leftpad, cache_batch_idx, block_table),
+            ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span),
+            check,
         )
     p = AttnParams(
         batch=batch,
@@ -464,19 +480,23 @@ def _fwd_paged_varlen_impl(
         lengths = api._check_cu_values("cu_seqlens_k", cu_seqlens_k, None, "max_seqlen_k", max_seqlen_k)
         longest = max(lengths, default=0)
         if batch:
-            _check_values(
-                seqlens,
-                0,
-                capacity,
-                None,
-                None,
-                batch,
-                block_table,
-                k.shape[0],
-                k.shape[1],
-                None,
-                0,
-                "key lengths (cu_seqlens_k)",
+            api.checked_once(
+                (cu_seqlens_k, block_table),
+                ("paged", capacity, k.shape[0], k.shape[1]),
+                lambda: _check_values(
+                    seqlens,
+                    0,
+                    capacity,
+                    None,
+                    None,
+                    batch,
+                    block_table,
+                    k.shape[0],
+                    k.shape[1],
+                    None,
+                    0,
+                    "key lengths (cu_seqlens_k)",
+                ),
             )
     p = AttnParams(
         batch=batch,
