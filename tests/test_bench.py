@@ -1,4 +1,7 @@
-"""The benchmark's own arithmetic: the work a masked problem does (``--features`` divides by it)."""
+"""The benchmark's own arithmetic: the work a masked problem does (``--features`` divides by it), and
+the feature harness on the CPU path."""
+
+import itertools
 
 import pytest
 import torch
@@ -16,3 +19,48 @@ def test_visible_pairs_counts_the_mask(seqlen, causal, window):
     j = torch.arange(seqlen)[None, :]
     mask = local_mask(i, j, seqlen, seqlen, (window[0], 0) if causal else window)
     assert visible_pairs(seqlen, causal, window) == int(mask.sum())
+
+
+def test_features_harness_on_the_cpu_path():
+    """run_features end to end on small CPU inputs (a fixed fake timer): every case passes its check,
+    each row's work matches visible_pairs, ratios are against the right baseline, and progress names
+    each case before it runs."""
+    from tileattn.bench.features import format_features, run_features
+
+    lines = []
+    times = itertools.cycle([1.0, 3.0])  # forward, forward + backward
+
+    def fake_time(fn, device):
+        assert device == "cpu"
+        fn()
+        return next(times)
+
+    rows = run_features(
+        fake_time,
+        headdim=16,
+        seqlen=48,
+        tokens=96,
+        hidden=64,
+        window=8,
+        dtype=torch.float32,
+        progress=lines.append,
+        device="cpu",
+    )
+    assert [r["case"] for r in rows] == [
+        "dense",
+        "causal",
+        "GQA 4:1",
+        "GQA 4:1 causal",
+        "window (8, 8)",
+        "window (8, 0)",
+        "varlen (same lengths)",
+        "varlen causal",
+    ]
+    assert all("error" not in r for r in rows)
+    assert sum("checking" in line for line in lines) == len(rows)
+    by_case = {r["case"]: r for r in rows}
+    # a fixed time: TFLOP/s ratios are the ratios of work, i.e. of visible pairs
+    assert by_case["causal"]["fwd_ratio"] == pytest.approx(visible_pairs(48, True, (-1, -1)) / 48**2)
+    assert by_case["GQA 4:1 causal"]["baseline"] == "causal" and by_case["GQA 4:1 causal"]["fwd_ratio"] == pytest.approx(1.0)
+    assert by_case["window (8, 0)"]["fwd_ratio"] == pytest.approx(visible_pairs(48, False, (8, 0)) / 48**2)
+    assert "window (8, 0)" in format_features(rows)

@@ -456,8 +456,11 @@ def main(argv=None) -> int:
         from tileattn.bench.features import format_features, run_features
 
         headdims = args.headdim if args.headdim != [64, 128, 256] else [128, 64]
-        rows = [r for d in headdims for r in run_features(time_ms, d, 4096, args.tokens, args.hidden, dtype=dtype)]
-        append_results(args.out, rows)
+        rows = []
+        for d in headdims:  # appended head dim by head dim, so an interrupted run keeps its results
+            new = run_features(time_ms, d, 4096, args.tokens, args.hidden, dtype=dtype)
+            append_results(args.out, new)
+            rows += new
         print(format_features(rows))
         return 0
     if args.varlen:

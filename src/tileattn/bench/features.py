@@ -49,20 +49,32 @@ def _cases(headdim: int, seqlen: int, window: int):
     return cases
 
 
-def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, window=512, dtype=torch.bfloat16):
+def run_features(
+    time_ms,
+    headdim=128,
+    seqlen=4096,
+    tokens=16384,
+    hidden=2048,
+    window=512,
+    dtype=torch.bfloat16,
+    progress=print,
+    device="cuda",
+):
     """Times every feature case; returns result rows (``kind='features'``) with the ratio to a baseline:
     dense, or for causal rows other than ``causal`` itself the causal row (so the causal mask's own cost
-    shows once, in the causal row)."""
+    shows once, in the causal row). ``progress`` gets a line as each case starts and ends, so a run that
+    dies (a CUDA fault ends the process) names the case it was in."""
     batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
     rows = []
     for name, d, kv_div, causal, win, varlen in _cases(headdim, seqlen, window):
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        progress(f"features hd{d} {name}: checking")
+        gen = torch.Generator(device=device).manual_seed(0)
         nheads_k = nheads // kv_div
-        q = torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=dtype, generator=gen)
-        k, v = (torch.randn(batch, seqlen, nheads_k, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        q = torch.randn(batch, seqlen, nheads, d, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(batch, seqlen, nheads_k, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
         kwargs = dict(causal=causal, window_size=win)
         if varlen:
-            cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+            cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
             flat = [t.reshape(batch * seqlen, *t.shape[2:]) for t in (q, k, v)]
             qf, kf, vf = (t.detach().requires_grad_() for t in flat)
 
@@ -89,24 +101,27 @@ def run_features(time_ms, headdim=128, seqlen=4096, tokens=16384, hidden=2048, w
                 dict(
                     kind="features",
                     backend="tileattn",
-                    device="cuda",
+                    device=device,
                     case=name,
                     headdim=d,
                     causal=causal,
                     error=str(exc),
                 )
             )
-            print(exc, flush=True)
+            progress(str(exc))
             continue
         dout = torch.randn_like(call())
-        t_fwd = time_ms(call, "cuda")
-        t_all = time_ms(lambda call=call, inputs=inputs, dout=dout: torch.autograd.grad(call(), inputs, dout), "cuda")
+        t_fwd = time_ms(call, device)
+        t_all = time_ms(lambda call=call, inputs=inputs, dout=dout: torch.autograd.grad(call(), inputs, dout), device)
         work = 4 * batch * nheads * visible_pairs(seqlen, causal, win) * d
+        progress(
+            f"features hd{d} {name}: {work / t_fwd / 1e9:.0f} fwd, {2.5 * work / (t_all - t_fwd) / 1e9:.0f} bwd TFLOP/s"
+        )
         rows.append(
             dict(
                 kind="features",
                 backend="tileattn",
-                device="cuda",
+                device=device,
                 case=name,
                 headdim=d,
                 nheads=nheads,
