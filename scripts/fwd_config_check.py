@@ -16,6 +16,7 @@ from tileattn.kernels import configs, forward
 
 hd = int(sys.argv[1])
 h = 2048 // hd
+block_d = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=1, headdim=hd, softmax_scale=1.0).block_d  # the table key
 
 
 def tflops(causal, ms):
@@ -24,7 +25,7 @@ def tflops(causal, ms):
 
 for spec in sys.argv[2:]:
     f = [int(x) for x in spec.split(",")]
-    configs._FWD[hd] = configs.KernelConfig(*f[:4], tma=len(f) > 4 and bool(f[4]))
+    configs._FWD[block_d] = configs.KernelConfig(*f[:4], tma=len(f) > 4 and bool(f[4]))
     forward._attn_fwd.device_caches.clear()
     status, speed = "ok", {}
     try:

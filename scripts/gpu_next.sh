@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks left open (docs/perf.md, 2026-11-30). Run first on a freshly started machine.
-#   1. kernel-only times (torch.profiler device time): decode 1 × 8k against cuDNN, windows against
-#      dense, the grid's 1k cells against cuDNN — what the kernels cost without the host;
-#   2. head dim 128's forward with TMA under the GQA stress on a cold machine (the one unexplained failure
+#   1. head dim 128's forward with TMA under the GQA stress on a cold machine (the one unexplained failure
 #      was there; if it stays clean, TMA can go on for head dim 128: +3-7 %);
-#   3. the GPU suite.
+#   2. kernel-only times (torch.profiler device time): decode 1 × 8k against cuDNN, windows against
+#      dense, the grid's 1k cells against cuDNN — what the kernels cost without the host;
+#   3. the GPU suite, then the at-scale table tests (4k-token GQA, every build; fp64 references, so few
+#      workers).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

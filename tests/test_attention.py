@@ -101,8 +101,8 @@ def test_forward_backward_large(case, dtype):
 # The tile tables' builds at the size where one of them was miscompiled: head dim 256's 128 x 64
 # pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens (not at
 # the sizes above), so head dim 256 reads through TMA and falls back to other tiles without it
-# (configs._FWD_POINTER). Every table entry and the fallback, GQA 4:1 at 4k tokens, forward and
-# backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
+# (configs._FWD_POINTER). Every forward table entry (with the backward tables of its head dim) and the
+# fallback, GQA 4:1 at 4k tokens, forward and backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
 AT_SCALE_FEATURES = [
     {},
     {"causal": True},
@@ -114,11 +114,13 @@ AT_SCALE_FEATURES = [
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
 @pytest.mark.parametrize("feats", AT_SCALE_FEATURES, ids=lambda f: "-".join(f) or "plain")
-@pytest.mark.parametrize("headdim,tma", [(64, True), (128, True), (256, True), (256, False)], ids=str)
-def test_tables_gqa_at_scale(headdim, tma, feats, monkeypatch):
+@pytest.mark.parametrize(
+    "headdim,fallback", [(16, False), (32, False), (64, False), (128, False), (256, False), (256, True)], ids=str
+)
+def test_tables_gqa_at_scale(headdim, fallback, feats, monkeypatch):
     from tileattn.kernels import common
 
-    if not tma:
+    if fallback:  # inputs TMA cannot read: the pointer-load fallback tiles
         monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: False)
     batch = 4 if headdim == 256 and not feats else 2  # the failing size; 2 keeps the fp64 reference small
     if "varlen" not in feats:
@@ -131,6 +133,37 @@ def test_tables_gqa_at_scale(headdim, tma, feats, monkeypatch):
     out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, 4096, 4096)
     grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
     check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {})
+
+
+def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
+    """attn_fwd launches head dim 256 with the TMA tiles when TMA can read the inputs, and with
+    configs._FWD_POINTER's tiles (USE_TMA off) when it cannot (launch recorded, nothing compiled)."""
+    from tileattn.kernels import common, configs, forward
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(forward, "_attn_fwd", Recorder())
+    q = torch.zeros(1, 300, 2, 256, dtype=torch.float16)
+    p = configs.AttnParams(batch=1, seqlen_q=300, seqlen_k=300, headdim=256, softmax_scale=1.0)
+    for tma_ok in (True, False):
+        monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors, ok=tma_ok: cfg.tma and ok)
+        forward.attn_fwd(q, q, q, p)
+    (grid_tma, with_tma), (grid_ptr, without) = launches
+    tma_cfg, ptr_cfg = configs._FWD[256], configs._FWD_POINTER[256]
+    assert with_tma["USE_TMA"] and (with_tma["BLOCK_M"], with_tma["num_warps"]) == (tma_cfg.block_m, tma_cfg.num_warps)
+    assert not without["USE_TMA"]
+    assert (without["BLOCK_M"], without["BLOCK_N"], without["num_warps"], without["num_stages"]) == (
+        ptr_cfg.block_m,
+        ptr_cfg.block_n,
+        ptr_cfg.num_warps,
+        ptr_cfg.num_stages,
+    )
+    assert grid_ptr[0] == -(-300 // ptr_cfg.block_m) and grid_tma[0] == -(-300 // tma_cfg.block_m)
 
 
 def test_forward_config_falls_back_without_tma(monkeypatch):

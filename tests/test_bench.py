@@ -61,6 +61,25 @@ def test_features_harness_on_the_cpu_path():
     by_case = {r["case"]: r for r in rows}
     # a fixed time: TFLOP/s ratios are the ratios of work, i.e. of visible pairs
     assert by_case["causal"]["fwd_ratio"] == pytest.approx(visible_pairs(48, True, (-1, -1)) / 48**2)
-    assert by_case["GQA 4:1 causal"]["baseline"] == "causal" and by_case["GQA 4:1 causal"]["fwd_ratio"] == pytest.approx(1.0)
+    assert by_case["GQA 4:1 causal"]["baseline"] == "causal" and by_case["GQA 4:1 causal"][
+        "fwd_ratio"
+    ] == pytest.approx(1.0)
     assert by_case["window (8, 0)"]["fwd_ratio"] == pytest.approx(visible_pairs(48, False, (8, 0)) / 48**2)
     assert "window (8, 0)" in format_features(rows)
+
+
+def test_tuner_gradient_check_catches_a_wrong_group():
+    """The tuner's gradient check (bench.tune._check_grads) passes the CPU path's GQA gradients and
+    refuses them when one query head of the checked group is wrong."""
+    import tileattn
+    from tileattn.bench.tune import _check_grads
+
+    q = torch.randn(2, 40, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, 40, 2, 16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    grads = torch.autograd.grad(tileattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    _check_grads("cpu", grads, q, k, v, dout, True)
+    bad = grads[0].clone()
+    bad[0, :, 3] *= 1.01  # query head 3 shares kv head 0 (groups of 4)
+    with pytest.raises(AssertionError, match="dq"):
+        _check_grads("cpu", (bad, *grads[1:]), q, k, v, dout, True)

@@ -230,7 +230,8 @@ class _CheckedOnce:
     entry is keyed by the tensors' identities and the check's other arguments, and holds while every
     tensor is alive and unmodified (PyTorch's version counter): changes through torch ops are checked
     again. Inference tensors have no version counter and are checked on every call; writes that bypass
-    the counter (``.data``, ``.numpy()``, DLPack aliases, a custom kernel) are not seen, as documented on
+    the counter (``.data``, ``.numpy()``, DLPack aliases, a custom kernel, a CUDA graph's replay) are not
+    seen, as documented on
     flash_attn_varlen_func and flash_attn_with_kvcache."""
 
     def __init__(self, limit: int = 256) -> None:
@@ -608,7 +609,8 @@ flash_attn_varlen_func.__doc__ = (
             allowed. Their values are read on the host to validate them before the kernels run, once
             per tensor: later calls with the same tensor (every layer of a model) reuse the check until
             a torch op changes it. Writes that bypass PyTorch's version counter (``.data``,
-            ``.numpy()``, DLPack, your own kernels) are not seen: pass a new tensor instead.
+            ``.numpy()``, DLPack, your own kernels, a CUDA graph's replay) are not seen: pass a new
+            tensor instead. Inference tensors have no version counter and are read on every call.
         max_seqlen_q, max_seqlen_k: ints at least the longest query / key sequence.
         Masks are aligned to the bottom-right corner of each sequence."""
     + _DENSE_DOC_ARGS

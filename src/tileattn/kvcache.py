@@ -185,8 +185,10 @@ def flash_attn_with_kvcache(
             whole capacity, only without k/v). The index tensors (cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table) are read on the host to validate them, once until a torch op
             changes one of them: the layers of a decode step share one check. Writes that bypass
-            PyTorch's version counter (``.data``, ``.numpy()``, DLPack, your own kernels) are not seen:
-            pass a new tensor instead. Under CUDA graph capture they are not read at all.
+            PyTorch's version counter (``.data``, ``.numpy()``, DLPack, your own kernels, the replay
+            of a CUDA graph that updates them) are not seen: pass a new tensor instead. Inference
+            tensors (``torch.inference_mode``) have no version counter and are read on every call.
+            Under CUDA graph capture they are not read at all.
         cache_batch_idx: int32 ``(batch,)``: the cache row of each sequence (dense caches only).
         cache_leftpad: int32 ``(batch,)``: a sequence's keys start at this cache position.
         block_table: int32 ``(batch, max_pages)``: page of each ``page_block_size`` keys.

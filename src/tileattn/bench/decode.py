@@ -7,7 +7,8 @@ cache (each call reads its cache from HBM, as in serving where the cache is far 
 the graph's replay time divided by the number of calls. The copy ceiling is a device-to-device copy of
 the same bytes timed alike (read + write). The tileattn rows use contiguous caches and paged caches of
 several page sizes (pages shuffled); ``tileattn eager`` is the plain Python call without a graph
-(it validates cache_seqlens / block_table on the host, which graph capture skips).
+(it validates cache_seqlens / block_table on the host once per unmodified tensor, which graph capture
+skips; its time includes the host's per-call work).
 """
 
 from __future__ import annotations

@@ -10,11 +10,15 @@ D for the padded head dims. Each row's output passes the tolerance rule on one (
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import tileattn
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
+
+_print_now = functools.partial(print, flush=True)
 
 # padded head dim -> the non-power-of-two head dims that pad to it
 PADDED_DIMS = {128: [96], 256: [192]}
@@ -57,7 +61,7 @@ def run_features(
     hidden=2048,
     window=512,
     dtype=torch.bfloat16,
-    progress=print,
+    progress=_print_now,
     device="cuda",
 ):
     """Times every feature case; returns result rows (``kind='features'``) with the ratio to a baseline:

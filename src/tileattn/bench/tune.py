@@ -2,7 +2,9 @@
 on the current GPU and prints the fastest per head dim, to be copied into ``kernels/configs.py``.
 
 It patches the tables of ``tileattn.kernels.configs`` for the duration of each measurement; each
-candidate is checked against the reference before it is timed.
+candidate is checked against the reference before it is timed, on the timed (dense) inputs and on GQA
+4:1 inputs, which compile a build of their own (one such build, head dim 256's 128 x 64 pointer-load
+forward, was wrong for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import triton
 from tileattn.bench.__main__ import check_backend, flops
 from tileattn.kernels import configs
 from tileattn.kernels.configs import KernelConfig
+from tileattn.reference import attention_ref
+from tileattn.testing import check_close
 
 FWD_CANDIDATES = [
     (128, 64, 4, 3),
@@ -74,6 +78,22 @@ def _usable(cfg: tuple, block_d: int, kind: str, dropout_p: float) -> bool:
     return _smem_ok(cfg, block_d, kind) and (dropout_p == 0 or cfg[1] % 64 == 0)
 
 
+def _check_grads(name, grads, q, k, v, dout, causal):
+    """dq of batch 0's query heads that share kv head 0, and that head's dk and dv, against the
+    reference (the tolerance rule, the floor at the largest gradient)."""
+    group = q.shape[2] // k.shape[2]
+    sl_q = (slice(0, 1), slice(None), slice(0, group))
+    sl_k = (slice(0, 1), slice(None), slice(0, 1))
+    qs, ks, vs = (t[s].detach().requires_grad_() for t, s in ((q, sl_q), (k, sl_k), (v, sl_k)))
+    ref = attention_ref(qs, ks, vs, causal=causal, upcast=torch.float64)[0]
+    lowp = attention_ref(qs, ks, vs, causal=causal, upcast=False)[0]
+    g_ref = torch.autograd.grad(ref, (qs, ks, vs), dout[sl_q])
+    g_lowp = torch.autograd.grad(lowp, (qs, ks, vs), dout[sl_q])
+    scale = torch.stack([g.abs().max() for g in g_ref])
+    for gname, g, sl, gr, gl in zip(("dq", "dk", "dv"), grads, (sl_q, sl_k, sl_k), g_ref, g_lowp):
+        check_close(f"{name} {gname}", g[sl], gr, gl, floor_scale=scale)
+
+
 def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: int = 2048, dropout_p: float = 0.0):
     """Times every candidate; with ``dropout_p`` the timed calls use dropout (each candidate's forward is
     still checked against the reference without dropout first) and candidates whose key tiles are not a
@@ -85,6 +105,13 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     q, k, v = (
         torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
+    )
+    # GQA 4:1 inputs for the checks (a separate build: the group size is a runtime argument)
+    kg, vg = (
+        torch.randn(
+            batch, seqlen, max(1, nheads // 4), headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
+        for _ in range(2)
     )
     dout = torch.randn_like(q)
     f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
@@ -99,6 +126,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
             try:
                 out = tileattn.flash_attn_func(q, k, v, causal=causal)
                 check_backend("tileattn", out, q, k, v, causal)
+                check_backend("tileattn GQA", tileattn.flash_attn_func(q, kg, vg, causal=causal), q, kg, vg, causal)
                 ms = triton.testing.do_bench(
                     lambda: tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal),
                     return_mode="median",
@@ -108,6 +136,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
                 results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
         configs._FWD.update(saved[0])
         out = tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
+        out_gqa = tileattn.flash_attn_func(q, kg, vg, causal=causal)
         for kind, table, cands in (
             ("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES),
             ("dq", configs._BWD_DQ, DQ_CANDIDATES),
@@ -125,6 +154,15 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
                     def bwd():
                         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
+                    _check_grads(
+                        "tileattn GQA",
+                        torch.autograd.grad(out_gqa, (q, kg, vg), dout, retain_graph=True),
+                        q,
+                        kg,
+                        vg,
+                        dout,
+                        causal,
+                    )
                     bwd()
                     ms = triton.testing.do_bench(bwd, return_mode="median")
                     results.append(dict(kind=kind, cfg=cand, ms=ms, tflops=f_bwd / ms / 1e9))
