@@ -83,3 +83,30 @@ def test_tuner_gradient_check_catches_a_wrong_group():
     bad[0, :, 3] *= 1.01  # query head 3 shares kv head 0 (groups of 4)
     with pytest.raises(AssertionError, match="dq"):
         _check_grads("cpu", (bad, *grads[1:]), q, k, v, dout, True)
+
+
+def test_features_variant_changes_the_tables(monkeypatch):
+    """scripts/features_variant.py (table variants for GPU runs): a field per head dim, and the forward's
+    TMA off takes the pointer-load tiles where the table reads through TMA."""
+    import dataclasses
+    import importlib.util
+    import pathlib
+
+    from tileattn.kernels import configs
+
+    for name in ("_FWD", "_BWD_DKDV", "_BWD_DQ"):
+        monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
+    spec = importlib.util.spec_from_file_location("features_variant", path)
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    before = dict(configs._FWD)
+    variant.apply("fwd@64:maxnreg=128")
+    variant.apply("dq@16,32:maxnreg=120")
+    variant.apply("fwd:tma=0")
+    assert configs._FWD[64] == dataclasses.replace(before[64], maxnreg=128)
+    assert configs._BWD_DQ[32].maxnreg == 120 and configs._BWD_DQ[64].maxnreg is None
+    assert configs._FWD[256] == configs._FWD_POINTER[256]
+    assert configs._FWD[128] == before[128]
+    with pytest.raises(SystemExit):
+        variant.apply("fwd:colour=1")

@@ -683,6 +683,7 @@ def attn_bwd(
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
         Q_MAJOR=cfg.q_major,
         USE_TMA=common.use_tma(cfg, q4, do4),
         **flags,
@@ -715,6 +716,7 @@ def attn_bwd(
         BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
         USE_TMA=common.use_tma(cfg, k4, v4),
         **flags,
     )

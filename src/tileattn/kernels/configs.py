@@ -32,6 +32,10 @@ class KernelConfig:
     tma: bool = False
     # forward only: the key loop warp-specialised by the compiler (tl.range(warp_specialize=True))
     warp_spec: bool = False
+    # a register cap per thread for ptxas (None: its own choice, up to 255). Two CTAs of 8 warps fit an
+    # SM only at <= 128 registers; the masked builds (varlen, windows, dropout) take more than the dense
+    # one of the same tiles unless capped (scripts/compile_report.py).
+    maxnreg: int | None = None
 
 
 @dataclass

@@ -332,5 +332,6 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
         WARP_SPEC=cfg.warp_spec,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
     )
     return out, lse

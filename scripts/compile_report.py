@@ -1,0 +1,180 @@
+"""Registers, spills and shared memory of the attention kernels as compiled for the H200 (sm_90a), on a
+machine without a GPU: Triton compiles each launch's specialisation for a fixed target (a stand-in
+driver; nothing is launched) and cuobjdump reads the cubin's resource usage.
+
+    python scripts/compile_report.py [--headdim 64 128 256] [--cases dense gqa ...] [--kernels fwd bwd]
+
+Each case calls the launchers (forward.attn_fwd, backward.attn_bwd) with CPU tensors shaped like the
+feature bench's (4 × 4096 tokens; strides and lengths are multiples of 16, as there), so the builds are
+the ones the GPU runs. "stack" is the spill space per thread (bytes; 0 = no spills). Builds at the
+register limit (255 per thread, or what 65,536 registers leave for the block) are marked: most backward
+builds sit there, as did head dim 256's pointer-load forward that was miscompiled for GQA (docs/perf.md),
+so the mark is a fact to read, not a diagnosis. Register counts decide how many blocks share an SM
+(8 warps: two at <= 128 registers). ``--maxnreg kernel=N`` tries a register cap (ptxas maxnreg).
+Compiling takes a few seconds per build on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+CASES = {
+    # name: (kv-head divisor, causal, window, varlen, dropout, softcap + alibi)
+    "dense": (1, False, (-1, -1), False, 0.0, False),
+    "gqa": (4, False, (-1, -1), False, 0.0, False),
+    "causal": (1, True, (-1, -1), False, 0.0, False),
+    "window": (1, False, (512, 0), False, 0.0, False),
+    "varlen": (1, False, (-1, -1), True, 0.0, False),
+    "dropout": (1, False, (-1, -1), False, 0.1, False),
+    "softcap-alibi": (1, False, (-1, -1), False, 0.0, True),
+}
+
+
+class _H200Target:
+    """The parts of Triton's driver that compiling (not launching) needs, for sm_90a."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 128)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(kernel) -> dict:
+    """Registers, stack frame (spill space, bytes per thread; cuobjdump's LOCAL stays 0 when ptxas
+    spills) and shared memory of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", text))
+    return dict(
+        regs=int(usage.get("REG", -1)),
+        stack=int(usage.get("STACK", -1)),
+        shared=kernel.metadata.shared,
+        warps=kernel.metadata.num_warps,
+    )
+
+
+def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, seqlen: int = 4096) -> list[dict]:
+    """The builds one call of ``case`` compiles, with their resources."""
+    from tileattn.kernels import backward, configs, forward
+
+    kv_div, causal, window, varlen, dropout, softcap_alibi = CASES[case]
+    nheads = max(4, 2048 // headdim)
+    block_d = max(16, triton.next_power_of_2(headdim))
+    q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
+    k = torch.zeros(batch, seqlen, nheads // kv_div, headdim, dtype=torch.bfloat16)
+    left, right = window
+    if causal:
+        right = 0
+    extra = {}
+    if varlen:
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+        q, k = q.flatten(0, 1), k.flatten(0, 1)
+    p = configs.AttnParams(
+        batch=batch,
+        seqlen_q=seqlen,
+        seqlen_k=seqlen,
+        headdim=headdim,
+        softmax_scale=headdim**-0.5,
+        window_left=left,
+        window_right=right,
+        softcap=30.0 if softcap_alibi else 0.0,
+        alibi_slopes=torch.ones(nheads) if softcap_alibi else None,
+        dropout_p=dropout,
+        philox_seed=1,
+        **extra,
+    )
+    if "fwd" in kernels:
+        forward.attn_fwd(q, k, k, p)
+    if "bwd" in kernels:
+        lse = p.new_lse(p.as_4d(q))
+        backward.attn_bwd(q, q, k, k, q, lse, p)
+    rows = []
+    for name, kernel, kw in _LAUNCHES:
+        cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"), kw.get("maxnreg"))
+        rows.append(dict(kernel=name, headdim=headdim, block_d=block_d, case=case, config=cfg, **resources(kernel)))
+    _LAUNCHES.clear()
+    return rows
+
+
+_LAUNCHES: list = []
+
+
+def _install(maxnreg: dict[str, int] | None = None) -> None:
+    """Compile instead of launch: every JIT call records its compiled kernel. ``maxnreg`` (kernel name
+    -> registers) overrides the tables' register caps (KernelConfig.maxnreg, passed to ptxas)."""
+    driver.set_active(_H200Target())
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if maxnreg and self.__name__ in maxnreg:
+            kwargs["maxnreg"] = maxnreg[self.__name__]
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        _LAUNCHES.append((self.__name__, kernel, kwargs))
+        return kernel
+
+    JITFunction.run = run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    ap.add_argument(
+        "--maxnreg",
+        nargs="+",
+        default=[],
+        help="register caps overriding the tables', e.g. _attn_fwd=128 _attn_bwd_dq=128",
+    )
+    ap.add_argument("--fwd-config", help="bm,bn,warps,stages[,tma]: the forward's tiles for these head dims")
+    args = ap.parse_args()
+    if args.fwd_config:
+        from tileattn.kernels import configs
+
+        f = [int(x) for x in args.fwd_config.split(",")]
+        for headdim in args.headdim:
+            block_d = max(16, triton.next_power_of_2(headdim))
+            configs._FWD[block_d] = configs.KernelConfig(*f[:4], tma=len(f) > 4 and bool(f[4]))
+            configs._FWD_POINTER.pop(block_d, None)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
+    _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
+    print(f"{'kernel':>18} {'hd':>4} {'case':>14} {'tiles (M, N, warps, stages, cap)':>34} regs stack shared")
+    for headdim in args.headdim:
+        for case in args.cases:
+            for r in compile_case(headdim, case, args.kernels):
+                limit = min(255, 65536 // (32 * r["warps"]))
+                flag = "  <- at the register limit" if r["regs"] >= limit else ""
+                print(
+                    f"{r['kernel']:>18} {r['headdim']:>4} {r['case']:>14} {str(r['config']):>34} "
+                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K{flag}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""``python -m tileattn.bench --features`` (or any bench mode) with the kernels' tile tables changed, to
+time a KernelConfig variant against the tables in a separate run:
+
+    python scripts/features_variant.py fwd@16,32,64:maxnreg=128 dq@16,32,64:maxnreg=128 -- --headdim 64
+    python scripts/features_variant.py fwd:tma=1 -- --headdim 128
+
+Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, dkdv, dq, HEADDIMS the padded head
+dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags). Turning the
+forward's TMA off where the table reads through TMA takes that head dim's pointer-load tiles
+(configs._FWD_POINTER), never the same tiles without TMA (a miscompiled build at head dim 256).
+Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;
+``--grid`` runs the default grid instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from tileattn.kernels import configs
+
+TABLES = {"fwd": configs._FWD, "dkdv": configs._BWD_DKDV, "dq": configs._BWD_DQ}
+
+
+def apply(change: str) -> None:
+    """Applies one ``TABLE[@HEADDIMS]:FIELD=VALUE`` change to the tables."""
+    target, _, assignment = change.partition(":")
+    name, _, dims = target.partition("@")
+    field, _, value = assignment.partition("=")
+    if name not in TABLES or not field or not value:
+        raise SystemExit(f"bad change {change!r}\n\n{__doc__}")
+    table = TABLES[name]
+    keys = [int(d) for d in dims.split(",")] if dims else list(table)
+    fields = [f.name for f in dataclasses.fields(configs.KernelConfig)]
+    if field not in fields:
+        raise SystemExit(f"{field!r} is not a KernelConfig field ({', '.join(fields)})")
+    parsed = bool(int(value)) if field in ("q_major", "tma", "warp_spec") else int(value)
+    for d in keys:
+        cfg = table[d]
+        if table is configs._FWD and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:
+            cfg = configs._FWD_POINTER[d]
+        table[d] = dataclasses.replace(cfg, **{field: parsed})
+
+
+def main(argv: list[str]) -> int:
+    from tileattn.bench.__main__ import main as bench
+
+    changes, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    for change in changes:
+        apply(change)
+    if "--grid" in bench_args:
+        bench_args.remove("--grid")
+    elif not any(a in bench_args for a in ("--decode", "--varlen", "--features")):
+        bench_args = ["--features", *bench_args]
+    for name, table in TABLES.items():
+        print(name, {d: dataclasses.astuple(c) for d, c in table.items()}, flush=True)
+    return bench(bench_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
