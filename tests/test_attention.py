@@ -156,7 +156,7 @@ def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
     (grid_tma, with_tma), (grid_ptr, without) = launches
     tma_cfg, ptr_cfg = configs._FWD[256], configs._FWD_POINTER[256]
     assert with_tma["USE_TMA"] and (with_tma["BLOCK_M"], with_tma["num_warps"]) == (tma_cfg.block_m, tma_cfg.num_warps)
-    assert not without["USE_TMA"]
+    assert not without["USE_TMA"] and without["maxnreg"] == ptr_cfg.maxnreg and with_tma["maxnreg"] == tma_cfg.maxnreg
     assert (without["BLOCK_M"], without["BLOCK_N"], without["num_warps"], without["num_stages"]) == (
         ptr_cfg.block_m,
         ptr_cfg.block_n,

@@ -1,0 +1,34 @@
+"""The kernels as compiled for the H200 (sm_90a), checked without a GPU: Triton compiles the launch's
+specialisation for that target (scripts/compile_report.py) and the cubin's resources are read back.
+These are performance properties the tables rely on (docs/perf.md, "Compiler resources")."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {scripts!r})
+import compile_report
+compile_report._install()
+rows = compile_report.compile_case(64, "dense", ["fwd"], batch=1, seqlen=1024)
+rows += compile_report.compile_case(256, "gqa", ["fwd"], batch=1, seqlen=1024)
+print(json.dumps(rows))
+"""
+
+
+def test_forward_builds_as_the_tables_assume():
+    """Head dim 64's dense forward fits two blocks per SM (<= 128 registers, 64 KiB of shared memory)
+    without spills; head dim 256's forward is the TMA build of its tiles, under the register limit."""
+    scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(scripts=scripts)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    hd64, hd256 = json.loads(res.stdout.splitlines()[-1])
+    assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
+    assert hd64["shared"] <= 64 * 1024, hd64
+    assert hd256["regs"] < 255 and hd256["stack"] == 0, hd256
