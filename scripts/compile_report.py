@@ -10,7 +10,8 @@ the ones the GPU runs. "stack" is the spill space per thread (bytes; 0 = no spil
 register limit (255 per thread, or what 65,536 registers leave for the block) are marked: most backward
 builds sit there, as did head dim 256's pointer-load forward that was miscompiled for GQA (docs/perf.md),
 so the mark is a fact to read, not a diagnosis. Register counts decide how many blocks share an SM
-(8 warps: two at <= 128 registers). ``--maxnreg kernel=N`` tries a register cap (ptxas maxnreg).
+(8 warps: two at <= 128 registers). ``--maxnreg kernel=N`` tries a register cap (ptxas maxnreg),
+``--set dkdv@256:block_n=32 ...`` other tiles (the syntax of scripts/features_variant.py).
 Compiling takes a few seconds per build on two cores.
 """
 
@@ -150,16 +151,19 @@ def main() -> None:
         default=[],
         help="register caps overriding the tables', e.g. _attn_fwd=128 _attn_bwd_dq=128",
     )
-    ap.add_argument("--fwd-config", help="bm,bn,warps,stages[,tma]: the forward's tiles for these head dims")
+    ap.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="CHANGE",
+        help="table changes as in scripts/features_variant.py, e.g. dkdv@256:block_n=32",
+    )
     args = ap.parse_args()
-    if args.fwd_config:
-        from tileattn.kernels import configs
+    if args.set:
+        from features_variant import apply
 
-        f = [int(x) for x in args.fwd_config.split(",")]
-        for headdim in args.headdim:
-            block_d = max(16, triton.next_power_of_2(headdim))
-            configs._FWD[block_d] = configs.KernelConfig(*f[:4], tma=len(f) > 4 and bool(f[4]))
-            configs._FWD_POINTER.pop(block_d, None)
+        for change in args.set:
+            apply(change)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
