@@ -69,12 +69,22 @@ def resources(kernel) -> dict:
         f.flush()
         text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
     usage = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", text))
+    regs, shared, warps = int(usage.get("REG", -1)), kernel.metadata.shared, kernel.metadata.num_warps
     return dict(
-        regs=int(usage.get("REG", -1)),
+        blocks_per_sm=blocks_per_sm(regs, shared, warps),
+        regs=regs,
         stack=int(usage.get("STACK", -1)),
         shared=kernel.metadata.shared,
         warps=kernel.metadata.num_warps,
     )
+
+
+def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Blocks of this build an H100/H200 SM holds at once: 65,536 registers (allocated per thread in
+    steps of 8), 228 KiB of shared memory (1 KiB reserved per block), 64 warps."""
+    by_regs = 65536 // (-(-max(regs, 1) // 8) * 8 * 32 * warps)
+    by_smem = 233472 // (shared + 1024)
+    return min(by_regs, by_smem, 64 // warps)
 
 
 def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, seqlen: int = 4096) -> list[dict]:
@@ -167,7 +177,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
-    print(f"{'kernel':>18} {'hd':>4} {'case':>14} {'tiles (M, N, warps, stages, cap)':>34} regs stack shared")
+    print(f"{'kernel':>18} {'hd':>4} {'case':>14} {'tiles (M, N, warps, stages, cap)':>34} regs stack shared blocks/SM")
     for headdim in args.headdim:
         for case in args.cases:
             for r in compile_case(headdim, case, args.kernels):
@@ -175,7 +185,7 @@ def main() -> None:
                 flag = "  <- at the register limit" if r["regs"] >= limit else ""
                 print(
                     f"{r['kernel']:>18} {r['headdim']:>4} {r['case']:>14} {str(r['config']):>34} "
-                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K{flag}",
+                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K {r['blocks_per_sm']:>3}{flag}",
                     flush=True,
                 )
 
