@@ -79,6 +79,35 @@ def resources(kernel) -> dict:
     )
 
 
+DECODE_CASES = [(1, 8192, None), (1, 8192, 16), (1, 8192, 256), (8, 32768, None), (64, 4096, None), (64, 16384, 256)]
+
+
+def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 32, nheads_k: int = 8, d: int = 128):
+    """The builds of one decode step (one query token, GQA 32/8, head dim 128) over a contiguous or
+    paged cache, as in ``bench --decode``, with the launch grids (the split count is the grid's z)."""
+    from tileattn.kernels import configs, decode
+
+    q = torch.zeros(batch, 1, nheads, d, dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
+    table = None
+    if page:
+        pages = cache_len // page
+        cache = torch.zeros(batch * pages, page, nheads_k, d, dtype=torch.bfloat16)
+        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    else:
+        cache = torch.zeros(batch, cache_len, nheads_k, d, dtype=torch.bfloat16)
+    p = configs.AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
+    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len)
+    decode.attn_fwd_kvcache(q, cache, cache, p, c)
+    rows = []
+    for name, kernel, kw in _LAUNCHES:
+        cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"))
+        case = f"{batch}x{cache_len}" + (f" page{page}" if page else "")
+        rows.append(dict(kernel=name, headdim=d, case=case, config=cfg, grid=kw["grid"], **resources(kernel)))
+    _LAUNCHES.clear()
+    return rows
+
+
 def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
     """Blocks of this build an H100/H200 SM holds at once: 65,536 registers (allocated per thread in
     steps of 8), 228 KiB of shared memory (1 KiB reserved per block), 64 warps."""
@@ -144,7 +173,7 @@ def _install(maxnreg: dict[str, int] | None = None) -> None:
         if maxnreg and self.__name__ in maxnreg:
             kwargs["maxnreg"] = maxnreg[self.__name__]
         kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
-        _LAUNCHES.append((self.__name__, kernel, kwargs))
+        _LAUNCHES.append((self.__name__, kernel, dict(kwargs, grid=grid)))
         return kernel
 
     JITFunction.run = run
@@ -155,6 +184,7 @@ def main() -> None:
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    ap.add_argument("--decode", action="store_true", help="the decode kernels of bench --decode's rows instead")
     ap.add_argument(
         "--maxnreg",
         nargs="+",
@@ -177,6 +207,16 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
+    if args.decode:
+        print(f"{'kernel':>18} {'case':>16} {'tiles':>22} {'grid':>16} regs stack shared blocks/SM")
+        for batch, cache_len, page in DECODE_CASES:
+            for r in compile_decode(batch, cache_len, page):
+                print(
+                    f"{r['kernel']:>18} {r['case']:>16} {str(r['config']):>22} {str(r['grid']):>16} "
+                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K {r['blocks_per_sm']:>3}",
+                    flush=True,
+                )
+        return
     print(f"{'kernel':>18} {'hd':>4} {'case':>14} {'tiles (M, N, warps, stages, cap)':>34} regs stack shared blocks/SM")
     for headdim in args.headdim:
         for case in args.cases:

@@ -176,6 +176,22 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
 
 
+@pytest.mark.parametrize("per_load", [2, 16])
+def test_combine_reads_several_splits_per_load(backend, per_load, monkeypatch):
+    """The split combine reading its partials several splits at a time (decode.COMBINE_SPLITS_PER_LOAD),
+    three splits (a masked tail of the last load) and the heuristic's count, rows that see no key
+    included."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "COMBINE_SPLITS_PER_LOAD", per_load)
+    assert decode._combine_tiles(3, 128)[1] == min(per_load, 4)
+    test_kvcache_matches_reference(backend, "decode-no-append", "page4", 3)
+    test_kvcache_matches_reference(backend, "window-softcap", "dense", 3)
+    test_kvcache_matches_reference(backend, "decode-rotary", "dense", 0)
+
+
 @st.composite
 def kvcache_problems(draw, max_len):
     batch = draw(st.integers(1, 3))

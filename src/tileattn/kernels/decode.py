@@ -389,9 +389,11 @@ def _combine(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
-    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total)."""
+    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
+    The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < n_rows
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -408,19 +410,40 @@ def _combine(
     m = tl.max(lse, 1)
     seen = m > float("-inf")
     m_safe = tl.where(seen, m, 0.0)
-    w = tl.exp(lse - m_safe[:, None])
-    total = tl.sum(w, 1)
+    total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
     total_safe = tl.where(seen, total, 1.0)
-    w = w / total_safe[:, None]
-    mask_o = mask_r[:, None] & (offs_d[None, :] < HEAD_DIM)
-    rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    mask_d = offs_d < HEAD_DIM
+    rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
+    offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
-        o_s = tl.load(OutP + s * stride_ps + rows, mask=mask_o, other=0.0)
-        acc += w_s[:, None] * o_s
-    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_o)
+    for s0 in range(0, num_splits, CHUNK):
+        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < num_splits)  # [BLOCK_R, CHUNK]
+        lse_c = tl.load(
+            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_idx[:, None], mask=mask_c, other=float("-inf")
+        )
+        w = tl.exp(lse_c - m_safe[:, None]) / total_safe[:, None]  # [BLOCK_R, CHUNK]
+        o = tl.load(
+            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows[:, None, :],
+            mask=mask_c[:, :, None] & mask_d[None, None, :],
+            other=0.0,
+        )  # [BLOCK_R, CHUNK, BLOCK_D]
+        acc += tl.sum(w[:, :, None] * o, 1)
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
     tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
+
+
+# Splits the combine reads per load (one [rows, splits, head dim] tile). 1 is the layout the decode
+# table in docs/perf.md was measured with (rows of 16 / 8, one split at a time); larger values load more
+# at once from more programs (fewer rows each), for the 1 x 8k case where two programs merge 16 splits.
+COMBINE_SPLITS_PER_LOAD = 1
+
+
+def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
+    """(rows per program, splits per load) of ``_combine``: at most 8192 fp32 partial values per load."""
+    chunk = max(1, min(COMBINE_SPLITS_PER_LOAD, triton.next_power_of_2(num_splits)))
+    if chunk == 1:
+        return (16 if block_d <= 128 else 8), 1
+    return max(1, min(16, 8192 // (chunk * block_d))), chunk
 
 
 _INTERPRET = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -544,7 +567,7 @@ def attn_fwd_kvcache(
     )
     if split:
         n_rows = o4.numel() // headdim
-        block_r = 16 if p.block_d <= 128 else 8
+        block_r, chunk = _combine_tiles(num_splits, p.block_d)
         seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
         _combine[(triton.cdiv(n_rows, block_r),)](
             out_p,
@@ -561,6 +584,7 @@ def attn_fwd_kvcache(
             BLOCK_D=p.block_d,
             BLOCK_R=block_r,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            CHUNK=chunk,
             num_warps=4,
         )
     return out, lse
