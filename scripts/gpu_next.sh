@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks left open (docs/perf.md, 2026-11-30), in two calls of under 10 minutes each, the first on
-# a freshly started machine:
+# The GPU checks left open (docs/perf.md, 2026-11-30), in three calls of under 10 minutes each, the first
+# on a freshly started machine:
 #   bash scripts/gpu_next.sh 1
 #     1. head dim 128's forward with TMA under the GQA stress on a cold machine (the one unexplained
 #        failure was there; if it stays clean, TMA can go on for head dim 128: +3-7 %);
@@ -13,9 +13,11 @@
 #        other's tensor-core work): (128, 64, 8, 2) capped at 128 registers, and (64, 64, 4, 2), against
 #        the table (one block per SM), cuDNN in the same runs.
 #   bash scripts/gpu_next.sh 2
-#     5. the split decode rows with the combine reading 1 (as measured) or 16 splits per load;
-#     6. the GPU suite, then the at-scale table tests (4k-token GQA, every build; fp64 references, so
-#        few workers).
+#     5. the decode rows with the combine reading 16 splits per load (1 as measured) and with two pipeline
+#        stages (three blocks per SM; 3 as measured);
+#     6. the at-scale table tests (4k-token GQA, every build; fp64 references, so few workers);
+#   bash scripts/gpu_next.sh 3
+#     7. the GPU suite.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -33,10 +35,12 @@ if [ "${1:-1}" = 1 ]; then
     echo "== forward variant: ${variant:-the table}"
     timeout 90 python3 scripts/features_variant.py $variant -- $GRID --out "$OUT/fwd128_variants.jsonl" 2>&1 | tail -8
   done
+elif [ "$1" = 2 ]; then
+  timeout 300 python3 scripts/decode_variants.py "" combine=16 stages=2 combine=16,stages=2 2>&1 \
+    | tee "$OUT/decode_variants.log" | tail -40
+  timeout 200 python3 -m pytest tests/test_attention.py -q -n 4 -k "at_scale" -p no:cacheprovider -p no:warnings \
+    2>&1 | tail -2
 else
-  timeout 200 python3 scripts/decode_combine.py 1 16 2>&1 | tee "$OUT/decode_combine.log" | tail -24
   TILEATTN_HYPOTHESIS_SHARDS=2 TILEATTN_HYPOTHESIS_EXAMPLES=4 timeout 240 python3 -m pytest tests -q -n 14 \
     -k "not at_scale" -p no:cacheprovider -p no:warnings 2>&1 | tee "$OUT/pytest.log" | tail -4
-  timeout 120 python3 -m pytest tests/test_attention.py -q -n 4 -k "at_scale" -p no:cacheprovider -p no:warnings \
-    2>&1 | tail -2
 fi

@@ -450,12 +450,17 @@ _INTERPRET = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 _MAX_SPLITS = 128
 
 
+# Pipeline stages of the decode kernel's key loop. 3 is what the decode table in docs/perf.md was measured
+# with (136 KiB of shared memory at head dim 128: one block per SM); 2 halves the buffers and fits three.
+DECODE_STAGES = 3
+
+
 def _config(rows: int, block_d: int) -> KernelConfig:
     if interpreting():
         return _INTERPRET
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_n = 128 if block_d <= 128 else 64
-    return KernelConfig(block_m, block_n, num_warps=4, num_stages=3)
+    return KernelConfig(block_m, block_n, num_warps=4, num_stages=DECODE_STAGES)
 
 
 def _sm_count(device: torch.device) -> int:
