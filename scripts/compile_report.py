@@ -33,6 +33,7 @@ CASES = {
     # name: (kv-head divisor, causal, window, varlen, dropout, softcap + alibi)
     "dense": (1, False, (-1, -1), False, 0.0, False),
     "gqa": (4, False, (-1, -1), False, 0.0, False),
+    "gqa-causal": (4, True, (-1, -1), False, 0.0, False),
     "causal": (1, True, (-1, -1), False, 0.0, False),
     "window": (1, False, (512, 0), False, 0.0, False),
     "varlen": (1, False, (-1, -1), True, 0.0, False),
@@ -51,7 +52,7 @@ class _H200Target:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 128)
+        return GPUTarget("cuda", 90, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -67,13 +68,15 @@ def resources(kernel) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+        text = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     usage = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", text))
-    regs, shared, warps = int(usage.get("REG", -1)), kernel.metadata.shared, kernel.metadata.num_warps
+    if "REG" not in usage or "STACK" not in usage:
+        raise RuntimeError(f"cuobjdump -res-usage gave no REG / STACK: {text[:300]!r}")
+    regs, shared, warps = int(usage["REG"]), kernel.metadata.shared, kernel.metadata.num_warps
     return dict(
         blocks_per_sm=blocks_per_sm(regs, shared, warps),
         regs=regs,
-        stack=int(usage.get("STACK", -1)),
+        stack=int(usage["STACK"]),
         shared=kernel.metadata.shared,
         warps=kernel.metadata.num_warps,
     )
@@ -87,21 +90,24 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
     paged cache, as in ``bench --decode``, with the launch grids (the split count is the grid's z)."""
     from tileattn.kernels import configs, decode
 
-    q = torch.zeros(batch, 1, nheads, d, dtype=torch.bfloat16)
+    q = torch.empty(batch, 1, nheads, d, dtype=torch.bfloat16)  # nothing runs: contents do not matter
     seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
     table = None
     if page:
         pages = cache_len // page
-        cache = torch.zeros(batch * pages, page, nheads_k, d, dtype=torch.bfloat16)
+        cache = torch.empty(batch * pages, page, nheads_k, d, dtype=torch.bfloat16)
         table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     else:
-        cache = torch.zeros(batch, cache_len, nheads_k, d, dtype=torch.bfloat16)
+        cache = torch.empty(batch, cache_len, nheads_k, d, dtype=torch.bfloat16)
     p = configs.AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
     c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len)
     decode.attn_fwd_kvcache(q, cache, cache, p, c)
     rows = []
     for name, kernel, kw in _LAUNCHES:
-        cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"))
+        if name == "_combine":
+            cfg = (f"rows {kw['BLOCK_R']}", f"splits/load {kw['CHUNK']}", kw.get("num_warps"))
+        else:
+            cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"))
         case = f"{batch}x{cache_len}" + (f" page{page}" if page else "")
         rows.append(dict(kernel=name, headdim=d, case=case, config=cfg, grid=kw["grid"], **resources(kernel)))
     _LAUNCHES.clear()
@@ -109,11 +115,12 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
 
 
 def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
-    """Blocks of this build an H100/H200 SM holds at once: 65,536 registers (allocated per thread in
-    steps of 8), 228 KiB of shared memory (1 KiB reserved per block), 64 warps."""
-    by_regs = 65536 // (-(-max(regs, 1) // 8) * 8 * 32 * warps)
-    by_smem = 233472 // (shared + 1024)
-    return min(by_regs, by_smem, 64 // warps)
+    """Blocks of this build an H100/H200 SM holds at once: 65,536 registers in four sub-partitions
+    (allocated per warp, per thread in steps of 8), 228 KiB of shared memory (1 KiB reserved per block,
+    128-byte steps), 64 warps, 32 blocks."""
+    warps_by_regs = (16384 // (-(-max(regs, 1) // 8) * 8 * 32)) * 4
+    by_smem = 233472 // (-(-(shared + 1024) // 128) * 128)
+    return min(warps_by_regs // warps, by_smem, 64 // warps, 32)
 
 
 def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, seqlen: int = 4096) -> list[dict]:
@@ -155,7 +162,17 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
     rows = []
     for name, kernel, kw in _LAUNCHES:
         cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"), kw.get("maxnreg"))
-        rows.append(dict(kernel=name, headdim=headdim, block_d=block_d, case=case, config=cfg, **resources(kernel)))
+        rows.append(
+            dict(
+                kernel=name,
+                headdim=headdim,
+                block_d=block_d,
+                case=case,
+                config=cfg,
+                tma=bool(kw.get("USE_TMA")),
+                **resources(kernel),
+            )
+        )
     _LAUNCHES.clear()
     return rows
 

@@ -1,21 +1,31 @@
 """The decode bench's rows (CUDA graphs, caches rotated past L2; cuDNN once, in the same run) for
 variants of the decode kernels' settings, each as ``name=value`` changes separated by commas:
 
-    python scripts/decode_variants.py "" "combine=16" "stages=2" "combine=16,stages=2"
+    python scripts/decode_variants.py [--out FILE] "" "combine=16" "stages=2" "combine=16,stages=2"
 
 combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 1 is the measured table);
 stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table).
+With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
-import sys
+import argparse
+from pathlib import Path
 
+from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
 from tileattn.kernels import decode
 
 SETTINGS = {"combine": "COMBINE_SPLITS_PER_LOAD", "stages": "DECODE_STAGES"}
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", type=Path)
+ap.add_argument("variants", nargs="*", default=[""])
+args = ap.parse_args()
 defaults = {name: getattr(decode, attr) for name, attr in SETTINGS.items()}
 rows = run_decode(cases=DECODE_CASES, backends=["sdpa-cudnn"])
-for variant in sys.argv[1:] or [""]:
+if args.out:
+    append_results(args.out, rows)
+for variant in args.variants:
     changes = dict(defaults)
     for change in filter(None, variant.split(",")):
         name, _, value = change.partition("=")
@@ -23,8 +33,12 @@ for variant in sys.argv[1:] or [""]:
     for name, value in changes.items():
         setattr(decode, SETTINGS[name], value)
     label = variant or "table"
-    for r in run_decode(cases=DECODE_CASES, backends=["tileattn", "tileattn paged16", "tileattn paged256"]):
+    new = run_decode(cases=DECODE_CASES, backends=["tileattn", "tileattn paged16", "tileattn paged256"])
+    for r in new:
         if r["backend"].startswith("tileattn"):
             r["backend"] = f"{r['backend']} [{label}]"
-        rows.append(r)
+        r["variant"] = label
+    if args.out:
+        append_results(args.out, new)
+    rows += new
 print(format_decode(rows))

@@ -166,6 +166,39 @@ def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
     assert grid_ptr[0] == -(-300 // ptr_cfg.block_m) and grid_tma[0] == -(-300 // tma_cfg.block_m)
 
 
+def test_launches_pass_the_register_cap(monkeypatch):
+    """KernelConfig.maxnreg reaches the forward, dK/dV and dQ launches (launches recorded, nothing
+    compiled)."""
+    import dataclasses
+
+    from tileattn.kernels import backward, configs, forward
+
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.__setitem__(self.name, kwargs)
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for module, name in ((forward, "_attn_fwd"), (backward, "_attn_bwd_dkdv"), (backward, "_attn_bwd_dq")):
+        monkeypatch.setattr(module, name, Recorder(name))
+    monkeypatch.setattr(backward, "_bwd_preprocess", Recorder("_bwd_preprocess"))
+    for table, cap in ((configs._FWD, 120), (configs._BWD_DKDV, 168), (configs._BWD_DQ, 128)):
+        monkeypatch.setitem(table, 64, dataclasses.replace(table[64], maxnreg=cap))
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
+    p = configs.AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
+    forward.attn_fwd(q, q, q, p)
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+    assert {name: kw["maxnreg"] for name, kw in launches.items() if "maxnreg" in kw} == {
+        "_attn_fwd": 120,
+        "_attn_bwd_dkdv": 168,
+        "_attn_bwd_dq": 128,
+    }
+
+
 def test_forward_config_falls_back_without_tma(monkeypatch):
     """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read."""
     from tileattn.kernels import configs

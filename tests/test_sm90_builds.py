@@ -30,5 +30,5 @@ def test_forward_builds_as_the_tables_assume():
     assert res.returncode == 0, res.stderr[-2000:]
     hd64, hd256 = json.loads(res.stdout.splitlines()[-1])
     assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
-    assert hd64["shared"] <= 64 * 1024, hd64
-    assert hd256["regs"] < 255 and hd256["stack"] == 0, hd256
+    assert hd64["shared"] <= 64 * 1024 and hd64["blocks_per_sm"] >= 2, hd64
+    assert hd256["tma"] and hd256["regs"] < 255 and hd256["stack"] == 0, hd256

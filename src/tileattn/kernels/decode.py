@@ -432,15 +432,21 @@ def _combine(
     tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
 
 
-# Splits the combine reads per load (one [rows, splits, head dim] tile). 1 is the layout the decode
-# table in docs/perf.md was measured with (rows of 16 / 8, one split at a time); larger values load more
-# at once from more programs (fewer rows each), for the 1 x 8k case where two programs merge 16 splits.
+# Splits the combine reads per load (one [rows, splits, head dim] tile; rounded up to a power of two, at
+# most 8192 values per load). 1 is the layout the decode table in docs/perf.md was measured with (rows
+# of 16 / 8, one split at a time); larger values load more at once from more programs (fewer rows each),
+# for the 1 x 8k case where two programs merge 16 splits.
 COMBINE_SPLITS_PER_LOAD = 1
 
 
 def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
-    """(rows per program, splits per load) of ``_combine``: at most 8192 fp32 partial values per load."""
-    chunk = max(1, min(COMBINE_SPLITS_PER_LOAD, triton.next_power_of_2(num_splits)))
+    """(rows per program, splits per load) of ``_combine``, both powers of two: at most 8192 fp32
+    partial values per load."""
+    chunk = min(
+        triton.next_power_of_2(max(1, COMBINE_SPLITS_PER_LOAD)),
+        triton.next_power_of_2(max(1, num_splits)),
+        max(1, 8192 // block_d),
+    )
     if chunk == 1:
         return (16 if block_d <= 128 else 8), 1
     return max(1, min(16, 8192 // (chunk * block_d))), chunk
