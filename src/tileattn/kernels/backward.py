@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, bwd_dkdv_config, bwd_dq_config, interpreting
+from tileattn.kernels.configs import AttnParams, bwd_dkdv_config, bwd_dq_config, cdiv, interpreting
 
 
 @triton.jit
@@ -610,7 +610,7 @@ def attn_bwd(
     delta = torch.empty_like(lse)
     rows = q4.shape[1]
     block_pre = 16 if interpreting() else 64
-    _bwd_preprocess[(triton.cdiv(rows, block_pre), nheads, q4.shape[0])](
+    _bwd_preprocess[(cdiv(rows, block_pre), nheads, q4.shape[0])](
         o4,
         do4,
         delta,
@@ -656,9 +656,9 @@ def attn_bwd(
 
     cfg = bwd_dkdv_config(p)
     if p.is_varlen:
-        grid = (triton.cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
+        grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:
-        grid = (triton.cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
+        grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
     _attn_bwd_dkdv[grid](
         q4,
         k4,
@@ -691,9 +691,9 @@ def attn_bwd(
 
     cfg = bwd_dq_config(p)
     if p.is_varlen:
-        grid = (triton.cdiv(rows, cfg.block_m) + batch, nheads, 1)
+        grid = (cdiv(rows, cfg.block_m) + batch, nheads, 1)
     else:
-        grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+        grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     _attn_bwd_dq[grid](
         q4,
         k4,

@@ -12,7 +12,17 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import triton
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton 3.6 made it a constexpr function, whose call wrapper costs
+    microseconds per host call (several per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (the same values; see ``cdiv``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def interpreting() -> bool:
@@ -67,11 +77,11 @@ class AttnParams:
     @property
     def block_d(self) -> int:
         """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
-        return max(16, triton.next_power_of_2(self.headdim))
+        return max(16, next_power_of_2(self.headdim))
 
     @property
     def batch_pad(self) -> int:
-        return triton.next_power_of_2(self.batch) if self.is_varlen else 1
+        return next_power_of_2(self.batch) if self.is_varlen else 1
 
     def as_4d(self, t: torch.Tensor) -> torch.Tensor:
         """Varlen ``(total, nheads, d)`` tensors are seen as one batch of ``total`` rows."""

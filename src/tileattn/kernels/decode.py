@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, KernelConfig, interpreting
+from tileattn.kernels.configs import AttnParams, KernelConfig, cdiv, interpreting, next_power_of_2
 
 
 @dataclass
@@ -443,8 +443,8 @@ def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
     """(rows per program, splits per load) of ``_combine``, both powers of two: at most 8192 fp32
     partial values per load."""
     chunk = min(
-        triton.next_power_of_2(max(1, COMBINE_SPLITS_PER_LOAD)),
-        triton.next_power_of_2(max(1, num_splits)),
+        next_power_of_2(max(1, COMBINE_SPLITS_PER_LOAD)),
+        next_power_of_2(max(1, num_splits)),
         max(1, 8192 // block_d),
     )
     if chunk == 1:
@@ -464,7 +464,7 @@ DECODE_STAGES = 3
 def _config(rows: int, block_d: int) -> KernelConfig:
     if interpreting():
         return _INTERPRET
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(64, max(16, next_power_of_2(rows)))
     block_n = 128 if block_d <= 128 else 64
     return KernelConfig(block_m, block_n, num_warps=4, num_stages=DECODE_STAGES)
 
@@ -481,7 +481,7 @@ def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int)
     8x32k 2, and batches of 64 sequences none (their 512 programs already fill the GPU)."""
     if programs >= sm_count:
         return 1
-    tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    tiles = cdiv(max(max_seqlen_k, 1), block_n)
     return max(1, min(sm_count // programs, tiles // 4, _MAX_SPLITS))
 
 
@@ -499,14 +499,14 @@ def attn_fwd_kvcache(
     rows = group * p.seqlen_q
     cfg = _config(rows, p.block_d)
     paged = c.block_table is not None
-    m_blocks = triton.cdiv(rows, cfg.block_m)
+    m_blocks = cdiv(rows, cfg.block_m)
     programs = m_blocks * p.batch * nheads_k
     sm_count = _sm_count(q.device)
     num_splits = c.num_splits
     if num_splits == 0:
         max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
         num_splits = choose_splits(programs, max_k, cfg.block_n, sm_count)
-    num_splits = max(1, min(num_splits, _MAX_SPLITS, triton.cdiv(max(p.seqlen_k, 1), cfg.block_n)))
+    num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), cfg.block_n)))
     split = num_splits > 1
     if split:
         out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
@@ -580,7 +580,7 @@ def attn_fwd_kvcache(
         n_rows = o4.numel() // headdim
         block_r, chunk = _combine_tiles(num_splits, p.block_d)
         seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
-        _combine[(triton.cdiv(n_rows, block_r),)](
+        _combine[(cdiv(n_rows, block_r),)](
             out_p,
             lse_p,
             o4,
@@ -594,7 +594,7 @@ def attn_fwd_kvcache(
             HEAD_DIM=headdim,
             BLOCK_D=p.block_d,
             BLOCK_R=block_r,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             CHUNK=chunk,
             num_warps=4,
         )
@@ -715,7 +715,7 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
         block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
         dst.shape[0],
         HEAD_DIM=headdim,
-        BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+        BLOCK_D=max(16, next_power_of_2(headdim)),
         ROTARY=rotary is not None,
         INTERLEAVED=bool(interleaved),
         POS_PER_TOKEN=pos_per_token,

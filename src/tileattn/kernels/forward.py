@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, fwd_config
+from tileattn.kernels.configs import AttnParams, cdiv, fwd_config
 
 
 @triton.jit
@@ -287,9 +287,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
     if cfg.tma and not use_tma:
         cfg = fwd_config(p, tma_ok=False)
     if p.is_varlen:
-        grid = (triton.cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
+        grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
     else:
-        grid = (triton.cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+        grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     _attn_fwd[grid](
         q4,
