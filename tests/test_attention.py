@@ -374,3 +374,13 @@ def test_deterministic_backward(backend):
             runs.append(torch.autograd.grad(out, (q, k), dout))
     for a, b in zip(runs[0], runs[-1]):
         assert torch.equal(a, b)
+
+
+def test_host_size_helpers_match_triton():
+    """configs.cdiv / next_power_of_2 (host copies of Triton's constexpr functions) give Triton's values."""
+    import triton
+
+    from tileattn.kernels import configs
+
+    assert all(configs.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 3000))
+    assert all(configs.cdiv(a, b) == triton.cdiv(a, b) for a in range(-70, 3000) for b in (1, 3, 16, 64, 128))

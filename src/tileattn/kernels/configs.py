@@ -90,7 +90,8 @@ class AttnParams:
     def strides(self, t4: torch.Tensor) -> tuple[int, int, int]:
         """(batch, row, head) strides of a 4-D view; varlen rows are addressed through cu_seqlens, so the
         batch stride is 0."""
-        return (0 if self.is_varlen else t4.stride(0)), t4.stride(1), t4.stride(2)
+        s = t4.stride()  # one call: each Tensor.stride(i) is a separate host round trip
+        return (0 if self.is_varlen else s[0]), s[1], s[2]
 
     def new_lse(self, q4: torch.Tensor) -> torch.Tensor:
         """fp32 LSE buffer: ``(batch, nheads, seqlen_q)`` dense, ``(nheads, total_q)`` varlen."""
@@ -101,9 +102,10 @@ class AttnParams:
 
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         """(batch, head) strides of an LSE-shaped buffer; varlen rows are offset by cu_seqlens_q."""
+        s = lse.stride()
         if self.is_varlen:
-            return 0, lse.stride(0)
-        return lse.stride(0), lse.stride(1)
+            return 0, s[0]
+        return s[0], s[1]
 
     def alibi_batch_stride(self) -> int:
         slopes = self.alibi_slopes
