@@ -129,7 +129,7 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
 
     kv_div, causal, window, varlen, dropout, softcap_alibi = CASES[case]
     nheads = max(4, 2048 // headdim)
-    block_d = max(16, triton.next_power_of_2(headdim))
+    block_d = configs.padded_headdim(headdim)
     q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
     k = torch.zeros(batch, seqlen, nheads // kv_div, headdim, dtype=torch.bfloat16)
     left, right = window

@@ -16,7 +16,7 @@ from tileattn.kernels import configs, forward
 
 hd = int(sys.argv[1])
 h = 2048 // hd
-block_d = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=1, headdim=hd, softmax_scale=1.0).block_d  # the table key
+block_d = configs.padded_headdim(hd)  # the table key
 
 
 def tflops(causal, ms):

@@ -231,8 +231,7 @@ class _CheckedOnce:
     tensor is alive and unmodified (PyTorch's version counter): changes through torch ops are checked
     again. Inference tensors have no version counter and are checked on every call; writes that bypass
     the counter (``.data``, ``.numpy()``, DLPack aliases, a custom kernel, a CUDA graph's replay) are not
-    seen, as documented on
-    flash_attn_varlen_func and flash_attn_with_kvcache."""
+    seen, as documented on flash_attn_varlen_func and flash_attn_with_kvcache."""
 
     def __init__(self, limit: int = 256) -> None:
         self._seen: dict[tuple, tuple] = {}

@@ -98,47 +98,29 @@ def run_features(
         sl = (slice(0, 1), slice(None), slice(0, 1))
         ref = attention_ref(q[sl], k[sl], v[sl], upcast=torch.float64, **kwargs)[0]
         lowp = attention_ref(q[sl], k[sl], v[sl], upcast=False, **kwargs)[0]
+        row = dict(kind="features", backend="tileattn", device=device, case=name, headdim=d, causal=causal)
         try:
             check_close(f"features {name}", out[sl], ref, lowp)
         except AssertionError as exc:  # shown as a failed row; the other cases still run
-            rows.append(
-                dict(
-                    kind="features",
-                    backend="tileattn",
-                    device=device,
-                    case=name,
-                    headdim=d,
-                    causal=causal,
-                    error=str(exc),
-                )
-            )
+            rows.append(dict(row, error=str(exc)))
             progress(str(exc))
             continue
         dout = torch.randn_like(call())
         t_fwd = time_ms(call, device)
         t_all = time_ms(lambda call=call, inputs=inputs, dout=dout: torch.autograd.grad(call(), inputs, dout), device)
         work = 4 * batch * nheads * visible_pairs(seqlen, causal, win) * d
-        progress(
-            f"features hd{d} {name}: {work / t_fwd / 1e9:.0f} fwd, {2.5 * work / (t_all - t_fwd) / 1e9:.0f} bwd TFLOP/s"
+        row.update(
+            nheads=nheads,
+            nheads_k=nheads_k,
+            batch=batch,
+            seqlen=seqlen,
+            fwd_ms=t_fwd,
+            bwd_ms=t_all - t_fwd,
+            fwd_tflops=work / t_fwd / 1e9,
+            bwd_tflops=2.5 * work / (t_all - t_fwd) / 1e9,
         )
-        rows.append(
-            dict(
-                kind="features",
-                backend="tileattn",
-                device=device,
-                case=name,
-                headdim=d,
-                nheads=nheads,
-                nheads_k=nheads_k,
-                batch=batch,
-                seqlen=seqlen,
-                causal=causal,
-                fwd_ms=t_fwd,
-                bwd_ms=t_all - t_fwd,
-                fwd_tflops=work / t_fwd / 1e9,
-                bwd_tflops=2.5 * work / (t_all - t_fwd) / 1e9,
-            )
-        )
+        progress(f"features hd{d} {name}: {row['fwd_tflops']:.0f} fwd, {row['bwd_tflops']:.0f} bwd TFLOP/s")
+        rows.append(row)
     by_case = {r["case"]: r for r in rows if "error" not in r}
     for r in rows:  # the causal row against dense; the other causal rows against causal
         r["baseline"] = "causal" if r.get("causal") and r["case"] != "causal" else "dense"

@@ -101,7 +101,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     import tileattn
 
     batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
-    block_d = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=1, headdim=headdim, softmax_scale=1.0).block_d
+    block_d = configs.padded_headdim(headdim)
     q, k, v = (
         torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)

@@ -25,6 +25,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def padded_headdim(headdim: int) -> int:
+    """The head dim the kernels compute with (their ``BLOCK_D``, the tables' key): the next power of
+    two, at least 16 (tl.dot's minimum)."""
+    return max(16, next_power_of_2(headdim))
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -76,8 +82,8 @@ class AttnParams:
 
     @property
     def block_d(self) -> int:
-        """The head dim the kernels compute with: the next power of two, at least 16 (tl.dot's minimum)."""
-        return max(16, next_power_of_2(self.headdim))
+        """``padded_headdim`` of this call's head dim."""
+        return padded_headdim(self.headdim)
 
     @property
     def batch_pad(self) -> int:

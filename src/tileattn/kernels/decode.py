@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, KernelConfig, cdiv, interpreting, next_power_of_2
+from tileattn.kernels.configs import AttnParams, KernelConfig, cdiv, interpreting, next_power_of_2, padded_headdim
 
 
 @dataclass
@@ -715,7 +715,7 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
         block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
         dst.shape[0],
         HEAD_DIM=headdim,
-        BLOCK_D=max(16, next_power_of_2(headdim)),
+        BLOCK_D=padded_headdim(headdim),
         ROTARY=rotary is not None,
         INTERLEAVED=bool(interleaved),
         POS_PER_TOKEN=pos_per_token,
