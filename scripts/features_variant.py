@@ -1,11 +1,12 @@
 """``python -m tileattn.bench --features`` (or any bench mode) with the kernels' tile tables changed, to
 time a KernelConfig variant against the tables in a separate run:
 
-    python scripts/features_variant.py fwd@16,32,64:maxnreg=128 dq@16,32,64:maxnreg=128 -- --headdim 64
-    python scripts/features_variant.py fwd:tma=1 -- --headdim 128
+    python scripts/features_variant.py fwd@128:num_stages=3 fwd@128:maxnreg=0 -- --headdim 128
+    python scripts/features_variant.py fwd:tma=1 -- --headdim 64
 
-Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, dkdv, dq, HEADDIMS the padded head
-dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags). Turning the
+Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
+configs.LONG_SEQLEN_K up), dkdv, dq, HEADDIMS the padded head dims it applies to (default: all) and
+FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the cap). Turning the
 forward's TMA off where the table reads through TMA takes that head dim's pointer-load tiles
 (configs._FWD_POINTER), never the same tiles without TMA (a miscompiled build at head dim 256).
 Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;
@@ -19,7 +20,7 @@ import sys
 
 from tileattn.kernels import configs
 
-TABLES = {"fwd": configs._FWD, "dkdv": configs._BWD_DKDV, "dq": configs._BWD_DQ}
+TABLES = {"fwd": configs._FWD, "fwdlong": configs._FWD_LONG, "dkdv": configs._BWD_DKDV, "dq": configs._BWD_DQ}
 
 
 def apply(change: str) -> None:
@@ -35,6 +36,8 @@ def apply(change: str) -> None:
     if field not in fields:
         raise SystemExit(f"{field!r} is not a KernelConfig field ({', '.join(fields)})")
     parsed = bool(int(value)) if field in ("q_major", "tma", "warp_spec") else int(value)
+    if field == "maxnreg" and not parsed:
+        parsed = None  # maxnreg=0: no cap
     for d in keys:
         cfg = table[d]
         if table is configs._FWD and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:

@@ -5,6 +5,7 @@ went wrong and the compiled forward's registers / spills / shared memory.
 
     python scripts/gqa_stress.py [ROUNDS] [HEADDIM,NHEADS,NHEADS_K ...]
     FWD=bm,bn,warps,stages[,tma]   every forward table entry replaced by these tiles
+    SET="fwd@128:tma=1 fwd@128:maxnreg=128"   table changes in scripts/features_variant.py's syntax
     STEP=1                         synchronise after each forward (find the faulting call)
 """
 
@@ -21,6 +22,13 @@ if os.environ.get("FWD"):
     f = [int(x) for x in os.environ["FWD"].split(",")]
     for d in configs._FWD:
         configs._FWD[d] = configs.KernelConfig(*f[:4], tma=len(f) > 4 and bool(f[4]))
+
+if os.environ.get("SET"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from features_variant import apply
+
+    for change in os.environ["SET"].split():
+        apply(change)
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 cases = [(256, 8, 2), (128, 16, 4), (256, 8, 8), (128, 16, 16), (64, 32, 8)]

@@ -101,8 +101,10 @@ def test_forward_backward_large(case, dtype):
 # The tile tables' builds at the size where one of them was miscompiled: head dim 256's 128 x 64
 # pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens (not at
 # the sizes above), so head dim 256 reads through TMA and falls back to other tiles without it
-# (configs._FWD_POINTER). Every forward table entry (with the backward tables of its head dim) and the
-# fallback, GQA 4:1 at 4k tokens, forward and backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
+# (configs._FWD_POINTER). Every forward table entry (with the backward tables of its head dim), the
+# pointer-load fallbacks of the TMA entries and the long-key entries (configs._FWD_LONG, at 8k tokens),
+# GQA 4:1, forward and backward, for the feature flags that compile separate builds (causal, window,
+# softcap + ALiBi, varlen).
 AT_SCALE_FEATURES = [
     {},
     {"causal": True},
@@ -115,22 +117,29 @@ AT_SCALE_FEATURES = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
 @pytest.mark.parametrize("feats", AT_SCALE_FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize(
-    "headdim,fallback", [(16, False), (32, False), (64, False), (128, False), (256, False), (256, True)], ids=str
+    "headdim,variant",
+    [(16, "table"), (32, "table"), (64, "table"), (128, "table"), (128, "fallback"), (128, "long")]
+    + [(256, "table"), (256, "fallback")],
+    ids=str,
 )
-def test_tables_gqa_at_scale(headdim, fallback, feats, monkeypatch):
-    from tileattn.kernels import common
+def test_tables_gqa_at_scale(headdim, variant, feats, monkeypatch):
+    from tileattn.kernels import common, configs
 
-    if fallback:  # inputs TMA cannot read: the pointer-load fallback tiles
+    if variant == "fallback":  # inputs TMA cannot read: the pointer-load fallback tiles
         monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: False)
-    batch = 4 if headdim == 256 and not feats else 2  # the failing size; 2 keeps the fp64 reference small
+    # the failing size; 2 keeps the fp64 reference small; configs._FWD_LONG from LONG_SEQLEN_K keys on
+    batch = 4 if headdim == 256 and not feats else 2
+    seqlen = 4096
+    if variant == "long":
+        batch, seqlen = 1, configs.LONG_SEQLEN_K
     if "varlen" not in feats:
-        _run_case("cuda", (batch, 4096, 4096, 8, 2, headdim, feats), torch.bfloat16)
+        _run_case("cuda", (batch, seqlen, seqlen, 8, 2, headdim, feats), torch.bfloat16)
         return
-    q = randn(batch, 4096, 8, headdim, dtype=torch.bfloat16, device="cuda")
-    k, v = (randn(batch, 4096, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    q = randn(batch, seqlen, 8, headdim, dtype=torch.bfloat16, device="cuda")
+    k, v = (randn(batch, seqlen, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     dout = torch.randn_like(q)
-    cu = torch.arange(0, (batch + 1) * 4096, 4096, dtype=torch.int32, device="cuda")
-    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, 4096, 4096)
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen)
     grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
     check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {})
 
@@ -200,13 +209,19 @@ def test_launches_pass_the_register_cap(monkeypatch):
 
 
 def test_forward_config_falls_back_without_tma(monkeypatch):
-    """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read."""
+    """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read;
+    long key lengths take configs._FWD_LONG's tiles where it has them."""
+    import dataclasses
+
     from tileattn.kernels import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     for headdim, cfg in configs._FWD.items():
         p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
         assert configs.fwd_config(p) is cfg
+        long = dataclasses.replace(p, seqlen_k=configs.LONG_SEQLEN_K)
+        assert configs.fwd_config(long) is configs._FWD_LONG.get(headdim, cfg)
+        assert not configs.fwd_config(long, tma_ok=False).tma
         fallback = configs.fwd_config(p, tma_ok=False)
         assert not fallback.tma
         if cfg.tma:

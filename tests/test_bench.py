@@ -94,19 +94,19 @@ def test_features_variant_changes_the_tables(monkeypatch):
 
     from tileattn.kernels import configs
 
-    for name in ("_FWD", "_BWD_DKDV", "_BWD_DQ"):
+    for name in ("_FWD", "_FWD_LONG", "_BWD_DKDV", "_BWD_DQ"):
         monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
     path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
     spec = importlib.util.spec_from_file_location("features_variant", path)
     variant = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(variant)
-    before = dict(configs._FWD)
-    variant.apply("fwd@64:maxnreg=128")
+    before, before_dq = dict(configs._FWD), dict(configs._BWD_DQ)
+    variant.apply("fwd@64:maxnreg=96")
     variant.apply("dq@16,32:maxnreg=120")
     variant.apply("fwd:tma=0")
-    assert configs._FWD[64] == dataclasses.replace(before[64], maxnreg=128)
-    assert configs._BWD_DQ[32].maxnreg == 120 and configs._BWD_DQ[64].maxnreg is None
+    assert configs._FWD[64] == dataclasses.replace(before[64], maxnreg=96)
+    assert configs._BWD_DQ[32].maxnreg == 120 and configs._BWD_DQ[64] == before_dq[64]
     assert configs._FWD[256] == configs._FWD_POINTER[256]
-    assert configs._FWD[128] == before[128]
+    assert configs._FWD[128] == dataclasses.replace(before[128], tma=False)
     with pytest.raises(SystemExit):
         variant.apply("fwd:colour=1")

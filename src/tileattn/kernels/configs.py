@@ -128,22 +128,33 @@ def _interpret_config(p: AttnParams) -> KernelConfig:
 
 
 # Tiles by padded head dim: (BLOCK_M, BLOCK_N, warps, stages), the fastest of
-# ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md).
+# ``python -m tileattn.bench.tune`` on the H200 (bf16, 16k tokens, seqlen 4096; docs/perf.md), then the
+# variants of scripts/features_variant.py measured against them in the same runs.
 # Head dim 256 has its own candidate list (smaller tiles, fewer stages) in the sweep.
-# KernelConfig.tma (row tiles through TMA descriptors): on for head dim 256's forward only, where the
-# pointer-load build of the same tiles is wrong. That build (128 x 64, 8 warps, 2 stages) compiles to
-# 255 registers and gives wrong outputs or illegal-address faults for GQA inputs (a runtime group size)
-# at 4 x 4096 tokens; the TMA build of the same tiles (239 registers) is correct and as fast (docs/perf.md,
-# "head dim 256 forward"). Inputs TMA cannot read fall back to _FWD_POINTER. Elsewhere TMA is off: head
-# dim 128's forward gains 3-7 % from it, but one freshly started GPU once failed a GQA check with it that
-# 360 bitwise comparisons did not reproduce (it may have been this compiler fault). The dK/dV and dQ
-# kernels were as fast or faster without it (scripts/tma_probe.py).
+# KernelConfig.tma (row tiles through TMA descriptors): head dim 256's pointer-load build of its tiles
+# (128 x 64, 8 warps, 2 stages) compiles to 255 registers and gives wrong outputs or illegal-address
+# faults for GQA inputs (a runtime group size) at 4 x 4096 tokens; the TMA build of the same tiles (239
+# registers) is correct and as fast (docs/perf.md, "head dim 256 forward"). Inputs TMA cannot read fall
+# back to _FWD_POINTER, or to the same tiles without TMA.
+# KernelConfig.maxnreg=128 (two blocks of 8 warps per SM, so that one block's softmax overlaps the other's
+# tensor-core work): head dim 128's forward with two stages (96 KiB of shared memory) and TMA is
+# spill-free at 128 registers for the dense, GQA, causal, window and softcap builds, +2-12 % over one
+# block per SM at 1k-4k tokens and +14-18 % on windows; head dims <= 64 (forward and dQ), whose masked
+# builds took 158-220 registers, gain 15-36 % on varlen and windows, the dense rows unchanged
+# (docs/perf.md, "two blocks per SM").
 _FWD = {
-    16: KernelConfig(128, 64, 8, 3),
-    32: KernelConfig(128, 64, 8, 3),
-    64: KernelConfig(128, 64, 8, 3),
-    128: KernelConfig(128, 64, 8, 3),
+    16: KernelConfig(128, 64, 8, 3, maxnreg=128),
+    32: KernelConfig(128, 64, 8, 3, maxnreg=128),
+    64: KernelConfig(128, 64, 8, 3, maxnreg=128),
+    128: KernelConfig(128, 64, 8, 2, tma=True, maxnreg=128),
     256: KernelConfig(128, 64, 8, 2, tma=True),
+}
+# Key lengths from LONG_SEQLEN_K up: one block per SM with three TMA stages is faster at head dim 128
+# (+5-7 % causal at 8k-16k tokens): a long key loop gains more from the deeper pipeline than from the
+# second block, which at shorter lengths mostly hides each program's prologue and epilogue.
+LONG_SEQLEN_K = 8192
+_FWD_LONG = {
+    128: KernelConfig(128, 64, 8, 3, tma=True),
 }
 # The forward's tiles when a TMA config cannot read the inputs (common.use_tma is false: unaligned rows,
 # strides, not an NVIDIA sm90+ GPU): correct at 4 x 4096 GQA, 382-396 TFLOP/s at head dim 256. It too
@@ -162,9 +173,9 @@ _BWD_DKDV = {
     256: KernelConfig(64, 64, 8, 2),
 }
 _BWD_DQ = {
-    16: KernelConfig(128, 64, 8, 3),
-    32: KernelConfig(128, 64, 8, 3),
-    64: KernelConfig(128, 64, 8, 3),
+    16: KernelConfig(128, 64, 8, 3, maxnreg=128),
+    32: KernelConfig(128, 64, 8, 3, maxnreg=128),
+    64: KernelConfig(128, 64, 8, 3, maxnreg=128),
     128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(128, 64, 8, 1),
 }
@@ -175,6 +186,8 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
     if interpreting():
         return _interpret_config(p)
     cfg = _FWD[p.block_d]
+    if p.seqlen_k >= LONG_SEQLEN_K:
+        cfg = _FWD_LONG.get(p.block_d, cfg)
     if cfg.tma and not tma_ok:
         return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
     return cfg

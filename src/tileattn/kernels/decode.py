@@ -433,10 +433,11 @@ def _combine(
 
 
 # Splits the combine reads per load (one [rows, splits, head dim] tile; rounded up to a power of two, at
-# most 8192 values per load). 1 is the layout the decode table in docs/perf.md was measured with (rows
-# of 16 / 8, one split at a time); larger values load more at once from more programs (fewer rows each),
-# for the 1 x 8k case where two programs merge 16 splits.
-COMBINE_SPLITS_PER_LOAD = 1
+# most 8192 values per load). 16 loads a [rows, splits, head dim] tile at once from more programs (fewer
+# rows each): +25 % at 1 x 8k (two programs merged 16 splits one at a time), +2-4 % at 1 x 128k, the
+# other decode rows unchanged (docs/perf.md, "decode combine"). 1 is the earlier layout (rows of 16 / 8,
+# one split at a time).
+COMBINE_SPLITS_PER_LOAD = 16
 
 
 def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
