@@ -5,10 +5,10 @@ time a KernelConfig variant against the tables in a separate run:
     python scripts/features_variant.py fwd:tma=1 -- --headdim 64
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
-configs.LONG_SEQLEN_K up), dkdv, dq, HEADDIMS the padded head dims it applies to (default: all) and
-FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the cap). Turning the
-forward's TMA off where the table reads through TMA takes that head dim's pointer-load tiles
-(configs._FWD_POINTER), never the same tiles without TMA (a miscompiled build at head dim 256).
+configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
+dq, HEADDIMS the padded head dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1
+for flags; maxnreg=0 removes the cap). Turning the forward's TMA off where the table reads through TMA
+takes that head dim's pointer-load tiles (configs._FWD_POINTER), never the same tiles without TMA (a miscompiled build at head dim 256).
 Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;
 ``--grid`` runs the default grid instead).
 """
@@ -20,7 +20,13 @@ import sys
 
 from tileattn.kernels import configs
 
-TABLES = {"fwd": configs._FWD, "fwdlong": configs._FWD_LONG, "dkdv": configs._BWD_DKDV, "dq": configs._BWD_DQ}
+TABLES = {
+    "fwd": configs._FWD,
+    "fwdlong": configs._FWD_LONG,
+    "fwdcausal": configs._FWD_CAUSAL,
+    "dkdv": configs._BWD_DKDV,
+    "dq": configs._BWD_DQ,
+}
 
 
 def apply(change: str) -> None:
@@ -39,7 +45,7 @@ def apply(change: str) -> None:
     if field == "maxnreg" and not parsed:
         parsed = None  # maxnreg=0: no cap
     for d in keys:
-        cfg = table[d]
+        cfg = table[d] if d in table else configs._FWD[d]  # fwdlong / fwdcausal start from fwd's entry
         if table is configs._FWD and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:
             cfg = configs._FWD_POINTER[d]
         table[d] = dataclasses.replace(cfg, **{field: parsed})

@@ -11,6 +11,10 @@
 #   bash scripts/gpu_next.sh 2   (at most 560 s; after the tables took the winners of part 1)
 #     5. the GQA stress of the tables, the at-scale table tests (4k/8k-token GQA, every build), the GPU
 #        suite, head dim 128's forward grid and the decode rows with the tables as they are.
+#   bash scripts/gpu_next.sh 3   (at most 230 s; with configs._FWD_CAUSAL[128] = KernelConfig(64, 64, 4, 3,
+#   tma=True), the candidate its comment names, added to the tables first)
+#     6. head dim 128's causal forward table: its at-scale tests, the attention tests on the GPU, and the
+#        causal grid cells 1k-4k against cuDNN.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -51,8 +55,19 @@ case "${1:-1}" in
   tail -2 "$OUT/pytest_at_scale.log"
   tail -4 "$OUT/pytest.log"
   ;;
+3)
+  timeout 90 python3 -m pytest tests/test_attention.py -q -n 4 -k "at_scale and 128" -p no:cacheprovider \
+    -p no:warnings >"$OUT/pytest_at_scale.log" 2>&1
+  timeout 90 python3 -m pytest tests/test_attention.py -q -n 14 -k "not at_scale" -p no:cacheprovider \
+    -p no:warnings >"$OUT/pytest_attention.log" 2>&1
+  timeout 45 python3 -m tileattn.bench --headdim 128 --seqlen 1024 2048 4096 --causal yes --mode fwd \
+    --backends tileattn sdpa-cudnn >"$OUT/causal128.log" 2>&1
+  grep -E "^\| hd" "$OUT/causal128.log"
+  tail -2 "$OUT/pytest_at_scale.log"
+  tail -2 "$OUT/pytest_attention.log"
+  ;;
 *)
-  echo "usage: bash scripts/gpu_next.sh 1|2" >&2
+  echo "usage: bash scripts/gpu_next.sh 1|2|3" >&2
   exit 2
   ;;
 esac

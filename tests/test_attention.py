@@ -111,6 +111,7 @@ AT_SCALE_FEATURES = [
     {"window_size": (512, 0)},
     {"softcap": 30.0, "alibi": "head"},
     {"varlen": True},
+    {"varlen": True, "causal": True},
 ]
 
 
@@ -139,9 +140,10 @@ def test_tables_gqa_at_scale(headdim, variant, feats, monkeypatch):
     k, v = (randn(batch, seqlen, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     dout = torch.randn_like(q)
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
-    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen)
+    causal = feats.get("causal", False)
+    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
-    check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {})
+    check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {"causal": causal})
 
 
 def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
@@ -222,6 +224,10 @@ def test_forward_config_falls_back_without_tma(monkeypatch):
         long = dataclasses.replace(p, seqlen_k=configs.LONG_SEQLEN_K)
         assert configs.fwd_config(long) is configs._FWD_LONG.get(headdim, cfg)
         assert not configs.fwd_config(long, tma_ok=False).tma
+        causal = dataclasses.replace(p, window_right=0)
+        assert configs.fwd_config(causal) is configs._FWD_CAUSAL.get(headdim, cfg)
+        assert not configs.fwd_config(causal, tma_ok=False).tma
+        assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is cfg  # a window, not causal
         fallback = configs.fwd_config(p, tma_ok=False)
         assert not fallback.tma
         if cfg.tma:

@@ -94,7 +94,7 @@ def test_features_variant_changes_the_tables(monkeypatch):
 
     from tileattn.kernels import configs
 
-    for name in ("_FWD", "_FWD_LONG", "_BWD_DKDV", "_BWD_DQ"):
+    for name in ("_FWD", "_FWD_LONG", "_FWD_CAUSAL", "_BWD_DKDV", "_BWD_DQ"):
         monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
     path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
     spec = importlib.util.spec_from_file_location("features_variant", path)
@@ -108,5 +108,7 @@ def test_features_variant_changes_the_tables(monkeypatch):
     assert configs._BWD_DQ[32].maxnreg == 120 and configs._BWD_DQ[64] == before_dq[64]
     assert configs._FWD[256] == configs._FWD_POINTER[256]
     assert configs._FWD[128] == dataclasses.replace(before[128], tma=False)
+    variant.apply("fwdcausal@64:block_m=64")
+    assert configs._FWD_CAUSAL[64] == dataclasses.replace(configs._FWD[64], block_m=64)
     with pytest.raises(SystemExit):
         variant.apply("fwd:colour=1")

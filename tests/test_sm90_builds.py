@@ -15,6 +15,7 @@ import compile_report
 compile_report._install()
 rows = compile_report.compile_case(64, "dense", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(256, "gqa", ["fwd"], batch=1, seqlen=1024)
+rows += compile_report.compile_case(128, "dense", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(128, "causal", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(128, "causal", ["fwd"], batch=1, seqlen=8192)
 print(json.dumps(rows))
@@ -24,7 +25,8 @@ print(json.dumps(rows))
 def test_forward_builds_as_the_tables_assume():
     """Head dim 64's dense forward fits two blocks per SM (<= 128 registers, 64 KiB of shared memory)
     without spills; head dim 256's forward is the TMA build of its tiles, under the register limit; head
-    dim 128's causal forward is a spill-free two-blocks-per-SM TMA build, and from
+    dim 128's dense forward is a spill-free TMA build at <= 128 registers, two blocks per SM, its causal
+    forward (64-row blocks, 4 warps) a spill-free TMA build with two blocks per SM, and from
     configs.LONG_SEQLEN_K keys on a one-block three-stage TMA build."""
     scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -32,10 +34,11 @@ def test_forward_builds_as_the_tables_assume():
         [sys.executable, "-c", SCRIPT.format(scripts=scripts)], capture_output=True, text=True, env=env, timeout=600
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    hd64, hd256, hd128, hd128_long = json.loads(res.stdout.splitlines()[-1])
+    hd64, hd256, hd128, hd128_causal, hd128_long = json.loads(res.stdout.splitlines()[-1])
     assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
     assert hd64["shared"] <= 64 * 1024 and hd64["blocks_per_sm"] >= 2, hd64
     assert hd256["tma"] and hd256["regs"] < 255 and hd256["stack"] == 0, hd256
     assert hd128["tma"] and hd128["regs"] <= 128 and hd128["stack"] == 0, hd128
     assert hd128["blocks_per_sm"] == 2, hd128
+    assert hd128_causal["tma"] and hd128_causal["stack"] == 0 and hd128_causal["blocks_per_sm"] >= 2, hd128_causal
     assert hd128_long["tma"] and hd128_long["stack"] == 0 and hd128_long["blocks_per_sm"] == 1, hd128_long

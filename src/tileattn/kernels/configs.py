@@ -156,6 +156,12 @@ LONG_SEQLEN_K = 8192
 _FWD_LONG = {
     128: KernelConfig(128, 64, 8, 3, tma=True),
 }
+# Causal calls (no left window) under LONG_SEQLEN_K keys, where an entry is given. The candidate at head
+# dim 128 is KernelConfig(64, 64, 4, 3, tma=True) (149 registers, 113 KiB: two blocks per SM): +2-6 %
+# causal at 1k-4k tokens and +14 % varlen causal at 4 x 4096 in one run each, -4 to -14 % without the
+# mask (docs/perf.md, "Smaller query blocks"). It enters the table once its at-scale tests and the GPU
+# suite have run with it (scripts/gpu_next.sh 3).
+_FWD_CAUSAL: dict[int, KernelConfig] = {}
 # The forward's tiles when a TMA config cannot read the inputs (common.use_tma is false: unaligned rows,
 # strides, not an NVIDIA sm90+ GPU): correct at 4 x 4096 GQA, 382-396 TFLOP/s at head dim 256. It too
 # compiles to 255 registers (14 spills); since the fault above is not isolated, test_tables_gqa_at_scale
@@ -188,6 +194,8 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
     cfg = _FWD[p.block_d]
     if p.seqlen_k >= LONG_SEQLEN_K:
         cfg = _FWD_LONG.get(p.block_d, cfg)
+    elif p.window_right == 0 and p.window_left < 0:
+        cfg = _FWD_CAUSAL.get(p.block_d, cfg)
     if cfg.tma and not tma_ok:
         return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
     return cfg
