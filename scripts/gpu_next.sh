@@ -15,6 +15,9 @@
 #   tma=True), the candidate its comment names, added to the tables first)
 #     6. head dim 128's causal forward table: its at-scale tests, the attention tests on the GPU, and the
 #        causal grid cells 1k-4k against cuDNN.
+#   bash scripts/gpu_next.sh 4   (at most 330 s)
+#     7. dQ from the dK/dV pass (KernelConfig.dq_atomic 1 and 2): its GPU tests, then the backward at
+#        head dims 64, 128 and 256, 2k and 8k tokens, against the tables and cuDNN.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -66,8 +69,23 @@ case "${1:-1}" in
   tail -2 "$OUT/pytest_at_scale.log"
   tail -2 "$OUT/pytest_attention.log"
   ;;
+4)
+  timeout 120 python3 -m pytest tests -q -n 14 -k "dq_atomic or dq-atomic" -p no:cacheprovider -p no:warnings \
+    >"$OUT/pytest_dq_atomic.log" 2>&1
+  G="--headdim 64 128 256 --seqlen 2048 8192 --mode bwd"
+  timeout 70 python3 -m tileattn.bench $G --backends tileattn sdpa-cudnn >"$OUT/bwd_table.log" 2>&1
+  for m in 2 1; do
+    timeout 70 python3 scripts/features_variant.py dkdv:dq_atomic=$m -- --grid $G --backends tileattn \
+      >"$OUT/bwd_dq_atomic$m.log" 2>&1
+  done
+  for f in bwd_table bwd_dq_atomic2 bwd_dq_atomic1; do
+    echo "== $f"
+    grep -E "^\| hd" "$OUT/$f.log" | grep tileattn
+  done
+  tail -2 "$OUT/pytest_dq_atomic.log"
+  ;;
 *)
-  echo "usage: bash scripts/gpu_next.sh 1|2|3" >&2
+  echo "usage: bash scripts/gpu_next.sh 1|2|3|4" >&2
   exit 2
   ;;
 esac

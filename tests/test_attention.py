@@ -91,6 +91,54 @@ def test_tma_variants(backend, case, warp_spec, monkeypatch):
     _run_case(backend, case, torch.float16)
 
 
+# dQ accumulated by the dK/dV pass (KernelConfig.dq_atomic: 1 fp32 atomic adds, 2 TMA reduce-adds, which
+# the interpreter does not emulate), in both score orientations (q_major).
+DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
+
+
+@pytest.mark.parametrize("q_major", [False, True], ids=["k-major", "q-major"])
+@pytest.mark.parametrize("mode", [1, 2], ids=["atomic", "tma-reduce"])
+@pytest.mark.parametrize("case", DQ_ATOMIC_CASES, ids=_case_id)
+def test_dq_atomic_variants(backend, case, mode, q_major, monkeypatch):
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    if mode == 2 and backend != "cuda":
+        pytest.skip("TMA reduce-adds run on the GPU only")
+    patch_configs(monkeypatch, dkdv=dict(dq_atomic=mode, q_major=q_major))
+    _run_case(backend, case, torch.float16)
+
+
+def test_dq_atomic_not_deterministic(monkeypatch):
+    """deterministic=True takes the dQ pass even where the config asks for atomic dQ (launches recorded)."""
+    from tileattn.kernels import backward, configs
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs.get("DQ_ATOMIC")))
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for name in ("_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        monkeypatch.setattr(backward, name, Recorder(name))
+    patch_configs(monkeypatch, dkdv=dict(dq_atomic=1))
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
+    for deterministic, expected in ((False, [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 1)]), (True, None)):
+        launches.clear()
+        p = configs.AttnParams(
+            batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0, deterministic=deterministic
+        )
+        backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+        if expected is not None:
+            assert launches == expected
+        else:
+            assert [n for n, _ in launches] == ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+            assert launches[1][1] == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU_ONLY_CASES, ids=_case_id)

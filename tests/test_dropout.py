@@ -97,12 +97,14 @@ def test_dropout_rate_and_reproducibility(backend):
     ],
     ids=str,
 )
-def test_dkdv_query_major_tiles(backend, feats, monkeypatch):
+@pytest.mark.parametrize("dq_atomic", [0, 1], ids=["dq-pass", "dq-atomic"])
+def test_dkdv_query_major_tiles(backend, feats, dq_atomic, monkeypatch):
     """The dK/dV kernel's query x key orientation (KernelConfig.q_major) gives the same gradients as
-    the reference, with and without dropout (GQA, odd lengths and head dim)."""
+    the reference, with and without dropout (GQA, odd lengths and head dim); also with dQ added from the
+    dK/dV pass (KernelConfig.dq_atomic), where dropout's mask must match the dQ pass's."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    patch_configs(monkeypatch, dkdv=dict(q_major=True))
+    patch_configs(monkeypatch, dkdv=dict(q_major=True, dq_atomic=dq_atomic))
     ctx, device = on(backend)
     b, sq, sk, h, hk, d = 2, 47, 71, 4, 2, 40
     q = randn(b, sq, h, d, dtype=torch.float16, device=device)

@@ -35,14 +35,19 @@ def test_varlen_matches_per_sequence_reference(backend, lengths, feats, dtype):
     _check_varlen(backend, lengths, feats, dtype)
 
 
+@pytest.mark.parametrize("variant", ["tma", "dq-atomic"])
 @pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
-def test_varlen_tma_variant(backend, lengths, feats, monkeypatch):
+def test_varlen_tma_variant(backend, lengths, feats, variant, monkeypatch):
     """The kernels' TMA reads (KernelConfig.tma) on packed batches: descriptors per sequence, empty ones
-    included, rows past a sequence read as zeros."""
+    included, rows past a sequence read as zeros; and dQ added from the dK/dV pass (KernelConfig.dq_atomic:
+    TMA reduce-adds on the GPU, atomic adds under the interpreter) at each sequence's rows."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    patch_configs(monkeypatch, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
+    if variant == "tma":
+        patch_configs(monkeypatch, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
+    else:
+        patch_configs(monkeypatch, dkdv=dict(dq_atomic=2))
     _check_varlen(backend, lengths, feats, torch.float16)
 
 

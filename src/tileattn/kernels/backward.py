@@ -3,9 +3,12 @@ P = exp(S - LSE) from Q, K and the saved LSE (no N×N tensor is ever stored).
 
 The dK/dV program owns one block of keys of one kv head and walks the query tiles of every query head
 in its GQA group, so grouped gradients are summed in registers; the dQ program owns one block of
-queries. Neither uses atomics, so gradients are bitwise reproducible run to run (``deterministic`` is
-always honoured). Features are the forward kernel's constexpr flags, through the same helpers.
+queries. Neither uses atomics by default, so gradients are bitwise reproducible run to run. A dK/dV
+config with ``dq_atomic`` (an option under measurement, off in the tables) instead adds each tile's dQ
+into an fp32 buffer from the dK/dV pass and skips the dQ pass; ``deterministic=True`` never takes it. Features are the forward kernel's constexpr flags, through the same helpers.
 """
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -62,8 +65,12 @@ def _dkdv_tiles(
     do_desc,
     Lse_base,
     Delta_base,
+    DQ_base,
+    dq_desc,
     stride_qm,
     stride_dom,
+    stride_dqm,
+    sm_scale,
     offs_m_base,
     offs_n,
     offs_d,
@@ -93,6 +100,7 @@ def _dkdv_tiles(
     MASK_RIGHT: tl.constexpr,
     Q_MAJOR: tl.constexpr,
     USE_TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
     """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head (Q/dO through
     descriptors with USE_TMA).
@@ -100,7 +108,11 @@ def _dkdv_tiles(
     By default the score tile is transposed (keys are rows), so P and dS feed the dK / dV dots from
     registers. With Q_MAJOR it is queries x keys, as in the forward: dropout's draws are then the ones
     each thread holds (``common.dropout_keep``) instead of being evaluated in several lanes, and P and
-    dS reach the dots transposed (through shared memory)."""
+    dS reach the dots transposed (through shared memory).
+
+    With DQ_ATOMIC (1: fp32 atomic adds, 2: TMA reduce-adds through ``dq_desc``) each tile also adds its
+    dS·K·scale to the fp32 dQ accumulator, so the dQ pass is not needed (its QKᵀ and dO·Vᵀ are not
+    recomputed); the order of the adds varies run to run."""
     n_start = tl.min(offs_n, 0)  # the key block's first column, a multiple of BLOCK_N (dropout counters)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
@@ -167,6 +179,18 @@ def _dkdv_tiles(
         else:
             dv = tl.dot(pv.to(do.dtype), do, dv)
             dk = tl.dot(ds.to(q.dtype), q, dk)
+        if DQ_ATOMIC != 0:
+            if Q_MAJOR:
+                dq = tl.dot(ds.to(q.dtype), k) * sm_scale  # [BLOCK_M, BLOCK_D] = ds @ k
+            else:
+                dq = tl.dot(tl.trans(ds.to(q.dtype)), k) * sm_scale
+            if DQ_ATOMIC == 2:
+                dq_desc.atomic_add([start_m, 0], dq)
+            else:
+                dq_mask = offs_m[:, None] < seqlen_q
+                if PAD_D:
+                    dq_mask = dq_mask & (offs_d[None, :] < HEAD_DIM)
+                tl.atomic_add(DQ_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq, mask=dq_mask, sem="relaxed")
     return dk, dv
 
 
@@ -184,6 +208,7 @@ def _attn_bwd_dkdv(
     Alibi,
     CuSeqlensQ,
     CuSeqlensK,
+    DQacc,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -202,6 +227,9 @@ def _attn_bwd_dkdv(
     stride_dvb,
     stride_dvn,
     stride_dvh,
+    stride_dqb,
+    stride_dqm,
+    stride_dqh,
     stride_lb,
     stride_lh,
     stride_ab,
@@ -229,8 +257,10 @@ def _attn_bwd_dkdv(
     BATCH_PAD: tl.constexpr,
     Q_MAJOR: tl.constexpr,
     USE_TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
-    """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group."""
+    """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group; with
+    DQ_ATOMIC also each query head's dQ, added into the fp32 ``DQacc`` (``_dkdv_tiles``)."""
     pid = tl.program_id(0)
     h_k = tl.program_id(1)
     seqlen_q_rng = seqlen_q
@@ -288,6 +318,8 @@ def _attn_bwd_dkdv(
             rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
         q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        DQ_base = DQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h * stride_dqh
+        dq_desc = common.rows_desc(DQ_base, seqlen_q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D, DQ_ATOMIC == 2)
         for seg in tl.static_range(3):
             seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_tiles(
@@ -301,8 +333,12 @@ def _attn_bwd_dkdv(
                 do_desc,
                 Lse_base,
                 Delta_base,
+                DQ_base,
+                dq_desc,
                 stride_qm,
                 stride_dom,
+                stride_dqm,
+                sm_scale,
                 offs_m,
                 offs_n,
                 offs_d,
@@ -332,6 +368,7 @@ def _attn_bwd_dkdv(
                 MASK_RIGHT,
                 Q_MAJOR,
                 USE_TMA,
+                DQ_ATOMIC,
             )
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
@@ -651,6 +688,14 @@ def attn_bwd(
     )
 
     cfg = bwd_dkdv_config(p)
+    # dQ from the dK/dV pass through fp32 adds (not with deterministic: their order varies), or a dQ pass
+    dq_atomic = 0 if p.deterministic else cfg.dq_atomic
+    dq_acc = dq_atomic_mode = None
+    if dq_atomic:
+        dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
+        # TMA reduce-adds need sm90+ and aligned rows; the interpreter does not emulate them
+        tma_ok = not interpreting() and common.use_tma(replace(cfg, tma=True), dq_acc)
+        dq_atomic_mode = 2 if dq_atomic == 2 and tma_ok else 1
     if p.is_varlen:
         grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:
@@ -667,12 +712,14 @@ def attn_bwd(
         alibi,
         p.cu_seqlens_q,
         p.cu_seqlens_k,
+        dq_acc if dq_acc is not None else dk4,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
         *p.strides(do4),
         *p.strides(dk4),
         *p.strides(dv4),
+        *(p.strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
         *p.lse_strides(lse),
         *common_args,
         BLOCK_M=cfg.block_m,
@@ -682,8 +729,12 @@ def attn_bwd(
         maxnreg=cfg.maxnreg,
         Q_MAJOR=cfg.q_major,
         USE_TMA=common.use_tma(cfg, q4, do4),
+        DQ_ATOMIC=dq_atomic_mode or 0,
         **flags,
     )
+    if dq_acc is not None:
+        dq4.copy_(dq_acc)
+        return dq, dk, dv
 
     cfg = bwd_dq_config(p)
     if p.is_varlen:

@@ -52,6 +52,10 @@ class KernelConfig:
     # SM only at <= 128 registers; the masked builds (varlen, windows, dropout) take more than the dense
     # one of the same tiles unless capped (scripts/compile_report.py).
     maxnreg: int | None = None
+    # dK/dV kernel only: also accumulate dQ with fp32 atomic adds (1) or TMA reduce-adds (2, sm90+) and
+    # skip the dQ pass (two fewer matmuls per tile pair); never with deterministic=True. Off (0) in the
+    # tables until measured.
+    dq_atomic: int = 0
 
 
 @dataclass
