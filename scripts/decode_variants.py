@@ -3,7 +3,7 @@ variants of the decode kernels' settings, each as ``name=value`` changes separat
 
     python scripts/decode_variants.py [--out FILE] "" "combine=16" "stages=2" "combine=16,stages=2"
 
-combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 1 is the measured table);
+combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 16 in the table, 1 before);
 stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """

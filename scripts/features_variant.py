@@ -8,7 +8,8 @@ Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (
 configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
 dq, HEADDIMS the padded head dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1
 for flags; maxnreg=0 removes the cap). Turning the forward's TMA off where the table reads through TMA
-takes that head dim's pointer-load tiles (configs._FWD_POINTER), never the same tiles without TMA (a miscompiled build at head dim 256).
+takes that head dim's pointer-load tiles where configs._FWD_POINTER has them (head dim 256, whose
+same tiles without TMA are a miscompiled build), else the same tiles without TMA.
 Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;
 ``--grid`` runs the default grid instead).
 """
@@ -37,7 +38,8 @@ def apply(change: str) -> None:
     if name not in TABLES or not field or not value:
         raise SystemExit(f"bad change {change!r}\n\n{__doc__}")
     table = TABLES[name]
-    keys = [int(d) for d in dims.split(",")] if dims else list(table)
+    forward = table in (configs._FWD, configs._FWD_LONG, configs._FWD_CAUSAL)
+    keys = [int(d) for d in dims.split(",")] if dims else list(configs._FWD if forward else table)
     fields = [f.name for f in dataclasses.fields(configs.KernelConfig)]
     if field not in fields:
         raise SystemExit(f"{field!r} is not a KernelConfig field ({', '.join(fields)})")
@@ -46,7 +48,7 @@ def apply(change: str) -> None:
         parsed = None  # maxnreg=0: no cap
     for d in keys:
         cfg = table[d] if d in table else configs._FWD[d]  # fwdlong / fwdcausal start from fwd's entry
-        if table is configs._FWD and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:
+        if forward and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:
             cfg = configs._FWD_POINTER[d]
         table[d] = dataclasses.replace(cfg, **{field: parsed})
 

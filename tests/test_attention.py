@@ -259,27 +259,35 @@ def test_launches_pass_the_register_cap(monkeypatch):
 
 
 def test_forward_config_falls_back_without_tma(monkeypatch):
-    """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read;
-    long key lengths take configs._FWD_LONG's tiles where it has them."""
+    """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read
+    (configs._FWD_POINTER, else the same tiles without TMA); long key loops take configs._FWD_LONG's
+    tiles and causal calls configs._FWD_CAUSAL's where they have them (sentinel entries here)."""
     import dataclasses
 
     from tileattn.kernels import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
+    long_cfg = configs.KernelConfig(16, 16, 1, 1, tma=True)
+    causal_cfg = configs.KernelConfig(32, 32, 2, 2, tma=True)
+    monkeypatch.setattr(configs, "_FWD_LONG", {d: long_cfg for d in configs._FWD})
+    monkeypatch.setattr(configs, "_FWD_CAUSAL", {d: causal_cfg for d in configs._FWD})
     for headdim, cfg in configs._FWD.items():
         p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
         assert configs.fwd_config(p) is cfg
         long = dataclasses.replace(p, seqlen_k=configs.LONG_SEQLEN_K)
-        assert configs.fwd_config(long) is configs._FWD_LONG.get(headdim, cfg)
-        assert not configs.fwd_config(long, tma_ok=False).tma
+        assert configs.fwd_config(long) is long_cfg
+        pointer = configs._FWD_POINTER.get(headdim, dataclasses.replace(long_cfg, tma=False))
+        assert configs.fwd_config(long, tma_ok=False) == pointer
+        assert configs.fwd_config(dataclasses.replace(long, window_right=0)) is long_cfg  # long causal
+        assert configs.fwd_config(dataclasses.replace(long, window_left=512, window_right=0)) is cfg  # window
         causal = dataclasses.replace(p, window_right=0)
-        assert configs.fwd_config(causal) is configs._FWD_CAUSAL.get(headdim, cfg)
+        assert configs.fwd_config(causal) is causal_cfg
         assert not configs.fwd_config(causal, tma_ok=False).tma
         assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is cfg  # a window, not causal
         fallback = configs.fwd_config(p, tma_ok=False)
         assert not fallback.tma
         if cfg.tma:
-            assert fallback == configs._FWD_POINTER.get(headdim, fallback)
+            assert fallback == configs._FWD_POINTER.get(headdim, dataclasses.replace(cfg, tma=False))
         else:
             assert fallback is cfg
     assert configs._FWD[256].tma and not configs._FWD_POINTER[256].tma

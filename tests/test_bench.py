@@ -110,5 +110,10 @@ def test_features_variant_changes_the_tables(monkeypatch):
     assert configs._FWD[128] == dataclasses.replace(before[128], tma=False)
     variant.apply("fwdcausal@64:block_m=64")
     assert configs._FWD_CAUSAL[64] == dataclasses.replace(configs._FWD[64], block_m=64)
+    variant.apply("fwdlong:maxnreg=0")  # no head dims named: every forward head dim
+    assert set(configs._FWD_LONG) == set(configs._FWD) and all(c.maxnreg is None for c in configs._FWD_LONG.values())
+    variant.apply("fwdcausal@256:tma=1")
+    variant.apply("fwdcausal@256:tma=0")  # the pointer-load tiles, not head dim 256's miscompiled build
+    assert configs._FWD_CAUSAL[256] == configs._FWD_POINTER[256]
     with pytest.raises(SystemExit):
         variant.apply("fwd:colour=1")

@@ -176,9 +176,10 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
 
 
-@pytest.mark.parametrize("per_load", [2, 16])
+@pytest.mark.parametrize("per_load", [1, 2, 16])
 def test_combine_reads_several_splits_per_load(backend, per_load, monkeypatch):
-    """The split combine reading its partials several splits at a time (decode.COMBINE_SPLITS_PER_LOAD),
+    """The split combine reading its partials one or several splits at a time
+    (decode.COMBINE_SPLITS_PER_LOAD),
     three splits (a masked tail of the last load) and the heuristic's count, rows that see no key
     included."""
     if backend == "torch":

@@ -118,6 +118,9 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     f_bwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd")
     results = []
     saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
+    # the candidates replace _FWD's entry; the shape tables (long keys, causal) would bypass it
+    shape_tables = (configs._FWD_LONG, configs._FWD_CAUSAL)
+    shape_saved = [table.pop(block_d, None) for table in shape_tables]
     try:
         for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:
             if not _usable(cand, block_d, "fwd", dropout_p):
@@ -173,6 +176,9 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
         configs._FWD.update(saved[0])
         configs._BWD_DKDV.update(saved[1])
         configs._BWD_DQ.update(saved[2])
+        for table, entry in zip(shape_tables, shape_saved):
+            if entry is not None:
+                table[block_d] = entry
     return results
 
 
