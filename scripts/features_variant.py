@@ -38,7 +38,7 @@ def apply(change: str) -> None:
     if name not in TABLES or not field or not value:
         raise SystemExit(f"bad change {change!r}\n\n{__doc__}")
     table = TABLES[name]
-    forward = table in (configs._FWD, configs._FWD_LONG, configs._FWD_CAUSAL)
+    forward = name.startswith("fwd")
     keys = [int(d) for d in dims.split(",")] if dims else list(configs._FWD if forward else table)
     fields = [f.name for f in dataclasses.fields(configs.KernelConfig)]
     if field not in fields:

@@ -34,6 +34,28 @@ def patch_configs(monkeypatch, fwd: dict | None = None, dkdv: dict | None = None
             )
 
 
+def record_launches(monkeypatch, *kernels: str) -> list[tuple[str, tuple, dict]]:
+    """Replaces the named Triton kernels of tileattn.kernels' forward / backward modules with recorders
+    (the launchers run as on a GPU, nothing is compiled or launched); returns the list that each launch
+    appends ``(kernel name, grid, keyword arguments)`` to."""
+    from tileattn.kernels import backward, configs, forward
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    for name in kernels:
+        module = forward if hasattr(forward, name) else backward
+        monkeypatch.setattr(module, name, Recorder(name))
+    return launches
+
+
 def interpreter_skips(backend: str, dtype: torch.dtype) -> None:
     """Triton's interpreter cannot multiply bfloat16 (tileattn routes it to the CPU path there)."""
     if backend == "interpret" and dtype == torch.bfloat16:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import check_attention, interpreter_skips, on, patch_configs, randn
+from helpers import check_attention, interpreter_skips, on, patch_configs, randn, record_launches
 from tileattn.reference import attention_ref
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
@@ -112,31 +112,19 @@ def test_dq_atomic_not_deterministic(monkeypatch):
     """deterministic=True takes the dQ pass even where the config asks for atomic dQ (launches recorded)."""
     from tileattn.kernels import backward, configs
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, kwargs.get("DQ_ATOMIC")))
-
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    for name in ("_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
-        monkeypatch.setattr(backward, name, Recorder(name))
+    launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
     patch_configs(monkeypatch, dkdv=dict(dq_atomic=1))
     q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
-    for deterministic, expected in ((False, [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 1)]), (True, None)):
+    runs = {}
+    for deterministic in (False, True):
         launches.clear()
         p = configs.AttnParams(
             batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0, deterministic=deterministic
         )
         backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
-        if expected is not None:
-            assert launches == expected
-        else:
-            assert [n for n, _ in launches] == ["_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
-            assert launches[1][1] == 0
+        runs[deterministic] = [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
+    assert runs[False] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 1)]
+    assert runs[True] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 0), ("_attn_bwd_dq", None)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
@@ -199,20 +187,13 @@ def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
     configs._FWD_POINTER's tiles (USE_TMA off) when it cannot (launch recorded, nothing compiled)."""
     from tileattn.kernels import common, configs, forward
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs))
-
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(forward, "_attn_fwd", Recorder())
+    launches = record_launches(monkeypatch, "_attn_fwd")
     q = torch.zeros(1, 300, 2, 256, dtype=torch.float16)
     p = configs.AttnParams(batch=1, seqlen_q=300, seqlen_k=300, headdim=256, softmax_scale=1.0)
     for tma_ok in (True, False):
         monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors, ok=tma_ok: cfg.tma and ok)
         forward.attn_fwd(q, q, q, p)
-    (grid_tma, with_tma), (grid_ptr, without) = launches
+    (_, grid_tma, with_tma), (_, grid_ptr, without) = launches
     tma_cfg, ptr_cfg = configs._FWD[256], configs._FWD_POINTER[256]
     assert with_tma["USE_TMA"] and (with_tma["BLOCK_M"], with_tma["num_warps"]) == (tma_cfg.block_m, tma_cfg.num_warps)
     assert not without["USE_TMA"] and without["maxnreg"] == ptr_cfg.maxnreg and with_tma["maxnreg"] == tma_cfg.maxnreg
@@ -232,26 +213,14 @@ def test_launches_pass_the_register_cap(monkeypatch):
 
     from tileattn.kernels import backward, configs, forward
 
-    launches = {}
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.__setitem__(self.name, kwargs)
-
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    for module, name in ((forward, "_attn_fwd"), (backward, "_attn_bwd_dkdv"), (backward, "_attn_bwd_dq")):
-        monkeypatch.setattr(module, name, Recorder(name))
-    monkeypatch.setattr(backward, "_bwd_preprocess", Recorder("_bwd_preprocess"))
+    launches = record_launches(monkeypatch, "_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_bwd_preprocess")
     for table, cap in ((configs._FWD, 120), (configs._BWD_DKDV, 168), (configs._BWD_DQ, 128)):
         monkeypatch.setitem(table, 64, dataclasses.replace(table[64], maxnreg=cap))
     q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
     p = configs.AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
     forward.attn_fwd(q, q, q, p)
     backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
-    assert {name: kw["maxnreg"] for name, kw in launches.items() if "maxnreg" in kw} == {
+    assert {name: kw["maxnreg"] for name, _, kw in launches if "maxnreg" in kw} == {
         "_attn_fwd": 120,
         "_attn_bwd_dkdv": 168,
         "_attn_bwd_dq": 128,

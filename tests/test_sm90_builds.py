@@ -27,8 +27,7 @@ def test_forward_builds_as_the_tables_assume():
     without spills; head dim 256's forward is the TMA build of its tiles, under the register limit; head
     dim 128's dense forward is a spill-free TMA build at <= 128 registers, two blocks per SM, its causal
     forward (the same table entry unless configs._FWD_CAUSAL has one) a spill-free TMA build with two
-    blocks per SM, and from
-    configs.LONG_SEQLEN_K keys on a one-block three-stage TMA build."""
+    blocks per SM, and from configs.LONG_SEQLEN_K keys on a one-block three-stage TMA build."""
     scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(

@@ -5,7 +5,8 @@ The dK/dV program owns one block of keys of one kv head and walks the query tile
 in its GQA group, so grouped gradients are summed in registers; the dQ program owns one block of
 queries. Neither uses atomics by default, so gradients are bitwise reproducible run to run. A dK/dV
 config with ``dq_atomic`` (an option under measurement, off in the tables) instead adds each tile's dQ
-into an fp32 buffer from the dK/dV pass and skips the dQ pass; ``deterministic=True`` never takes it. Features are the forward kernel's constexpr flags, through the same helpers.
+into an fp32 buffer from the dK/dV pass and skips the dQ pass; ``deterministic=True`` never takes it.
+Features are the forward kernel's constexpr flags, through the same helpers.
 """
 
 from dataclasses import replace
@@ -690,12 +691,12 @@ def attn_bwd(
     cfg = bwd_dkdv_config(p)
     # dQ from the dK/dV pass through fp32 adds (not with deterministic: their order varies), or a dQ pass
     dq_atomic = 0 if p.deterministic else cfg.dq_atomic
-    dq_acc = dq_atomic_mode = None
+    dq_acc = None
     if dq_atomic:
         dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
         # TMA reduce-adds need sm90+ and aligned rows; the interpreter does not emulate them
-        tma_ok = not interpreting() and common.use_tma(replace(cfg, tma=True), dq_acc)
-        dq_atomic_mode = 2 if dq_atomic == 2 and tma_ok else 1
+        if dq_atomic == 2 and (interpreting() or not common.use_tma(replace(cfg, tma=True), dq_acc)):
+            dq_atomic = 1
     if p.is_varlen:
         grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:
@@ -729,7 +730,7 @@ def attn_bwd(
         maxnreg=cfg.maxnreg,
         Q_MAJOR=cfg.q_major,
         USE_TMA=common.use_tma(cfg, q4, do4),
-        DQ_ATOMIC=dq_atomic_mode or 0,
+        DQ_ATOMIC=dq_atomic,
         **flags,
     )
     if dq_acc is not None:

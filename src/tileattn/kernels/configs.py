@@ -145,8 +145,7 @@ def _interpret_config(p: AttnParams) -> KernelConfig:
 # spill-free at 128 registers for the dense, GQA, causal, window and softcap builds (dropout spills 120
 # bytes), +2-9 % over one block per SM at 1k-4k tokens and +14-18 % on windows; head dims <= 64
 # (forward and dQ), whose masked builds took 158-220 registers, gain 26-39 % on varlen and windows
-# forward, the dense rows unchanged
-# (docs/perf.md, "two blocks per SM").
+# forward, the dense rows unchanged (docs/perf.md, "two blocks per SM").
 _FWD = {
     16: KernelConfig(128, 64, 8, 3, maxnreg=128),
     32: KernelConfig(128, 64, 8, 3, maxnreg=128),
@@ -154,9 +153,10 @@ _FWD = {
     128: KernelConfig(128, 64, 8, 2, tma=True, maxnreg=128),
     256: KernelConfig(128, 64, 8, 2, tma=True),
 }
-# Key lengths from LONG_SEQLEN_K up, without a left window (varlen: max_seqlen_k): one block per SM with three TMA stages is faster at head dim 128
-# (+5-7 % causal at 8k-16k tokens): a long key loop gains more from the deeper pipeline than from the
-# second block, which at shorter lengths mostly hides each program's prologue and epilogue.
+# Key lengths from LONG_SEQLEN_K up, without a left window (varlen: max_seqlen_k): one block per SM with
+# three TMA stages is faster at head dim 128 (+5-7 % causal at 8k-16k tokens): a long key loop gains more
+# from the deeper pipeline than from the second block, which at shorter lengths mostly hides each
+# program's prologue and epilogue.
 LONG_SEQLEN_K = 8192
 _FWD_LONG = {
     128: KernelConfig(128, 64, 8, 3, tma=True),
@@ -197,10 +197,11 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
     if interpreting():
         return _interpret_config(p)
     cfg = _FWD[p.block_d]
-    if p.seqlen_k >= LONG_SEQLEN_K and p.window_left < 0:  # a left window keeps the key loop short
-        cfg = _FWD_LONG.get(p.block_d, cfg)
-    elif p.window_right == 0 and p.window_left < 0:
-        cfg = _FWD_CAUSAL.get(p.block_d, cfg)
+    if p.window_left < 0:  # no left window (which keeps the key loop short): the shape tables
+        if p.seqlen_k >= LONG_SEQLEN_K:
+            cfg = _FWD_LONG.get(p.block_d, cfg)
+        elif p.window_right == 0:
+            cfg = _FWD_CAUSAL.get(p.block_d, cfg)
     if cfg.tma and not tma_ok:
         return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
     return cfg
