@@ -6,7 +6,7 @@ time a KernelConfig variant against the tables in a separate run:
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
 configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
-dq, HEADDIMS the padded head dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1
+dkdvcausal (causal calls; entries it lacks start from dkdv's), dq, HEADDIMS the padded head dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1
 for flags; maxnreg=0 removes the cap). Turning the forward's TMA off where the table reads through TMA
 takes that head dim's pointer-load tiles where configs._FWD_POINTER has them (head dim 256, whose
 same tiles without TMA are a miscompiled build), else the same tiles without TMA.
@@ -26,8 +26,11 @@ TABLES = {
     "fwdlong": configs._FWD_LONG,
     "fwdcausal": configs._FWD_CAUSAL,
     "dkdv": configs._BWD_DKDV,
+    "dkdvcausal": configs._BWD_DKDV_CAUSAL,
     "dq": configs._BWD_DQ,
 }
+# the shape tables' entries start from these tables' where they have none
+BASES = {"fwdlong": configs._FWD, "fwdcausal": configs._FWD, "dkdvcausal": configs._BWD_DKDV}
 
 
 def apply(change: str) -> None:
@@ -39,7 +42,8 @@ def apply(change: str) -> None:
         raise SystemExit(f"bad change {change!r}\n\n{__doc__}")
     table = TABLES[name]
     forward = name.startswith("fwd")
-    keys = [int(d) for d in dims.split(",")] if dims else list(configs._FWD if forward else table)
+    base = BASES.get(name, table)
+    keys = [int(d) for d in dims.split(",")] if dims else list(base)
     fields = [f.name for f in dataclasses.fields(configs.KernelConfig)]
     if field not in fields:
         raise SystemExit(f"{field!r} is not a KernelConfig field ({', '.join(fields)})")
@@ -47,7 +51,7 @@ def apply(change: str) -> None:
     if field == "maxnreg" and not parsed:
         parsed = None  # maxnreg=0: no cap
     for d in keys:
-        cfg = table[d] if d in table else configs._FWD[d]  # fwdlong / fwdcausal start from fwd's entry
+        cfg = table[d] if d in table else base[d]
         if forward and field == "tma" and not parsed and cfg.tma and d in configs._FWD_POINTER:
             cfg = configs._FWD_POINTER[d]
         table[d] = dataclasses.replace(cfg, **{field: parsed})

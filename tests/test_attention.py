@@ -87,7 +87,10 @@ def test_tma_variants(backend, case, warp_spec, monkeypatch):
         pytest.skip("a kernel variant")
     if warp_spec and backend != "cuda":
         pytest.skip("warp specialisation is a compiler schedule; the interpreter runs the tma case")
-    patch_configs(monkeypatch, fwd=dict(tma=True, warp_spec=warp_spec), dkdv=dict(tma=True), dq=dict(tma=True))
+    fwd = dict(tma=True, warp_spec=warp_spec)
+    if warp_spec:  # the dense tiles: Triton 3.6 fails to compile causal 64 x 64, 4-warp tiles warp-specialised
+        fwd.update(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    patch_configs(monkeypatch, fwd=fwd, dkdv=dict(tma=True), dq=dict(tma=True))
     _run_case(backend, case, torch.float16)
 
 
@@ -125,6 +128,45 @@ def test_dq_atomic_not_deterministic(monkeypatch):
         runs[deterministic] = [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
     assert runs[False] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 1)]
     assert runs[True] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 0), ("_attn_bwd_dq", None)]
+
+
+@pytest.mark.parametrize("tma_ok", [True, False], ids=["tma", "no-tma"])
+def test_dq_reduce_add_falls_back_to_the_dq_pass(tma_ok, monkeypatch):
+    """dq_atomic=2 (TMA reduce-adds) launches the dK/dV pass alone where TMA can write dQ's fp32 buffer,
+    and the two passes where it cannot: the atomic adds are slower than the dQ pass (launches recorded)."""
+    from tileattn.kernels import backward, common, configs
+
+    launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
+    monkeypatch.setattr(backward, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: tma_ok)
+    patch_configs(monkeypatch, dkdv=dict(dq_atomic=2))
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
+    p = configs.AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+    runs = [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
+    if tma_ok:
+        assert runs == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 2)]
+    else:
+        assert runs == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 0), ("_attn_bwd_dq", None)]
+
+
+def test_bwd_dkdv_config_takes_the_causal_table(monkeypatch):
+    """Causal calls without a left window take configs._BWD_DKDV_CAUSAL's entry where one is given; other
+    masks, and head dims without an entry, the plain table."""
+    import dataclasses
+
+    from tileattn.kernels import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    causal_cfg = configs.KernelConfig(32, 32, 2, 2, dq_atomic=2)
+    monkeypatch.setattr(configs, "_BWD_DKDV_CAUSAL", {64: causal_cfg})
+    for headdim, cfg in configs._BWD_DKDV.items():
+        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
+        causal = dataclasses.replace(p, window_right=0)
+        assert configs.bwd_dkdv_config(p) is cfg
+        assert configs.bwd_dkdv_config(causal) is (causal_cfg if headdim == 64 else cfg)
+        assert configs.bwd_dkdv_config(dataclasses.replace(causal, window_left=64)) is cfg
+        assert configs.bwd_dkdv_config(dataclasses.replace(p, window_right=4)) is cfg
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")

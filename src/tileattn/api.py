@@ -402,8 +402,9 @@ _DENSE_DOC_ARGS = """
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (before ALiBi and masking).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
-        deterministic: accepted for compatibility; tileattn's backward never uses atomics, so gradients
-            are always bitwise reproducible.
+        deterministic: the backward's dQ by a separate pass, bitwise reproducible run to run. Without it
+            the tables may add dQ from the dK/dV pass by fp32 reduce-adds, whose order varies (causal
+            calls at head dim 128, which are faster that way); dK and dV are reproducible either way.
         return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (for testing).
 """
 

@@ -3,9 +3,10 @@ P = exp(S - LSE) from Q, K and the saved LSE (no N×N tensor is ever stored).
 
 The dK/dV program owns one block of keys of one kv head and walks the query tiles of every query head
 in its GQA group, so grouped gradients are summed in registers; the dQ program owns one block of
-queries. Neither uses atomics by default, so gradients are bitwise reproducible run to run. A dK/dV
-config with ``dq_atomic`` (an option under measurement, off in the tables) instead adds each tile's dQ
-into an fp32 buffer from the dK/dV pass and skips the dQ pass; ``deterministic=True`` never takes it.
+queries. A dK/dV config with ``dq_atomic`` (in the tables for causal calls at head dim 128) instead adds
+each tile's dQ into an fp32 buffer from the dK/dV pass and skips the dQ pass: the order of those adds
+varies, so dQ may differ in its last bits run to run. ``deterministic=True`` never takes it; the two
+passes use no atomics, so their gradients are bitwise reproducible.
 Features are the forward kernel's constexpr flags, through the same helpers.
 """
 
@@ -694,9 +695,12 @@ def attn_bwd(
     dq_acc = None
     if dq_atomic:
         dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
-        # TMA reduce-adds need sm90+ and aligned rows; the interpreter does not emulate them
-        if dq_atomic == 2 and (interpreting() or not common.use_tma(replace(cfg, tma=True), dq_acc)):
+        # TMA reduce-adds need sm90+ and aligned rows, else the dQ pass (faster than atomic adds); the
+        # interpreter does not emulate them and runs the atomic adds in their place
+        if dq_atomic == 2 and interpreting():
             dq_atomic = 1
+        elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
+            dq_atomic, dq_acc = 0, None
     if p.is_varlen:
         grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:

@@ -53,8 +53,9 @@ class KernelConfig:
     # one of the same tiles unless capped (scripts/compile_report.py).
     maxnreg: int | None = None
     # dK/dV kernel only: also accumulate dQ with fp32 atomic adds (1) or TMA reduce-adds (2, sm90+) and
-    # skip the dQ pass (two fewer matmuls per tile pair); never with deterministic=True. Off (0) in the
-    # tables until measured.
+    # skip the dQ pass (two fewer matmuls per tile pair); never with deterministic=True. Where TMA cannot
+    # write the fp32 buffer, mode 2 takes the dQ pass on the GPU (the atomic adds were slower than it in
+    # every measured cell) and the atomic adds under the interpreter, which does not emulate TMA stores.
     dq_atomic: int = 0
 
 
@@ -166,7 +167,9 @@ _FWD_LONG = {
 # causal at 1k-4k tokens and +14 % varlen causal at 4 x 4096 in one run each, -4 to -14 % without the
 # mask (docs/perf.md, "Smaller query blocks"). It enters the table once its at-scale tests and the GPU
 # suite have run with it (scripts/gpu_next.sh 3).
-_FWD_CAUSAL: dict[int, KernelConfig] = {}
+_FWD_CAUSAL: dict[int, KernelConfig] = {
+    128: KernelConfig(64, 64, 4, 3, tma=True),
+}
 # The forward's tiles when a TMA config cannot read the inputs (common.use_tma is false: unaligned rows,
 # strides, not an NVIDIA sm90+ GPU): correct at 4 x 4096 GQA, 382-396 TFLOP/s at head dim 256. It too
 # compiles to 255 registers (14 spills); since the fault above is not isolated, test_tables_gqa_at_scale
@@ -182,6 +185,14 @@ _BWD_DKDV = {
     64: KernelConfig(64, 64, 4, 3),
     128: KernelConfig(64, 128, 8, 3),
     256: KernelConfig(64, 64, 8, 2),
+}
+# Causal calls (no left window): dQ from the dK/dV pass by TMA reduce-adds at head dim 128, +8-10 % on
+# the causal backward at 2k and 8k tokens (one run); the same at head dim 64 was level (-0 to +2 %),
+# both slower without the mask (-5 to -11 % at 2k: the dK/dV program's extra dQ tile traffic is not
+# repaid when no tiles are skipped), and head dim 256's tiles run out of shared memory with the fp32
+# dQ tile (docs/perf.md, "dQ from the dK/dV pass"). deterministic=True takes _BWD_DKDV's dQ pass.
+_BWD_DKDV_CAUSAL = {
+    128: KernelConfig(64, 128, 8, 3, dq_atomic=2),
 }
 _BWD_DQ = {
     16: KernelConfig(128, 64, 8, 3, maxnreg=128),
@@ -208,7 +219,12 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
 
 
 def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
-    return _interpret_config(p) if interpreting() else _BWD_DKDV[p.block_d]
+    if interpreting():
+        return _interpret_config(p)
+    cfg = _BWD_DKDV[p.block_d]
+    if p.window_left < 0 and p.window_right == 0:  # causal without a left window
+        cfg = _BWD_DKDV_CAUSAL.get(p.block_d, cfg)
+    return cfg
 
 
 def bwd_dq_config(p: AttnParams) -> KernelConfig:
