@@ -278,16 +278,19 @@ def scores(
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i, acc):
-    """One key tile of the online softmax over log2-domain scores ``s [BLOCK_M, BLOCK_N]``: returns
-    ``p = exp2(s - m_new)`` and the running max, sum and accumulator rescaled to ``m_new``; the caller
-    adds ``p @ v`` to the accumulator.
+def online_softmax(s, m_i, l_i, acc, scale):
+    """One key tile of the online softmax over scores ``s [BLOCK_M, BLOCK_N]`` that become log2-domain
+    scores times ``scale`` (> 0): returns ``p = exp2(s·scale - m_new)`` and the running max, sum and
+    accumulator rescaled to ``m_new``; the caller adds ``p @ v`` to the accumulator.
 
-    m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all masked
-    keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    ``scale`` lets the caller leave the plain softmax scale to this function (``defer_scale``): the row
+    max is taken over the raw products (a positive scale keeps the order) and ``s·scale - m_new`` is one
+    fused multiply-add per element instead of a multiply and a subtraction. m_i starts at a large finite
+    negative value instead of -inf, so a row whose tiles are all masked keeps alpha = exp2(0) = 1 and
+    p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(tl.fma(s, scale, -m_new[:, None]))
     return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
 

@@ -110,6 +110,7 @@ def _kv_tiles(
     """Online softmax over key tiles [lo, hi) (columns counted from k_start). With PREFETCH_TABLE the
     block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
     faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md)."""
+    DEFER_SCALE: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)  # as in forward._fwd_tiles
     rows_k, rows_v = _cache_rows(
         Table_row,
         lo + offs_n_base,
@@ -166,7 +167,7 @@ def _kv_tiles(
             offs_n[None, :],
             seqlen_q,
             seqlen_k,
-            qk_scale,
+            1.0 if DEFER_SCALE else qk_scale,
             softcap_scale,
             softcap_log2,
             slope_log2,
@@ -178,7 +179,7 @@ def _kv_tiles(
             MASK_LEFT,
             MASK_RIGHT,
         )
-        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc)
+        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_i
 

@@ -58,6 +58,8 @@ def _fwd_tiles(
 
     With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
     HEAD_DIM read as zeros), otherwise through masked pointer loads."""
+    # without softcap and ALiBi the scale joins the softmax's exponent (one FMA per score)
+    DEFER_SCALE: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n_base
         k = common.load_rows(
@@ -73,7 +75,7 @@ def _fwd_tiles(
             offs_n[None, :],
             seqlen_q,
             seqlen_k,
-            qk_scale,
+            1.0 if DEFER_SCALE else qk_scale,
             softcap_scale,
             softcap_log2,
             slope_log2,
@@ -85,7 +87,8 @@ def _fwd_tiles(
             MASK_LEFT,
             MASK_RIGHT,
         )
-        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc)  # p: [BLOCK_M, BLOCK_N]
+        # p: [BLOCK_M, BLOCK_N]
+        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         if HAS_DROPOUT:
             keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
