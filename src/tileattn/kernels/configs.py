@@ -162,11 +162,10 @@ LONG_SEQLEN_K = 8192
 _FWD_LONG = {
     128: KernelConfig(128, 64, 8, 3, tma=True),
 }
-# Causal calls (no left window) under LONG_SEQLEN_K keys, where an entry is given. The candidate at head
-# dim 128 is KernelConfig(64, 64, 4, 3, tma=True) (149 registers, 113 KiB: two blocks per SM): +2-6 %
-# causal at 1k-4k tokens and +14 % varlen causal at 4 x 4096 in one run each, -4 to -14 % without the
-# mask (docs/perf.md, "Smaller query blocks"). It enters the table once its at-scale tests and the GPU
-# suite have run with it (scripts/gpu_next.sh 3).
+# Causal calls (no left window) under LONG_SEQLEN_K keys, where an entry is given. Head dim 128: 64 x 64
+# tiles, 4 warps, 3 TMA stages (149 registers, 113 KiB: two blocks per SM): +3-10 % causal at 1k-4k
+# tokens and +14 % varlen causal at 4 x 4096, -4 to -14 % without the mask (docs/perf.md, "Smaller query
+# blocks" and "The causal tables at head dim 128"); its at-scale tests and the GPU suite passed with it.
 _FWD_CAUSAL: dict[int, KernelConfig] = {
     128: KernelConfig(64, 64, 4, 3, tma=True),
 }
