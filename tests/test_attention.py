@@ -80,6 +80,34 @@ def test_forward_backward(backend, case, dtype):
 TMA_CASES = [CASES[i] for i in (1, 3, 4, 5, 9, 10, 16, 18)]
 
 
+# A softmax scale of 0 or below: the kernels then scale inside the scores (AttnParams.defer_scale), since
+# the row max of the raw products is no longer that of the scaled scores and masked -inf would turn into
+# NaN or +inf; with masked tails, causal and a window.
+SCALE_CASES = [
+    (2, 63, 113, 2, 1, 40, {"softmax_scale": -0.3, "causal": True}),
+    (1, 47, 33, 2, 2, 64, {"softmax_scale": 0.0}),
+    (1, 33, 47, 2, 1, 32, {"softmax_scale": -0.2, "window_size": (8, 3)}),
+]
+
+
+@pytest.mark.parametrize("case", SCALE_CASES, ids=_case_id)
+def test_zero_and_negative_softmax_scale(backend, case):
+    _run_case(backend, case, torch.float16)
+
+
+def test_zero_and_negative_softmax_scale_decode(backend):
+    """The decode kernel with a negative and a zero softmax scale (one query token, a full cache)."""
+    ctx, device = on(backend)
+    q = randn(2, 1, 4, 64, dtype=torch.float16, device=device, requires_grad=False)
+    k, v = (randn(2, 77, 2, 64, dtype=torch.float16, device=device, requires_grad=False) for _ in range(2))
+    with ctx:
+        outs = {
+            scale: tileattn.flash_attn_with_kvcache(q, k, v, softmax_scale=scale, causal=True) for scale in (-0.3, 0.0)
+        }
+    for scale, out in outs.items():
+        check_attention(f"decode scale {scale}", out, None, q, k, v, None, {"softmax_scale": scale}, False)
+
+
 @pytest.mark.parametrize("warp_spec", [False, True], ids=["tma", "tma-ws"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=_case_id)
 def test_tma_variants(backend, case, warp_spec, monkeypatch):
@@ -95,7 +123,7 @@ def test_tma_variants(backend, case, warp_spec, monkeypatch):
 
 
 # dQ accumulated by the dK/dV pass (KernelConfig.dq_atomic: 1 fp32 atomic adds, 2 TMA reduce-adds, which
-# the interpreter does not emulate), in both score orientations (q_major).
+# the interpreter does not emulate: it runs mode 2 as atomic adds), in both score orientations (q_major).
 DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
 
 
@@ -105,8 +133,6 @@ DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
 def test_dq_atomic_variants(backend, case, mode, q_major, monkeypatch):
     if backend == "torch":
         pytest.skip("a kernel variant")
-    if mode == 2 and backend != "cuda":
-        pytest.skip("TMA reduce-adds run on the GPU only")
     patch_configs(monkeypatch, dkdv=dict(dq_atomic=mode, q_major=q_major))
     _run_case(backend, case, torch.float16)
 
@@ -167,6 +193,12 @@ def test_bwd_dkdv_config_takes_the_causal_table(monkeypatch):
         assert configs.bwd_dkdv_config(causal) is (causal_cfg if headdim == 64 else cfg)
         assert configs.bwd_dkdv_config(dataclasses.replace(causal, window_left=64)) is cfg
         assert configs.bwd_dkdv_config(dataclasses.replace(p, window_right=4)) is cfg
+        assert configs.bwd_dkdv_config(dataclasses.replace(causal, deterministic=True)) is cfg
+    monkeypatch.undo()  # the real tables: head dim 128's causal entry adds dQ by TMA reduce-adds
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
+    assert configs.bwd_dkdv_config(p).dq_atomic == 2
+    assert configs.bwd_dkdv_config(dataclasses.replace(p, deterministic=True)).dq_atomic == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")

@@ -260,7 +260,8 @@ def scores(
     ALiBi, then the mask (-inf where hidden, only if MASKED). Returns ``(s, t)`` where ``t`` is the
     softcap's tanh (needed by the backward pass; ``qk`` when there is no softcap).
 
-    qk_scale = softmax_scale·log2(e); softcap_scale = softmax_scale / softcap;
+    qk_scale = softmax_scale·log2(e), or 1.0 when the caller leaves the scale to ``online_softmax``
+    (AttnParams.defer_scale); softcap_scale = softmax_scale / softcap;
     softcap_log2 = softcap·log2(e); slope_log2 = ALiBi slope·log2(e)."""
     if HAS_SOFTCAP:
         t = tanh(qk * softcap_scale)
@@ -283,9 +284,9 @@ def online_softmax(s, m_i, l_i, acc, scale):
     scores times ``scale`` (> 0): returns ``p = exp2(s·scale - m_new)`` and the running max, sum and
     accumulator rescaled to ``m_new``; the caller adds ``p @ v`` to the accumulator.
 
-    ``scale`` lets the caller leave the plain softmax scale to this function (``defer_scale``): the row
-    max is taken over the raw products (a positive scale keeps the order) and ``s·scale - m_new`` is one
-    fused multiply-add per element instead of a multiply and a subtraction. m_i starts at a large finite
+    ``scale`` lets the caller leave a positive softmax scale to this function (``AttnParams.defer_scale``):
+    the row max is taken over the raw products (a positive scale keeps the order) and ``s·scale - m_new``
+    is one fused multiply-add per element instead of a multiply and a subtraction; otherwise 1.0. m_i starts at a large finite
     negative value instead of -inf, so a row whose tiles are all masked keeps alpha = exp2(0) = 1 and
     p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)

@@ -118,6 +118,14 @@ class AttnParams:
             return 0, s[0]
         return s[0], s[1]
 
+    @property
+    def defer_scale(self) -> bool:
+        """Whether the kernels may leave the softmax scale to the exponent's FMA (common.online_softmax):
+        no softcap or ALiBi between the product and the exponent, and a positive scale (the row max of
+        the raw products is then the max of the scaled scores; 0 or a negative scale would turn masked
+        -inf scores into NaN or +inf)."""
+        return self.softcap == 0 and self.alibi_slopes is None and self.softmax_scale > 0
+
     def alibi_batch_stride(self) -> int:
         slopes = self.alibi_slopes
         return slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
@@ -221,7 +229,7 @@ def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
     if interpreting():
         return _interpret_config(p)
     cfg = _BWD_DKDV[p.block_d]
-    if p.window_left < 0 and p.window_right == 0:  # causal without a left window
+    if p.window_left < 0 and p.window_right == 0 and not p.deterministic:  # causal without a left window
         cfg = _BWD_DKDV_CAUSAL.get(p.block_d, cfg)
     return cfg
 

@@ -106,11 +106,11 @@ def _kv_tiles(
     HAS_ALIBI: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
+    DEFER_SCALE: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi) (columns counted from k_start). With PREFETCH_TABLE the
     block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
     faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md)."""
-    DEFER_SCALE: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)  # as in forward._fwd_tiles
     rows_k, rows_v = _cache_rows(
         Table_row,
         lo + offs_n_base,
@@ -239,6 +239,7 @@ def _attn_fwd_kvcache(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
+    DEFER_SCALE: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
@@ -357,6 +358,7 @@ def _attn_fwd_kvcache(
             HAS_ALIBI,
             MASK_LEFT,
             MASK_RIGHT,
+            DEFER_SCALE,
         )
 
     seen = l_i > 0.0
@@ -575,6 +577,7 @@ def attn_fwd_kvcache(
         HAS_ALIBI=p.alibi_slopes is not None,
         IS_VARLEN=p.is_varlen,
         SPLIT=split,
+        DEFER_SCALE=p.defer_scale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

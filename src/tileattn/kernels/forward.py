@@ -53,13 +53,14 @@ def _fwd_tiles(
     MASK_RIGHT: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    DEFER_SCALE: tl.constexpr,
 ):
     """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block.
 
     With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
-    HEAD_DIM read as zeros), otherwise through masked pointer loads."""
-    # without softcap and ALiBi the scale joins the softmax's exponent (one FMA per score)
-    DEFER_SCALE: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    HEAD_DIM read as zeros), otherwise through masked pointer loads. With DEFER_SCALE
+    (``AttnParams.defer_scale``) the scores stay raw products and the scale joins the softmax's
+    exponent, one FMA per score."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n_base
         k = common.load_rows(
@@ -146,6 +147,7 @@ def _attn_fwd(
     BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    DEFER_SCALE: tl.constexpr,
 ):
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
@@ -257,6 +259,7 @@ def _attn_fwd(
             MASK_RIGHT,
             USE_TMA,
             WARP_SPEC,
+            DEFER_SCALE,
         )
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
@@ -333,6 +336,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -
         BATCH_PAD=p.batch_pad,
         USE_TMA=use_tma,
         WARP_SPEC=cfg.warp_spec,
+        DEFER_SCALE=p.defer_scale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,
