@@ -164,6 +164,7 @@ def run_case(case, backends, device, modes, progress):
 
                 row["bwd_ms"] = time_ms(bwd, device)
                 row["bwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd") / row["bwd_ms"] / 1e9
+                del out, bwd  # the retained graph, before the next backend's peak memory is measured
             except Exception as exc:  # noqa: BLE001
                 progress(f"{name} backward failed: {_first_line(exc)[:160]}")
         if device == "cuda":

@@ -694,13 +694,15 @@ def attn_bwd(
     dq_atomic = 0 if p.deterministic else cfg.dq_atomic
     dq_acc = None
     if dq_atomic:
-        dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
+        dq_acc = torch.empty(q4.shape, device=q4.device, dtype=torch.float32)
         # TMA reduce-adds need sm90+ and aligned rows, else the dQ pass (faster than atomic adds); the
         # interpreter does not emulate them and runs the atomic adds in their place
         if dq_atomic == 2 and interpreting():
             dq_atomic = 1
         elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
             dq_atomic, dq_acc = 0, None
+        if dq_acc is not None:
+            dq_acc.zero_()
     if p.is_varlen:
         grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:
