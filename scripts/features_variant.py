@@ -6,8 +6,9 @@ time a KernelConfig variant against the tables in a separate run:
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
 configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
-dkdvcausal (causal calls; entries it lacks start from dkdv's), dq, HEADDIMS the padded head dims it applies to (default: all) and FIELD a KernelConfig field (ints; 0/1
-for flags; maxnreg=0 removes the cap). Turning the forward's TMA off where the table reads through TMA
+dkdvcausal (causal calls; entries it lacks start from dkdv's), dq, HEADDIMS the padded head dims it
+applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the
+cap). Turning the forward's TMA off where the table reads through TMA
 takes that head dim's pointer-load tiles where configs._FWD_POINTER has them (head dim 256, whose
 same tiles without TMA are a miscompiled build), else the same tiles without TMA.
 Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;

@@ -137,21 +137,24 @@ def test_dq_atomic_variants(backend, case, mode, q_major, monkeypatch):
     _run_case(backend, case, torch.float16)
 
 
-def test_dq_atomic_not_deterministic(monkeypatch):
-    """deterministic=True takes the dQ pass even where the config asks for atomic dQ (launches recorded)."""
+def _bwd_launches(monkeypatch, dq_atomic: int, deterministic: bool = False) -> list[tuple[str, int | None]]:
+    """The backward's launches, (kernel, DQ_ATOMIC), at head dim 64 with the dK/dV config asking for
+    ``dq_atomic`` (recorded, nothing compiled)."""
     from tileattn.kernels import backward, configs
 
     launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
-    patch_configs(monkeypatch, dkdv=dict(dq_atomic=1))
+    patch_configs(monkeypatch, dkdv=dict(dq_atomic=dq_atomic))
     q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
-    runs = {}
-    for deterministic in (False, True):
-        launches.clear()
-        p = configs.AttnParams(
-            batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0, deterministic=deterministic
-        )
-        backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
-        runs[deterministic] = [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
+    p = configs.AttnParams(
+        batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0, deterministic=deterministic
+    )
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+    return [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
+
+
+def test_dq_atomic_not_deterministic(monkeypatch):
+    """deterministic=True takes the dQ pass even where the config asks for atomic dQ (launches recorded)."""
+    runs = {deterministic: _bwd_launches(monkeypatch, 1, deterministic) for deterministic in (False, True)}
     assert runs[False] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 1)]
     assert runs[True] == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 0), ("_attn_bwd_dq", None)]
 
@@ -160,16 +163,11 @@ def test_dq_atomic_not_deterministic(monkeypatch):
 def test_dq_reduce_add_falls_back_to_the_dq_pass(tma_ok, monkeypatch):
     """dq_atomic=2 (TMA reduce-adds) launches the dK/dV pass alone where TMA can write dQ's fp32 buffer,
     and the two passes where it cannot: the atomic adds are slower than the dQ pass (launches recorded)."""
-    from tileattn.kernels import backward, common, configs
+    from tileattn.kernels import backward, common
 
-    launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
     monkeypatch.setattr(backward, "interpreting", lambda: False)
     monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: tma_ok)
-    patch_configs(monkeypatch, dkdv=dict(dq_atomic=2))
-    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
-    p = configs.AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
-    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
-    runs = [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
+    runs = _bwd_launches(monkeypatch, 2)
     if tma_ok:
         assert runs == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 2)]
     else:

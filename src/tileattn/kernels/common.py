@@ -286,9 +286,10 @@ def online_softmax(s, m_i, l_i, acc, scale):
 
     ``scale`` lets the caller leave a positive softmax scale to this function (``AttnParams.defer_scale``):
     the row max is taken over the raw products (a positive scale keeps the order) and ``s·scale - m_new``
-    is one fused multiply-add per element instead of a multiply and a subtraction; otherwise 1.0. m_i starts at a large finite
-    negative value instead of -inf, so a row whose tiles are all masked keeps alpha = exp2(0) = 1 and
-    p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
+    is one fused multiply-add per element instead of a multiply and a subtraction; otherwise 1.0.
+
+    m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all masked
+    keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(tl.fma(s, scale, -m_new[:, None]))
