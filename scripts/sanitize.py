@@ -21,6 +21,8 @@ CASES = [
     (1, 63, 63, 2, 2, 256, dict(dropout_p=0.2, causal=True)),
     (2, 1, 77, 4, 4, 40, dict(alibi_slopes=torch.rand(2, 4, device=dev))),
     (1, 129, 65, 2, 1, 96, dict(causal=True)),  # first 64 rows see no key
+    (2, 257, 301, 4, 2, 128, dict(causal=True)),  # dQ by TMA reduce-adds from the dK/dV pass
+    (2, 257, 301, 4, 2, 128, dict(causal=True, deterministic=True)),  # the two-pass backward
 ]
 for b, sq, sk, h, hk, d, kw in CASES:
     q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
