@@ -26,7 +26,10 @@ bench)
   cat /tmp/fa4/cu13.part.aa .whl/wheels/cu13.part.ab | tar xJf - -C /tmp/site || exit 1
   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src PYTHONUNBUFFERED=1
   python3 -c "from flash_attn.cute import flash_attn_func; print('fa4 import ok')" || exit 1
-  timeout ${BENCH_TIMEOUT:-480} python3 -m tileattn.bench --backends tileattn fa4 sdpa-cudnn sdpa-flash \
+  # VARIANTS="dkdv@256:block_n=32 ...": the tables changed as scripts/features_variant.py changes them
+  bench=(-m tileattn.bench)
+  [ -n "${VARIANTS:-}" ] && bench=(scripts/features_variant.py $VARIANTS -- --grid)
+  timeout ${BENCH_TIMEOUT:-480} python3 "${bench[@]}" --backends tileattn fa4 sdpa-cudnn sdpa-flash \
     --headdim ${HEADDIMS:-128 64} --seqlen ${SEQLENS:-1024 4096 16384} --causal both --mode fwd+bwd \
     --out "$OUT/bench_fa4" 2>&1 | tee "$OUT/bench_fa4.log" | tail -40
   ;;
