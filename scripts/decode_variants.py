@@ -4,7 +4,8 @@ variants of the decode kernels' settings, each as ``name=value`` changes separat
     python scripts/decode_variants.py [--out FILE] "" "combine=16" "stages=2" "combine=16,stages=2"
 
 combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 16 in the table, 1 before);
-stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table).
+stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table);
+waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
@@ -15,7 +16,7 @@ from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
 from tileattn.kernels import decode
 
-SETTINGS = {"combine": "COMBINE_SPLITS_PER_LOAD", "stages": "DECODE_STAGES"}
+SETTINGS = {"combine": "COMBINE_SPLITS_PER_LOAD", "stages": "DECODE_STAGES", "waves": "DECODE_WAVES"}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path)

@@ -6,7 +6,8 @@ time a KernelConfig variant against the tables in a separate run:
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
 configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
-dkdvcausal (causal calls; entries it lacks start from dkdv's), dq, HEADDIMS the padded head dims it
+dkdvcausal (causal calls; entries it lacks start from dkdv's), dkdvvarlen (varlen calls without
+dropout; likewise), dq, HEADDIMS the padded head dims it
 applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the
 cap). Turning the forward's TMA off where the table reads through TMA
 takes that head dim's pointer-load tiles where configs._FWD_POINTER has them (head dim 256, whose
@@ -28,10 +29,16 @@ TABLES = {
     "fwdcausal": configs._FWD_CAUSAL,
     "dkdv": configs._BWD_DKDV,
     "dkdvcausal": configs._BWD_DKDV_CAUSAL,
+    "dkdvvarlen": configs._BWD_DKDV_VARLEN,
     "dq": configs._BWD_DQ,
 }
 # the shape tables' entries start from these tables' where they have none
-BASES = {"fwdlong": configs._FWD, "fwdcausal": configs._FWD, "dkdvcausal": configs._BWD_DKDV}
+BASES = {
+    "fwdlong": configs._FWD,
+    "fwdcausal": configs._FWD,
+    "dkdvcausal": configs._BWD_DKDV,
+    "dkdvvarlen": configs._BWD_DKDV,
+}
 
 
 def apply(change: str) -> None:

@@ -199,6 +199,27 @@ def test_bwd_dkdv_config_takes_the_causal_table(monkeypatch):
     assert configs.bwd_dkdv_config(dataclasses.replace(p, deterministic=True)).dq_atomic == 0
 
 
+def test_bwd_dkdv_config_takes_the_varlen_table(monkeypatch):
+    """Varlen calls without dropout take configs._BWD_DKDV_VARLEN's entry (head dim 256's 32-key tiles);
+    dropout keeps 64-key tiles (its draws cover 64 key columns), and dense calls the plain table."""
+    import dataclasses
+
+    from tileattn.kernels import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    for causal in (-1, 0):
+        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=256, softmax_scale=1.0, window_right=causal)
+        varlen = dataclasses.replace(p, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_VARLEN[256]
+        assert configs.bwd_dkdv_config(varlen).block_n == 32
+        assert configs.bwd_dkdv_config(dataclasses.replace(varlen, dropout_p=0.1)).block_n == 64
+        assert configs.bwd_dkdv_config(p) is configs._BWD_DKDV[256]
+    p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
+    varlen = dataclasses.replace(p, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_CAUSAL[128]  # no varlen entry at 128
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU_ONLY_CASES, ids=_case_id)

@@ -94,7 +94,7 @@ def test_features_variant_changes_the_tables(monkeypatch):
 
     from tileattn.kernels import configs
 
-    for name in ("_FWD", "_FWD_LONG", "_FWD_CAUSAL", "_BWD_DKDV", "_BWD_DKDV_CAUSAL", "_BWD_DQ"):
+    for name in ("_FWD", "_FWD_LONG", "_FWD_CAUSAL", "_BWD_DKDV", "_BWD_DKDV_CAUSAL", "_BWD_DKDV_VARLEN", "_BWD_DQ"):
         monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
     path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
     spec = importlib.util.spec_from_file_location("features_variant", path)
@@ -117,5 +117,7 @@ def test_features_variant_changes_the_tables(monkeypatch):
     assert configs._FWD_CAUSAL[256] == configs._FWD_POINTER[256]
     variant.apply("dkdvcausal@64:dq_atomic=2")
     assert configs._BWD_DKDV_CAUSAL[64] == dataclasses.replace(configs._BWD_DKDV[64], dq_atomic=2)
+    variant.apply("dkdvvarlen@128:block_n=32")
+    assert configs._BWD_DKDV_VARLEN[128] == dataclasses.replace(configs._BWD_DKDV[128], block_n=32)
     with pytest.raises(SystemExit):
         variant.apply("fwd:colour=1")

@@ -42,3 +42,26 @@ def test_forward_builds_as_the_tables_assume():
     assert hd128["blocks_per_sm"] == 2, hd128
     assert hd128_causal["tma"] and hd128_causal["stack"] == 0 and hd128_causal["blocks_per_sm"] >= 2, hd128_causal
     assert hd128_long["tma"] and hd128_long["stack"] == 0 and hd128_long["blocks_per_sm"] == 1, hd128_long
+
+
+BWD_SCRIPT = """
+import json, sys
+sys.path.insert(0, {scripts!r})
+import compile_report
+compile_report._install()
+rows = compile_report.compile_case(256, "varlen", ["bwd"], batch=1, seqlen=1024)
+print(json.dumps([r for r in rows if r["kernel"] == "_attn_bwd_dkdv"]))
+"""
+
+
+def test_varlen_backward_builds_as_the_tables_assume():
+    """Head dim 256's varlen dK/dV pass (configs._BWD_DKDV_VARLEN: 32-key tiles) compiles without spills,
+    where the plain table's 64-key build spills for varlen."""
+    scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", BWD_SCRIPT.format(scripts=scripts)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    (dkdv,) = json.loads(res.stdout.splitlines()[-1])
+    assert dkdv["config"][:2] == [64, 32] and dkdv["stack"] == 0 and dkdv["regs"] < 255, dkdv

@@ -201,6 +201,13 @@ _BWD_DKDV = {
 _BWD_DKDV_CAUSAL = {
     128: KernelConfig(64, 128, 8, 3, dq_atomic=2),
 }
+# Varlen calls without dropout (dropout draws cover 64 key columns, so its key tiles stay at 64): at head
+# dim 256, 32-key dK/dV tiles compile spill-free (181 registers, 100 KiB) where the table's 64-key build
+# spills 776 bytes for varlen, +8 % varlen and +12-14 % varlen causal at 2k-8k tokens, while dense and
+# causal calls are 16-26 % slower with them (docs/perf.md, "Head dim 256's backward tiles").
+_BWD_DKDV_VARLEN = {
+    256: KernelConfig(64, 32, 8, 2),
+}
 _BWD_DQ = {
     16: KernelConfig(128, 64, 8, 3, maxnreg=128),
     32: KernelConfig(128, 64, 8, 3, maxnreg=128),
@@ -229,6 +236,8 @@ def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
     if interpreting():
         return _interpret_config(p)
     cfg = _BWD_DKDV[p.block_d]
+    if p.is_varlen and p.dropout_p == 0:
+        cfg = _BWD_DKDV_VARLEN.get(p.block_d, cfg)
     if p.window_left < 0 and p.window_right == 0 and not p.deterministic:  # causal without a left window
         cfg = _BWD_DKDV_CAUSAL.get(p.block_d, cfg)
     return cfg

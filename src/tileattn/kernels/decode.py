@@ -463,6 +463,9 @@ _MAX_SPLITS = 128
 # Pipeline stages of the decode kernel's key loop. 3 is what the decode table in docs/perf.md was measured
 # with (136 KiB of shared memory at head dim 128: one block per SM); 2 halves the buffers and fits three.
 DECODE_STAGES = 3
+# Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
+# memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
+DECODE_WAVES = 1
 
 
 def _config(rows: int, block_d: int) -> KernelConfig:
@@ -486,7 +489,7 @@ def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int)
     if programs >= sm_count:
         return 1
     tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(sm_count // programs, tiles // 4, _MAX_SPLITS))
+    return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
 
 
 def attn_fwd_kvcache(
