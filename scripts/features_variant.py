@@ -5,7 +5,8 @@ time a KernelConfig variant against the tables in a separate run:
     python scripts/features_variant.py fwd:tma=1 -- --headdim 64
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
-configs.LONG_SEQLEN_K up), fwdcausal (causal calls; entries these two lack start from fwd's), dkdv,
+configs.LONG_SEQLEN_K up), fwdcausal (causal calls), fwdwindow (calls with a left window; entries these three lack start
+from fwd's), dkdv,
 dkdvcausal (causal calls; entries it lacks start from dkdv's), dkdvvarlen (varlen calls without
 dropout; likewise), dq, HEADDIMS the padded head dims it
 applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the
@@ -27,6 +28,7 @@ TABLES = {
     "fwd": configs._FWD,
     "fwdlong": configs._FWD_LONG,
     "fwdcausal": configs._FWD_CAUSAL,
+    "fwdwindow": configs._FWD_WINDOW,
     "dkdv": configs._BWD_DKDV,
     "dkdvcausal": configs._BWD_DKDV_CAUSAL,
     "dkdvvarlen": configs._BWD_DKDV_VARLEN,
@@ -36,6 +38,7 @@ TABLES = {
 BASES = {
     "fwdlong": configs._FWD,
     "fwdcausal": configs._FWD,
+    "fwdwindow": configs._FWD,
     "dkdvcausal": configs._BWD_DKDV,
     "dkdvvarlen": configs._BWD_DKDV,
 }

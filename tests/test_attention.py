@@ -331,7 +331,9 @@ def test_forward_config_falls_back_without_tma(monkeypatch):
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     long_cfg = configs.KernelConfig(16, 16, 1, 1, tma=True)
     causal_cfg = configs.KernelConfig(32, 32, 2, 2, tma=True)
+    window_cfg = configs.KernelConfig(32, 16, 2, 2)
     monkeypatch.setattr(configs, "_FWD_LONG", {d: long_cfg for d in configs._FWD})
+    monkeypatch.setattr(configs, "_FWD_WINDOW", {d: window_cfg for d in configs._FWD})
     monkeypatch.setattr(configs, "_FWD_CAUSAL", {d: causal_cfg for d in configs._FWD})
     for headdim, cfg in configs._FWD.items():
         p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
@@ -341,11 +343,12 @@ def test_forward_config_falls_back_without_tma(monkeypatch):
         pointer = configs._FWD_POINTER.get(headdim, dataclasses.replace(long_cfg, tma=False))
         assert configs.fwd_config(long, tma_ok=False) == pointer
         assert configs.fwd_config(dataclasses.replace(long, window_right=0)) is long_cfg  # long causal
-        assert configs.fwd_config(dataclasses.replace(long, window_left=512, window_right=0)) is cfg  # window
+        assert configs.fwd_config(dataclasses.replace(long, window_left=512, window_right=0)) is window_cfg
         causal = dataclasses.replace(p, window_right=0)
         assert configs.fwd_config(causal) is causal_cfg
         assert not configs.fwd_config(causal, tma_ok=False).tma
-        assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is cfg  # a window, not causal
+        assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is window_cfg  # not causal
+        assert configs.fwd_config(dataclasses.replace(p, window_right=64)) is cfg  # right window only
         fallback = configs.fwd_config(p, tma_ok=False)
         assert not fallback.tma
         if cfg.tma:

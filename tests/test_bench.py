@@ -94,7 +94,16 @@ def test_features_variant_changes_the_tables(monkeypatch):
 
     from tileattn.kernels import configs
 
-    for name in ("_FWD", "_FWD_LONG", "_FWD_CAUSAL", "_BWD_DKDV", "_BWD_DKDV_CAUSAL", "_BWD_DKDV_VARLEN", "_BWD_DQ"):
+    for name in (
+        "_FWD",
+        "_FWD_LONG",
+        "_FWD_CAUSAL",
+        "_FWD_WINDOW",
+        "_BWD_DKDV",
+        "_BWD_DKDV_CAUSAL",
+        "_BWD_DKDV_VARLEN",
+        "_BWD_DQ",
+    ):
         monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
     path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
     spec = importlib.util.spec_from_file_location("features_variant", path)

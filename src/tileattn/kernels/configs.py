@@ -177,6 +177,13 @@ _FWD_LONG = {
 _FWD_CAUSAL: dict[int, KernelConfig] = {
     128: KernelConfig(64, 64, 4, 3, tma=True),
 }
+# Calls with a left window (a key loop of window / BLOCK_N tiles). Head dim 64: 64-row blocks of 4 warps,
+# +6 % on a (512, 512) window and +7-13 % on (512, 0) at 4 x 4096 tokens in two runs, where dense and
+# causal calls are level or slower with them (docs/perf.md, "Smaller query blocks for windows" and "Head
+# dim 64's window forward").
+_FWD_WINDOW: dict[int, KernelConfig] = {
+    64: KernelConfig(64, 64, 4, 3, maxnreg=128),
+}
 # The forward's tiles when a TMA config cannot read the inputs (common.use_tma is false: unaligned rows,
 # strides, not an NVIDIA sm90+ GPU): correct at 4 x 4096 GQA, 382-396 TFLOP/s at head dim 256. It too
 # compiles to 255 registers (14 spills); since the fault above is not isolated, test_tables_gqa_at_scale
@@ -227,6 +234,8 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
             cfg = _FWD_LONG.get(p.block_d, cfg)
         elif p.window_right == 0:
             cfg = _FWD_CAUSAL.get(p.block_d, cfg)
+    else:
+        cfg = _FWD_WINDOW.get(p.block_d, cfg)
     if cfg.tma and not tma_ok:
         return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
     return cfg
