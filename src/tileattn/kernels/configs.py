@@ -178,7 +178,7 @@ _FWD_CAUSAL: dict[int, KernelConfig] = {
     128: KernelConfig(64, 64, 4, 3, tma=True),
 }
 # Calls with a left window (a key loop of window / BLOCK_N tiles). Head dim 64: 64-row blocks of 4 warps,
-# +6 % on a (512, 512) window and +7-13 % on (512, 0) at 4 x 4096 tokens in two runs, where dense and
+# +2-6 % on a (512, 512) window and +7-13 % on (512, 0) at 4 x 4096 tokens in two runs, where dense and
 # causal calls are level or slower with them (docs/perf.md, "Smaller query blocks for windows" and "Head
 # dim 64's window forward").
 _FWD_WINDOW: dict[int, KernelConfig] = {
@@ -210,8 +210,8 @@ _BWD_DKDV_CAUSAL = {
 }
 # Varlen calls without dropout (dropout draws cover 64 key columns, so its key tiles stay at 64): at head
 # dim 256, 32-key dK/dV tiles compile spill-free (181 registers, 100 KiB) where the table's 64-key build
-# spills 776 bytes for varlen, +8 % varlen and +12-14 % varlen causal at 2k-8k tokens, while dense and
-# causal calls are 16-26 % slower with them (docs/perf.md, "Head dim 256's backward tiles").
+# spills 776 bytes for varlen, +8 % varlen and +10-14 % varlen causal at 2k-8k tokens, while dense and
+# causal calls are 9-36 % slower with them (docs/perf.md, "Head dim 256's backward tiles").
 _BWD_DKDV_VARLEN = {
     256: KernelConfig(64, 32, 8, 2),
 }
