@@ -14,16 +14,16 @@ varlen-causal.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 
 import torch
 import triton
 
 import tileattn
+from tileattn.bench.__main__ import flops
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from features_variant import TABLES, apply  # noqa: E402
+from features_variant import tables_as_given  # noqa: E402
 from kernel_times import kernel_us  # noqa: E402
 
 
@@ -61,15 +61,8 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", default=["causal", "dense"])
     ap.add_argument("--variant", action="append", default=[])
     args = ap.parse_args()
-    saved = {name: copy.deepcopy(table) for name, table in TABLES.items()}
+    tables = tables_as_given()
     variants = [("table", [])] + [(v.split("=", 1)[0], v.split("=", 1)[1].split(",")) for v in args.variant]
-
-    def use(changes):
-        for name, table in TABLES.items():
-            table.clear()
-            table.update(saved[name])
-        for change in changes:
-            apply(change)
 
     print(
         f"{'case':14s} {'seqlen':>6s} {'variant':12s} {'rel err':>8s} {'ms':>7s} {'TFLOP/s':>8s} {'kernel µs':>9s}  kernels"
@@ -80,8 +73,8 @@ def main() -> int:
             leaves, forward, pairs = inputs(case, seqlen, args.headdim, gen)
             dout = None
             ref = None
-            for name, changes in variants + variants[1:]:
-                use(changes)
+            for name, changes in variants + variants:
+                tables.reset(changes)
                 out = forward()
                 dout = torch.randn_like(out) if dout is None else dout
 
@@ -94,7 +87,7 @@ def main() -> int:
                 err = max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
                 ms = triton.testing.do_bench(bwd, return_mode="median")
                 kernels = kernel_us([bwd])
-                flop = 2.5 * 4 * pairs * 2048 / (2 if case.endswith("causal") else 1)
+                flop = flops(1, 2048 // args.headdim, pairs, 1, args.headdim, case.endswith("causal"), "bwd")
                 parts = ", ".join(f"{n[:20]} {t:.0f}" for n, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:3])
                 print(
                     f"{case:14s} {seqlen:6d} {name:12s} {err:8.1e} {ms:7.3f} {flop / ms / 1e9:8.0f} "
@@ -102,7 +95,7 @@ def main() -> int:
                     flush=True,
                 )
                 del out
-            use([])
+            tables.reset()
     return 0
 
 

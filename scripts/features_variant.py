@@ -5,14 +5,14 @@ time a KernelConfig variant against the tables in a separate run:
     python scripts/features_variant.py fwd:tma=1 -- --headdim 64
 
 Each change is ``TABLE[@HEADDIMS]:FIELD=VALUE`` with TABLE one of fwd, fwdlong (key lengths from
-configs.LONG_SEQLEN_K up), fwdcausal (causal calls), fwdwindow (calls with a left window; entries these three lack start
-from fwd's), dkdv,
-dkdvcausal (causal calls; entries it lacks start from dkdv's), dkdvvarlen (varlen calls without
-dropout; likewise), dq, HEADDIMS the padded head dims it
-applies to (default: all) and FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the
-cap). Turning the forward's TMA off where the table reads through TMA
-takes that head dim's pointer-load tiles where configs._FWD_POINTER has them (head dim 256, whose
-same tiles without TMA are a miscompiled build), else the same tiles without TMA.
+configs.LONG_SEQLEN_K up), fwdcausal (causal calls), fwdwindow (calls with a left window; entries these
+three lack start from fwd's), dkdv, dkdvcausal (causal calls), dkdvvarlen (varlen calls without
+dropout; entries these two lack start from dkdv's), dq; HEADDIMS the padded head dims it applies to
+(default: all) and FIELD a KernelConfig field (ints; 0/1 for flags; maxnreg=0 removes the cap). Turning
+the forward's TMA off where the table reads through TMA takes that head dim's pointer-load tiles where
+configs._FWD_POINTER has them (head dim 256, whose same tiles without TMA are a miscompiled build), else
+the same tiles without TMA. ``tables_as_given`` restores the tables between variants in one process
+(scripts/bwd_variants.py).
 Everything after ``--`` goes to the bench (``--features`` is added unless another mode is given;
 ``--grid`` runs the default grid instead).
 """
@@ -42,6 +42,20 @@ BASES = {
     "dkdvcausal": configs._BWD_DKDV,
     "dkdvvarlen": configs._BWD_DKDV,
 }
+
+
+class tables_as_given:
+    """Snapshot of the tables at creation; ``reset(changes)`` restores it and applies ``changes``."""
+
+    def __init__(self):
+        self.saved = {name: dict(table) for name, table in TABLES.items()}
+
+    def reset(self, changes=()) -> None:
+        for name, table in TABLES.items():
+            table.clear()
+            table.update(self.saved[name])
+        for change in changes:
+            apply(change)
 
 
 def apply(change: str) -> None:

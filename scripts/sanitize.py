@@ -5,7 +5,7 @@
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
-with every feature flag, and the KV-cache kernels (contiguous and paged caches, split-KV and its combine,
+with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache kernels (contiguous and paged caches, split-KV and its combine,
 leftpad, batch_idx, the table lookahead and in-loop variants, paged prefill), with odd head dims and
 ragged tails."""
 
@@ -23,6 +23,7 @@ CASES = [
     (1, 129, 65, 2, 1, 96, dict(causal=True)),  # first 64 rows see no key
     (2, 257, 301, 4, 2, 128, dict(causal=True)),  # dQ by TMA reduce-adds from the dK/dV pass
     (2, 257, 301, 4, 2, 128, dict(causal=True, deterministic=True)),  # the two-pass backward
+    (2, 203, 331, 4, 2, 64, dict(window_size=(70, 9))),  # head dim 64's window tiles (configs._FWD_WINDOW)
 ]
 for b, sq, sk, h, hk, d, kw in CASES:
     q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
@@ -36,6 +37,12 @@ k = torch.randn(sum(lens_k), 2, 72, device=dev, dtype=dt, requires_grad=True)
 cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
 cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
 for kw in (dict(causal=True), dict(window_size=(3, 9), dropout_p=0.1)):
+    out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    torch.autograd.grad(out, (q, k), torch.randn_like(out))
+# head dim 256's varlen dK/dV tiles (configs._BWD_DKDV_VARLEN: 32 keys), with empty and length-1 sequences
+q = torch.randn(sum(lens_q), 4, 256, device=dev, dtype=dt, requires_grad=True)
+k = torch.randn(sum(lens_k), 2, 256, device=dev, dtype=dt, requires_grad=True)
+for kw in (dict(causal=True), dict()):
     out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 # KV cache: odd head dims, capacities that are not multiples of the tile, empty and full caches.

@@ -218,6 +218,10 @@ def test_bwd_dkdv_config_takes_the_varlen_table(monkeypatch):
     p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
     varlen = dataclasses.replace(p, cu_seqlens_q=cu, cu_seqlens_k=cu)
     assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_CAUSAL[128]  # no varlen entry at 128
+    both = configs.KernelConfig(32, 32, 2, 2)
+    monkeypatch.setitem(configs._BWD_DKDV_VARLEN, 128, both)
+    assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_CAUSAL[128]  # the causal entry comes first
+    assert configs.bwd_dkdv_config(dataclasses.replace(varlen, window_right=-1)) is both
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
@@ -323,7 +327,8 @@ def test_launches_pass_the_register_cap(monkeypatch):
 def test_forward_config_falls_back_without_tma(monkeypatch):
     """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read
     (configs._FWD_POINTER, else the same tiles without TMA); long key loops take configs._FWD_LONG's
-    tiles and causal calls configs._FWD_CAUSAL's where they have them (sentinel entries here)."""
+    tiles, causal calls configs._FWD_CAUSAL's and calls with a left window (without dropout)
+    configs._FWD_WINDOW's where they have them (sentinel entries here)."""
     import dataclasses
 
     from tileattn.kernels import configs
@@ -348,6 +353,7 @@ def test_forward_config_falls_back_without_tma(monkeypatch):
         assert configs.fwd_config(causal) is causal_cfg
         assert not configs.fwd_config(causal, tma_ok=False).tma
         assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is window_cfg  # not causal
+        assert configs.fwd_config(dataclasses.replace(causal, window_left=64, dropout_p=0.1)) is cfg
         assert configs.fwd_config(dataclasses.replace(p, window_right=64)) is cfg  # right window only
         fallback = configs.fwd_config(p, tma_ok=False)
         assert not fallback.tma

@@ -126,6 +126,8 @@ def test_features_variant_changes_the_tables(monkeypatch):
     assert configs._FWD_CAUSAL[256] == configs._FWD_POINTER[256]
     variant.apply("dkdvcausal@64:dq_atomic=2")
     assert configs._BWD_DKDV_CAUSAL[64] == dataclasses.replace(configs._BWD_DKDV[64], dq_atomic=2)
+    variant.apply("fwdwindow@128:block_m=64")
+    assert configs._FWD_WINDOW[128] == dataclasses.replace(configs._FWD[128], block_m=64)
     variant.apply("dkdvvarlen@128:block_n=32")
     assert configs._BWD_DKDV_VARLEN[128] == dataclasses.replace(configs._BWD_DKDV[128], block_n=32)
     with pytest.raises(SystemExit):

@@ -177,10 +177,11 @@ _FWD_LONG = {
 _FWD_CAUSAL: dict[int, KernelConfig] = {
     128: KernelConfig(64, 64, 4, 3, tma=True),
 }
-# Calls with a left window (a key loop of window / BLOCK_N tiles). Head dim 64: 64-row blocks of 4 warps,
-# +2-6 % on a (512, 512) window and +7-13 % on (512, 0) at 4 x 4096 tokens in two runs, where dense and
-# causal calls are level or slower with them (docs/perf.md, "Smaller query blocks for windows" and "Head
-# dim 64's window forward").
+# Calls with a left window and no dropout (a key loop of window / BLOCK_N tiles). Head dim 64: 64-row
+# blocks of 4 warps, +2-6 % on a (512, 512) window and +7-13 % on (512, 0) at 4 x 4096 tokens in two
+# runs, where dense and causal calls are level or slower with them (docs/perf.md, "Smaller query blocks
+# for windows" and "Head dim 64's window forward"). Dropout keeps the plain tiles: untimed, and its
+# build spills more with these (40 bytes against 16).
 _FWD_WINDOW: dict[int, KernelConfig] = {
     64: KernelConfig(64, 64, 4, 3, maxnreg=128),
 }
@@ -209,7 +210,7 @@ _BWD_DKDV_CAUSAL = {
     128: KernelConfig(64, 128, 8, 3, dq_atomic=2),
 }
 # Varlen calls without dropout (dropout draws cover 64 key columns, so its key tiles stay at 64): at head
-# dim 256, 32-key dK/dV tiles compile spill-free (181 registers, 100 KiB) where the table's 64-key build
+# dim 256, 32-key dK/dV tiles compile spill-free (174-192 registers, 100 KiB) where the table's 64-key build
 # spills 776 bytes for varlen, +8 % varlen and +10-14 % varlen causal at 2k-8k tokens, while dense and
 # causal calls are 9-36 % slower with them (docs/perf.md, "Head dim 256's backward tiles").
 _BWD_DKDV_VARLEN = {
@@ -234,7 +235,7 @@ def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
             cfg = _FWD_LONG.get(p.block_d, cfg)
         elif p.window_right == 0:
             cfg = _FWD_CAUSAL.get(p.block_d, cfg)
-    else:
+    elif p.dropout_p == 0:  # windows were timed without dropout (whose build spills more with these tiles)
         cfg = _FWD_WINDOW.get(p.block_d, cfg)
     if cfg.tma and not tma_ok:
         return _FWD_POINTER.get(p.block_d, replace(cfg, tma=False))
@@ -247,6 +248,7 @@ def bwd_dkdv_config(p: AttnParams) -> KernelConfig:
     cfg = _BWD_DKDV[p.block_d]
     if p.is_varlen and p.dropout_p == 0:
         cfg = _BWD_DKDV_VARLEN.get(p.block_d, cfg)
+    # a causal entry takes precedence over a varlen one (no head dim has both today)
     if p.window_left < 0 and p.window_right == 0 and not p.deterministic:  # causal without a left window
         cfg = _BWD_DKDV_CAUSAL.get(p.block_d, cfg)
     return cfg

@@ -483,10 +483,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int) -> int:
-    """As many splits as keep the programs within one wave (one per SM), with at least four key tiles
-    per split. Measured on the H200 (docs/perf.md, decode sweep): 1x8k and 1x128k want 8-16 splits,
-    8x32k 2, and batches of 64 sequences none (their 512 programs already fill the GPU)."""
-    if programs >= sm_count:
+    """As many splits as keep the programs within DECODE_WAVES waves (one program per SM per wave),
+    with at least four key tiles per split. Measured on the H200 (docs/perf.md, decode sweep): one wave;
+    1x8k and 1x128k want 8-16 splits, 8x32k 2, and batches of 64 sequences none (their 512 programs
+    already fill the GPU)."""
+    if programs >= DECODE_WAVES * sm_count:
         return 1
     tiles = cdiv(max(max_seqlen_k, 1), block_n)
     return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
