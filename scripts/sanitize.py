@@ -5,9 +5,9 @@
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
-with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache kernels (contiguous and paged caches, split-KV and its combine,
-leftpad, batch_idx, the table lookahead and in-loop variants, paged prefill), with odd head dims and
-ragged tails."""
+with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
+kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
+and in-loop variants, paged prefill), with odd head dims and ragged tails."""
 
 import torch
 

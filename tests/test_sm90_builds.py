@@ -8,18 +8,34 @@ import pathlib
 import subprocess
 import sys
 
-SCRIPT = """
-import json, sys
-sys.path.insert(0, {scripts!r})
-import compile_report
-compile_report._install()
-rows = compile_report.compile_case(64, "dense", ["fwd"], batch=1, seqlen=1024)
+
+def _compiled(cases: str) -> list[dict]:
+    """The rows ``cases`` (lines of compile_report calls adding to ``rows``) print, compiled in a fresh
+    interpreter outside TRITON_INTERPRET."""
+    script = "\n".join(
+        [
+            "import json, sys",
+            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[1] / 'scripts')!r})",
+            "import compile_report",
+            "compile_report._install()",
+            "rows = []",
+            cases,
+            "print(json.dumps(rows))",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+FWD_CASES = """
+rows += compile_report.compile_case(64, "dense", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(256, "gqa", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(128, "dense", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(128, "causal", ["fwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(128, "causal", ["fwd"], batch=1, seqlen=8192)
 rows += compile_report.compile_case(64, "window", ["fwd"], batch=1, seqlen=1024)
-print(json.dumps(rows))
 """
 
 
@@ -30,13 +46,7 @@ def test_forward_builds_as_the_tables_assume():
     forward (the same table entry unless configs._FWD_CAUSAL has one) a spill-free TMA build with two
     blocks per SM, and from configs.LONG_SEQLEN_K keys on a one-block three-stage TMA build; head dim
     64's window forward (configs._FWD_WINDOW) spill-free at <= 128 registers, four blocks per SM."""
-    scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(scripts=scripts)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    hd64, hd256, hd128, hd128_causal, hd128_long, hd64_window = json.loads(res.stdout.splitlines()[-1])
+    hd64, hd256, hd128, hd128_causal, hd128_long, hd64_window = _compiled(FWD_CASES)
     assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
     assert hd64["shared"] <= 64 * 1024 and hd64["blocks_per_sm"] >= 2, hd64
     assert hd256["tma"] and hd256["regs"] < 255 and hd256["stack"] == 0, hd256
@@ -48,26 +58,16 @@ def test_forward_builds_as_the_tables_assume():
     assert hd64_window["stack"] == 0 and hd64_window["blocks_per_sm"] == 4, hd64_window
 
 
-BWD_SCRIPT = """
-import json, sys
-sys.path.insert(0, {scripts!r})
-import compile_report
-compile_report._install()
-rows = compile_report.compile_case(256, "varlen", ["bwd"], batch=1, seqlen=1024)
+BWD_CASES = """
+rows += compile_report.compile_case(256, "varlen", ["bwd"], batch=1, seqlen=1024)
 rows += compile_report.compile_case(256, "dense", ["bwd"], batch=1, seqlen=1024)
-print(json.dumps([r for r in rows if r["kernel"] == "_attn_bwd_dkdv"]))
+rows = [r for r in rows if r["kernel"] == "_attn_bwd_dkdv"]
 """
 
 
 def test_varlen_backward_builds_as_the_tables_assume():
     """Head dim 256's varlen dK/dV pass (configs._BWD_DKDV_VARLEN: 32-key tiles) compiles without spills;
     the plain table's 64-key build (dense calls) spills, which is why varlen has its own entry."""
-    scripts = str(pathlib.Path(__file__).parents[1] / "scripts")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run(
-        [sys.executable, "-c", BWD_SCRIPT.format(scripts=scripts)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    dkdv, dense = json.loads(res.stdout.splitlines()[-1])
+    dkdv, dense = _compiled(BWD_CASES)
     assert dkdv["config"][:2] == [64, 32] and dkdv["stack"] == 0 and dkdv["regs"] < 255, dkdv
     assert dense["config"][:2] == [64, 64] and dense["stack"] > 0, dense

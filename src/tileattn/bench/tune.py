@@ -118,15 +118,8 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     f_bwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd")
     results = []
     saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
-    # the candidates replace _FWD's and _BWD_DKDV's entries; the shape tables would bypass them (long keys,
-    # causal; the sweep makes no window or varlen calls, but those tables are set aside alike)
-    shape_tables = (
-        configs._FWD_LONG,
-        configs._FWD_CAUSAL,
-        configs._FWD_WINDOW,
-        configs._BWD_DKDV_CAUSAL,
-        configs._BWD_DKDV_VARLEN,
-    )
+    # the candidates replace _FWD's and _BWD_DKDV's entries; the shape tables would bypass them
+    shape_tables = configs.SHAPE_TABLES
     shape_saved = [table.pop(block_d, None) for table in shape_tables]
     try:
         for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:

@@ -223,6 +223,9 @@ _BWD_DQ = {
     128: KernelConfig(128, 64, 8, 3),
     256: KernelConfig(128, 64, 8, 1),
 }
+# The tables that take precedence over _FWD's and _BWD_DKDV's entries for some calls (the tuner sets
+# them aside while it times candidates for those entries).
+SHAPE_TABLES = (_FWD_LONG, _FWD_CAUSAL, _FWD_WINDOW, _BWD_DKDV_CAUSAL, _BWD_DKDV_VARLEN)
 
 
 def fwd_config(p: AttnParams, tma_ok: bool = True) -> KernelConfig:
