@@ -5,7 +5,10 @@ variants of the decode kernels' settings, each as ``name=value`` changes separat
 
 combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 16 in the table, 1 before);
 stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table);
-waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table).
+waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table);
+fused: 1 merges the splits in the split launch, 0 in a second launch (decode.FUSED_COMBINE);
+pstages: pipeline stages of paged caches (decode.PAGED_STAGES; 0 = stages);
+lookahead: 1 reads the block table one tile ahead by hand at small grids (decode.PAGED_LOOKAHEAD).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
@@ -16,7 +19,14 @@ from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
 from tileattn.kernels import decode
 
-SETTINGS = {"combine": "COMBINE_SPLITS_PER_LOAD", "stages": "DECODE_STAGES", "waves": "DECODE_WAVES"}
+SETTINGS = {
+    "combine": "COMBINE_SPLITS_PER_LOAD",
+    "stages": "DECODE_STAGES",
+    "waves": "DECODE_WAVES",
+    "fused": "FUSED_COMBINE",
+    "pstages": "PAGED_STAGES",
+    "lookahead": "PAGED_LOOKAHEAD",
+}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path)
