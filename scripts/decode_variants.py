@@ -15,6 +15,8 @@ With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as 
 import argparse
 from pathlib import Path
 
+from tabulate import tabulate
+
 from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
 from tileattn.kernels import decode
@@ -53,3 +55,16 @@ for variant in args.variants:
         append_results(args.out, new)
     rows += new
 print(format_decode(rows))
+# last, one line per backend and variant: GB/s of K+V per case (copy read+write: bytes read + written)
+cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in rows))
+gbps = {(r["backend"], r["batch"], r["cache_len"]): r.get("gbps") for r in rows}
+print(
+    tabulate(
+        [
+            [name] + [f"{gbps[(name, *case)]:.0f}" if gbps.get((name, *case)) else "-" for case in cases]
+            for name in dict.fromkeys(r["backend"] for r in rows)
+        ],
+        headers=["backend"] + [f"{b}x{n // 1024}k" for b, n in cases],
+        tablefmt="github",
+    )
+)
