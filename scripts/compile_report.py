@@ -82,7 +82,16 @@ def resources(kernel) -> dict:
     )
 
 
-DECODE_CASES = [(1, 8192, None), (1, 8192, 16), (1, 8192, 256), (8, 32768, None), (64, 4096, None), (64, 16384, 256)]
+DECODE_CASES = [
+    (1, 8192, None),
+    (1, 8192, 16),
+    (1, 8192, 256),
+    (1, 131072, 16),
+    (8, 32768, None),
+    (8, 32768, 16),
+    (64, 4096, None),
+    (64, 16384, 256),
+]
 
 
 def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 32, nheads_k: int = 8, d: int = 128):

@@ -6,9 +6,8 @@ variants of the decode kernels' settings, each as ``name=value`` changes separat
 combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 16 in the table, 1 before);
 stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table);
 waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table);
-fused: 1 merges the splits in the split launch, 0 in a second launch (decode.FUSED_COMBINE);
-pstages: pipeline stages of paged caches (decode.PAGED_STAGES; 0 = stages);
-lookahead: 1 reads the block table one tile ahead by hand at small grids (decode.PAGED_LOOKAHEAD).
+plong: pipeline stages of long paged programs in small grids (decode.PAGED_LONG_STAGES; 0: none);
+ptiles: key tiles from which a paged program counts as long (decode.PAGED_LONG_TILES).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
@@ -25,9 +24,8 @@ SETTINGS = {
     "combine": "COMBINE_SPLITS_PER_LOAD",
     "stages": "DECODE_STAGES",
     "waves": "DECODE_WAVES",
-    "fused": "FUSED_COMBINE",
-    "pstages": "PAGED_STAGES",
-    "lookahead": "PAGED_LOOKAHEAD",
+    "plong": "PAGED_LONG_STAGES",
+    "ptiles": "PAGED_LONG_TILES",
 }
 
 ap = argparse.ArgumentParser()

@@ -176,26 +176,21 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "combine-launch"])
 @pytest.mark.parametrize("per_load", [1, 2, 16])
-def test_combine_reads_several_splits_per_load(backend, per_load, fused, monkeypatch):
-    """The split merge, in the split launch (decode.FUSED_COMBINE) or its own, reading its partials one
-    or several splits at a time (decode.COMBINE_SPLITS_PER_LOAD), three splits (a masked tail of the
-    last load) and the heuristic's count, rows that see no key included."""
+def test_combine_reads_several_splits_per_load(backend, per_load, monkeypatch):
+    """The split combine reading its partials one or several splits at a time
+    (decode.COMBINE_SPLITS_PER_LOAD),
+    three splits (a masked tail of the last load) and the heuristic's count, rows that see no key
+    included."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     from tileattn.kernels import decode
 
-    monkeypatch.setattr(decode, "FUSED_COMBINE", fused)
     monkeypatch.setattr(decode, "COMBINE_SPLITS_PER_LOAD", per_load)
     assert decode._combine_tiles(3, 128)[1] == min(per_load, 4)
-    assert decode._merge_tiles(3, 16, 4, 128) == (4, min(per_load, 4))
-    assert decode._merge_tiles(3, 16, 20, 128) == (16, min(per_load, 4))
     test_kvcache_matches_reference(backend, "decode-no-append", "page4", 3)
     test_kvcache_matches_reference(backend, "window-softcap", "dense", 3)
     test_kvcache_matches_reference(backend, "decode-rotary", "dense", 0)
-    if fused:  # every counter the merges used is back at 0 for the next launch on the stream
-        assert decode._SEMAPHORES and all(not sem.any() for sem in decode._SEMAPHORES.values())
 
 
 @st.composite
@@ -409,19 +404,21 @@ def test_combine_tiles_stay_small(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and streams run on the GPU")
-def test_fused_merge_under_graphs_streams_and_changing_splits():
-    """The split merge's counters (decode._semaphores): back-to-back calls with split counts that
-    change from call to call, a CUDA graph of several split calls replayed on new queries, and two
-    streams decoding at once (one counter buffer each) all match the unsplit call."""
+def test_split_decoding_under_graphs_streams_and_pages():
+    """Split decoding at sizes that split on the GPU: split counts that change from call to call, a
+    CUDA graph of split calls replayed on new queries, two streams decoding at once, and paged caches
+    (pages of 16 and 256, the five-stage build for long programs included) all match the unsplit call
+    on the contiguous cache."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(4, 1, 16, 64, device=dev, dtype=torch.bfloat16, generator=gen)
-    kc = torch.randn(4, 3000, 4, 64, device=dev, dtype=torch.bfloat16, generator=gen)
-    vc = torch.randn(4, 3000, 4, 64, device=dev, dtype=torch.bfloat16, generator=gen)
-    seqlens = torch.tensor([3000, 1, 2047, 700], dtype=torch.int32, device=dev)
+    kc = torch.randn(4, 4096, 4, 64, device=dev, dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(4, 4096, 4, 64, device=dev, dtype=torch.bfloat16, generator=gen)
+    seqlens = torch.tensor([4096, 1, 2047, 700], dtype=torch.int32, device=dev)
 
-    def call(q, splits):
-        return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits)
+    def call(q, splits, **paged):
+        k, v = paged.pop("caches", (kc, vc))
+        return tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=splits, **paged)
 
     def close(got, want):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
@@ -429,6 +426,13 @@ def test_fused_merge_under_graphs_streams_and_changing_splits():
     want = call(q, 1)
     for splits in [2, 7, 16, 3, 23, 16, 5] * 3:
         close(call(q, splits), want)
+    for page in (16, 256):
+        perm = torch.randperm(4 * 4096 // page, device=dev, generator=gen)
+        table = perm.view(4, -1).int()
+        kp, vp = (torch.empty_like(x).view(-1, page, 4, 64) for x in (kc, vc))
+        kp[perm], vp[perm] = kc.reshape(-1, page, 4, 64), vc.reshape(-1, page, 4, 64)
+        for splits in (1, 2, 0):
+            close(call(q, splits, caches=(kp, vp), block_table=table), want)
 
     qs = [torch.randn_like(q) for _ in range(3)]
     static = [x.clone() for x in qs]

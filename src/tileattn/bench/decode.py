@@ -140,7 +140,7 @@ def run_decode(dtype=torch.bfloat16, nheads=32, nheads_k=8, headdim=128, cases=N
         base = dict(kind="decode", batch=batch, cache_len=cache_len, nheads=nheads, nheads_k=nheads_k, headdim=headdim)
         src = inputs[0][1]
         dst = torch.empty_like(src)
-        t = do_bench_ms(lambda: dst.copy_(src))
+        t = do_bench_ms(lambda d=dst, s=src: d.copy_(s))
         moved = 2 * src.numel() * src.element_size()  # read + written
         rows.append(dict(base, backend="copy read+write", ms=t, gbps=moved / t / 1e6))
         del dst

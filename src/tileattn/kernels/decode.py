@@ -191,9 +191,6 @@ def _attn_fwd_kvcache(
     V,
     Out,
     Lse,
-    OutF,
-    LseF,
-    Sem,
     Alibi,
     SeqlensK,
     LeftPad,
@@ -242,17 +239,10 @@ def _attn_fwd_kvcache(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
-    MERGE_SPLITS_PAD: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
-    LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) to Out / Lse, merged into
-    OutF / LseF (same strides but the split's) by ``_combine``, or with FUSED_COMBINE in this launch:
-    the last split of a row block to finish merges them (``Sem``: int32 per row block, 0 before the
-    launch; counts the finished splits and is reset to 0 by the last).
+    LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
 
     ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise.
     ``capacity`` bounds seqlens_k and ``num_rows_cache`` the pages / cache rows: out-of-range values
@@ -384,92 +374,6 @@ def _attn_fwd_kvcache(
     tl.store(lse_ptrs, lse, mask=mask_r)
     row_o = split64 * stride_os + b64 * stride_ob + (q_start + i).to(tl.int64) * stride_om + h * stride_oh
     tl.store(Out + row_o[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=mask_q)
-    if SPLIT and FUSED_COMBINE:
-        # Every thread's partial stores precede the count (barrier, then a gpu-scope acq_rel atomic);
-        # the last split to count reads the others' partials through L2 (.cg).
-        tl.debug_barrier()
-        sem = Sem + bh * tl.num_programs(0) + pid_m
-        finished = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if finished == num_splits - 1:
-            tl.store(sem, 0)
-            offs_mr = r_start + tl.arange(0, MERGE_ROWS)  # this block's rows (MERGE_ROWS covers them)
-            mi = offs_mr // group_size
-            mh = hk * group_size + offs_mr % group_size
-            _merge_splits(
-                Out,
-                Lse,
-                OutF,
-                LseF,
-                b64 * stride_ob + (q_start + mi).to(tl.int64) * stride_om + mh * stride_oh,
-                b64 * stride_lb + mh * stride_lh + q_start + mi,
-                (offs_mr < n_rows) & (offs_mr < r_start + BLOCK_M),
-                offs_d,
-                stride_os,
-                stride_ls,
-                num_splits,
-                HEAD_DIM,
-                MERGE_SPLITS_PAD,
-                MERGE_CHUNK,
-                ".cg",
-            )
-
-
-@triton.jit
-def _merge_splits(
-    OutP,
-    LseP,
-    Out,
-    Lse,
-    row_o,
-    lse_off,
-    mask_r,
-    offs_d,
-    stride_ps,
-    stride_ls,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """Merges the split partials of R rows into the final output and LSE: partial output row r of
-    split s at ``OutP + s·stride_ps + row_o[r]`` (fp32, HEAD_DIM wide), its LSE at ``LseP + s·stride_ls
-    + lse_off[r]`` (-inf: the split saw no key); the result goes to the same offsets of Out / Lse (LSE
-    +inf for a row no split saw). CHUNK splits are read per load, as one [R, CHUNK, BLOCK_D] tile."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(
-        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_off[:, None],
-        mask=mask_r[:, None] & (offs_s[None, :] < num_splits),
-        other=float("-inf"),
-        cache_modifier=CACHE,
-    )  # [R, SPLITS_PAD]
-    m = tl.max(lse, 1)
-    seen = m > float("-inf")
-    m_safe = tl.where(seen, m, 0.0)
-    total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
-    total_safe = tl.where(seen, total, 1.0)
-    mask_d = offs_d < HEAD_DIM
-    rows = row_o[:, None] + offs_d[None, :]  # [R, BLOCK_D]
-    offs_c = tl.arange(0, CHUNK)
-    acc = tl.zeros(rows.shape, dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < num_splits)  # [R, CHUNK]
-        lse_c = tl.load(
-            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_off[:, None],
-            mask=mask_c,
-            other=float("-inf"),
-            cache_modifier=CACHE,
-        )
-        w = tl.exp(lse_c - m_safe[:, None]) / total_safe[:, None]  # [R, CHUNK]
-        o = tl.load(
-            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows[:, None, :],
-            mask=mask_c[:, :, None] & mask_d[None, None, :],
-            other=0.0,
-            cache_modifier=CACHE,
-        )  # [R, CHUNK, BLOCK_D]
-        acc += tl.sum(w[:, :, None] * o, 1)
-    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
-    tl.store(Lse + lse_off, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
 
 
 @triton.jit
@@ -491,29 +395,44 @@ def _combine(
     CHUNK: tl.constexpr,
 ):
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
-    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total)."""
+    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
+    The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < n_rows
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
     h = offs_r % nheads
     t = (offs_r // nheads) % seqlen_q
     b = offs_r // (nheads * seqlen_q)
-    lse_off = (b * nheads + h).to(tl.int64) * seqlen_q + t
-    _merge_splits(
-        OutP,
-        LseP,
-        Out,
-        Lse,
-        offs_r.to(tl.int64) * HEAD_DIM,
-        lse_off,
-        offs_r < n_rows,
-        tl.arange(0, BLOCK_D),
-        stride_ps,
-        stride_ls,
-        num_splits,
-        HEAD_DIM,
-        SPLITS_PAD,
-        CHUNK,
-        "",
-    )
+    lse_idx = (b * nheads + h).to(tl.int64) * seqlen_q + t
+    lse = tl.load(
+        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_idx[:, None],
+        mask=mask_r[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+    )  # [BLOCK_R, SPLITS_PAD]
+    m = tl.max(lse, 1)
+    seen = m > float("-inf")
+    m_safe = tl.where(seen, m, 0.0)
+    total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
+    total_safe = tl.where(seen, total, 1.0)
+    mask_d = offs_d < HEAD_DIM
+    rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
+    offs_c = tl.arange(0, CHUNK)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < num_splits)  # [BLOCK_R, CHUNK]
+        lse_c = tl.load(
+            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_idx[:, None], mask=mask_c, other=float("-inf")
+        )
+        w = tl.exp(lse_c - m_safe[:, None]) / total_safe[:, None]  # [BLOCK_R, CHUNK]
+        o = tl.load(
+            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows[:, None, :],
+            mask=mask_c[:, :, None] & mask_d[None, None, :],
+            other=0.0,
+        )  # [BLOCK_R, CHUNK, BLOCK_D]
+        acc += tl.sum(w[:, :, None] * o, 1)
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+    tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
 
 
 # Splits the combine reads per load (one [rows, splits, head dim] tile; rounded up to a power of two, at
@@ -537,43 +456,6 @@ def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
     return max(1, min(16, 8192 // (chunk * block_d))), chunk
 
 
-def _merge_tiles(num_splits: int, block_m: int, rows: int, block_d: int) -> tuple[int, int]:
-    """(rows, splits per load) of the fused merge in a program of ``block_m`` packed rows (``rows`` in
-    all, so that one merge covers a block's valid rows): powers of two, at most 8192 fp32 partial
-    values per load."""
-    merge_rows = min(block_m, next_power_of_2(max(1, rows)))
-    chunk = min(
-        next_power_of_2(max(1, COMBINE_SPLITS_PER_LOAD)),
-        next_power_of_2(max(1, num_splits)),
-        max(1, 8192 // (merge_rows * block_d)),
-    )
-    return merge_rows, chunk
-
-
-# The merge of split partials in the split launch itself (the last split of a row block to finish
-# merges; ``_SEMAPHORES``), instead of the second ``_combine`` launch.
-FUSED_COMBINE = True
-_SEMAPHORES: dict[tuple, torch.Tensor] = {}
-
-
-def _semaphores(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for the fused merge. The kernel leaves them at 0, so one buffer per
-    stream serves every launch on that stream (launches on one stream never overlap); under CUDA graph
-    capture a new buffer is allocated (its zeroing is captured with the call), so that a graph never
-    shares counters with launches outside it."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:  # the interpreter: one buffer, so that tests see the counters reset between calls
-        key = (device.type, device.index, None)
-    sem = _SEMAPHORES.get(key)
-    if sem is None or sem.numel() < n:
-        sem = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _SEMAPHORES[key] = sem
-    return sem
-
-
 _INTERPRET = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 _MAX_SPLITS = 128
 
@@ -584,12 +466,13 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
-# Paged caches: pipeline stages (0: DECODE_STAGES), and whether the block table is read one tile ahead
-# by hand when the grid is under two waves (PREFETCH_TABLE). Triton pipelines a load that feeds another
-# load's address (the table, then K/V) with (stages - 1) // 2 iterations of distance each, so five stages
-# keep two K/V tiles in flight as three do for contiguous caches.
-PAGED_STAGES = 0
-PAGED_LOOKAHEAD = True
+# Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
+# with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
+# table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
+# K/V tiles in flight, as three stages give contiguous caches); the others keep DECODE_STAGES and, under
+# two waves, read the table one tile ahead by hand (PREFETCH_TABLE). Measured in docs/perf.md.
+PAGED_LONG_STAGES = 5
+PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 
 
 def _config(rows: int, block_d: int) -> KernelConfig:
@@ -640,9 +523,6 @@ def attn_fwd_kvcache(
         num_splits = choose_splits(programs, max_k, cfg.block_n, sm_count)
     num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), cfg.block_n)))
     split = num_splits > 1
-    fused = split and bool(FUSED_COMBINE)
-    merge_rows, merge_chunk = _merge_tiles(num_splits, cfg.block_m, rows, p.block_d) if fused else (1, 1)
-    sem = _semaphores(q.device, m_blocks * p.batch * nheads_k) if fused else c.seqlens_k
     if split:
         out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
         lse_p = torch.empty((num_splits, *lse.shape), device=q.device, dtype=torch.float32)
@@ -661,15 +541,19 @@ def attn_fwd_kvcache(
         page_size, num_rows, capacity = 1, k_cache.shape[0], k_cache.shape[1]
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     grid = (m_blocks, p.batch * nheads_k, num_splits)
+    small_grid = programs * num_splits < 2 * sm_count
+    long_paged = (
+        paged
+        and small_grid
+        and PAGED_LONG_STAGES > 0
+        and cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), cfg.block_n * num_splits) >= PAGED_LONG_TILES
+    )
     _attn_fwd_kvcache[grid](
         q4,
         k_cache,
         v_cache,
         o_target,
         l_target,
-        o4,
-        lse,
-        sem,
         alibi,
         c.seqlens_k,
         c.leftpad if c.leftpad is not None else c.seqlens_k,
@@ -702,7 +586,7 @@ def attn_fwd_kvcache(
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=page_size,
         PAGED=paged,
-        PREFETCH_TABLE=paged and PAGED_LOOKAHEAD and programs * num_splits < 2 * sm_count,
+        PREFETCH_TABLE=paged and small_grid and not long_paged,
         HAS_LEFTPAD=c.leftpad is not None,
         HAS_BATCH_IDX=c.batch_idx is not None,
         MASK_LEFT=p.window_left >= 0,
@@ -711,15 +595,11 @@ def attn_fwd_kvcache(
         HAS_ALIBI=p.alibi_slopes is not None,
         IS_VARLEN=p.is_varlen,
         SPLIT=split,
-        FUSED_COMBINE=fused,
-        MERGE_ROWS=merge_rows,
-        MERGE_SPLITS_PAD=max(2, next_power_of_2(num_splits)),
-        MERGE_CHUNK=merge_chunk,
         DEFER_SCALE=p.defer_scale,
         num_warps=cfg.num_warps,
-        num_stages=PAGED_STAGES if paged and PAGED_STAGES and not interpreting() else cfg.num_stages,
+        num_stages=PAGED_LONG_STAGES if long_paged and not interpreting() else cfg.num_stages,
     )
-    if split and not fused:
+    if split:
         n_rows = o4.numel() // headdim
         block_r, chunk = _combine_tiles(num_splits, p.block_d)
         seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
