@@ -7,7 +7,9 @@ combine: splits the combine reads per load (decode.COMBINE_SPLITS_PER_LOAD; 16 i
 stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3 is the measured table);
 waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table);
 plong: pipeline stages of long paged programs in small grids (decode.PAGED_LONG_STAGES; 0: none);
-ptiles: key tiles from which a paged program counts as long (decode.PAGED_LONG_TILES).
+ptiles: key tiles from which a paged program counts as long (decode.PAGED_LONG_TILES);
+tma: 1 reads caches through TMA descriptors where they allow it (decode.DECODE_TMA);
+ptma: 1 does so for paged caches too (decode.PAGED_TMA); ptstages: their stages (decode.PAGED_TMA_STAGES).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
@@ -26,6 +28,9 @@ SETTINGS = {
     "waves": "DECODE_WAVES",
     "plong": "PAGED_LONG_STAGES",
     "ptiles": "PAGED_LONG_TILES",
+    "tma": "DECODE_TMA",
+    "ptma": "PAGED_TMA",
+    "ptstages": "PAGED_TMA_STAGES",
 }
 
 ap = argparse.ArgumentParser()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The decode kernels' GPU tests (the fused split merge under graphs and streams), then the decode rows
-# for the fused merge against the second launch and for paged caches at five stages without the manual
-# table lookahead, with cuDNN and do_bench rows in the same run (under 9 minutes on one H200):
+# The decode kernels' GPU tests, then the decode rows for TMA reads (contiguous, and paged caches whose
+# pages hold whole key tiles) against pointer loads, and for deeper pipelines, with cuDNN and do_bench rows
+# in the same run (under 9 minutes on one H200):
 #   bash scripts/gpu_decode4.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -9,6 +9,6 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 timeout 200 python3 -m pytest tests/test_kvcache.py -q -n 8 -p no:cacheprovider -p no:warnings 2>&1 \
   | tee "$OUT/pytest_kvcache.log" | tail -4
-timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "fused=0" "pstages=5,lookahead=0" \
+timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
   > "$OUT/decode_variants.log" 2>&1
 tail -22 "$OUT/decode_variants.log"

@@ -13,6 +13,8 @@ leftpad, with masks aligned to the bottom-right corner as everywhere else.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,8 @@ def _kv_tiles(
     q,
     K_base,
     V_base,
+    k_desc,
+    v_desc,
     Table_row,
     stride_kn,
     stride_vn,
@@ -101,6 +105,7 @@ def _kv_tiles(
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
@@ -110,7 +115,11 @@ def _kv_tiles(
 ):
     """Online softmax over key tiles [lo, hi) (columns counted from k_start). With PREFETCH_TABLE the
     block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
-    faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md)."""
+    faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md).
+    With USE_TMA the tiles come through the descriptors ``k_desc`` / ``v_desc``: for contiguous caches
+    over the sequence's keys (rows past seqlen_k read as zeros), for paged ones over the pool's rows of
+    this kv head (unmasked tiles only; the page lookup gives the tile's first row). The pointer
+    addresses computed for the other tiles are dropped as dead code where unused."""
     rows_k, rows_v = _cache_rows(
         Table_row,
         lo + offs_n_base,
@@ -140,12 +149,24 @@ def _kv_tiles(
                 PAGE_SIZE,
                 PAGED,
             )
-        k = common.load_tile(
-            K_base + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
-        )  # [BLOCK_N, BLOCK_D]
-        v = common.load_tile(
-            V_base + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
-        )
+        if USE_TMA and PAGED and not MASKED:
+            # a whole tile of keys lies in one page (PAGE_SIZE a multiple of BLOCK_N, no leftpad); the
+            # masked edge tiles take the pointer loads, which zero the rows past the sequence
+            pos = k_start + start_n
+            page = tl.load(Table_row + pos // PAGE_SIZE)
+            row = tl.minimum(tl.maximum(page, 0), num_pages - 1) * PAGE_SIZE + pos % PAGE_SIZE
+            k = k_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
+            v = v_desc.load([row, 0])
+        elif USE_TMA and not PAGED:
+            k = k_desc.load([start_n, 0])  # [BLOCK_N, BLOCK_D]
+            v = v_desc.load([start_n, 0])
+        else:
+            k = common.load_tile(
+                K_base + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+            )  # [BLOCK_N, BLOCK_D]
+            v = common.load_tile(
+                V_base + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+            )
         if PREFETCH_TABLE:
             rows_k, rows_v = _cache_rows(
                 Table_row,
@@ -231,6 +252,7 @@ def _attn_fwd_kvcache(
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     MASK_LEFT: tl.constexpr,
@@ -278,6 +300,18 @@ def _attn_fwd_kvcache(
             row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), num_rows_cache - 1).to(tl.int64)
         K_base = K + row * stride_kb + hk * stride_kh
         V_base = V + row * stride_vb + hk * stride_vh
+    k_desc = K_base
+    v_desc = V_base
+    if USE_TMA and PAGED:  # every page's rows of this kv head, as one [num_pages · PAGE_SIZE, d] array
+        k_desc = tl.make_tensor_descriptor(
+            K_base, [num_rows_cache * PAGE_SIZE, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            V_base, [num_rows_cache * PAGE_SIZE, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D]
+        )
+    elif USE_TMA:  # the keys of this sequence and kv head: rows [k_start, k_end) of its cache row
+        k_desc = common.rows_desc(K_base + k_start * stride_kn, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
+        v_desc = common.rows_desc(V_base + k_start * stride_vn, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
     Table_row = Table + b64 * stride_tb
 
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -327,6 +361,8 @@ def _attn_fwd_kvcache(
             q,
             K_base,
             V_base,
+            k_desc,
+            v_desc,
             Table_row,
             stride_kn,
             stride_vn,
@@ -353,6 +389,7 @@ def _attn_fwd_kvcache(
             PAGE_SIZE,
             PAGED,
             PREFETCH_TABLE,
+            USE_TMA,
             seg != 1,
             HAS_SOFTCAP,
             HAS_ALIBI,
@@ -466,6 +503,12 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
+# Caches read through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows): contiguous
+# ones, and with PAGED_TMA paged ones whose pages hold whole key tiles (page size a multiple of BLOCK_N,
+# pages contiguous, no cache_leftpad), at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates).
+DECODE_TMA = True
+PAGED_TMA = True
+PAGED_TMA_STAGES = 5
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
 # with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
 # table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
@@ -475,12 +518,17 @@ PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 
 
-def _config(rows: int, block_d: int) -> KernelConfig:
-    if interpreting():
-        return _INTERPRET
+@functools.cache
+def _config_for(rows: int, block_d: int, interpret: bool, stages: int, tma: bool) -> KernelConfig:
+    if interpret:
+        return dataclasses.replace(_INTERPRET, tma=tma)
     block_m = min(64, max(16, next_power_of_2(rows)))
     block_n = 128 if block_d <= 128 else 64
-    return KernelConfig(block_m, block_n, num_warps=4, num_stages=DECODE_STAGES)
+    return KernelConfig(block_m, block_n, num_warps=4, num_stages=stages, tma=tma)
+
+
+def _config(rows: int, block_d: int) -> KernelConfig:
+    return _config_for(rows, block_d, interpreting(), DECODE_STAGES, DECODE_TMA)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -548,6 +596,19 @@ def attn_fwd_kvcache(
         and PAGED_LONG_STAGES > 0
         and cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), cfg.block_n * num_splits) >= PAGED_LONG_TILES
     )
+    if paged:
+        use_tma = (
+            PAGED_TMA
+            and page_size % cfg.block_n == 0
+            and c.leftpad is None
+            and k_cache.stride(0) == page_size * k_cache.stride(1)
+            and v_cache.stride(0) == page_size * v_cache.stride(1)
+            and common.use_tma(cfg, k_cache, v_cache)
+        )
+        stages = PAGED_TMA_STAGES if use_tma else PAGED_LONG_STAGES if long_paged else cfg.num_stages
+    else:
+        use_tma = common.use_tma(cfg, k_cache, v_cache)
+        stages = cfg.num_stages
     _attn_fwd_kvcache[grid](
         q4,
         k_cache,
@@ -586,7 +647,8 @@ def attn_fwd_kvcache(
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=page_size,
         PAGED=paged,
-        PREFETCH_TABLE=paged and small_grid and not long_paged,
+        PREFETCH_TABLE=paged and small_grid and not long_paged and not use_tma,
+        USE_TMA=use_tma,
         HAS_LEFTPAD=c.leftpad is not None,
         HAS_BATCH_IDX=c.batch_idx is not None,
         MASK_LEFT=p.window_left >= 0,
@@ -597,7 +659,7 @@ def attn_fwd_kvcache(
         SPLIT=split,
         DEFER_SCALE=p.defer_scale,
         num_warps=cfg.num_warps,
-        num_stages=PAGED_LONG_STAGES if long_paged and not interpreting() else cfg.num_stages,
+        num_stages=cfg.num_stages if interpreting() else stages,
     )
     if split:
         n_rows = o4.numel() // headdim
