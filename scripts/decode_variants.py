@@ -9,29 +9,20 @@ waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the
 plong: pipeline stages of long paged programs in small grids (decode.PAGED_LONG_STAGES; 0: none);
 ptiles: key tiles from which a paged program counts as long (decode.PAGED_LONG_TILES);
 tma: 1 reads caches through TMA descriptors where they allow it (decode.DECODE_TMA);
-ptma: 1 does so for paged caches too (decode.PAGED_TMA); ptstages: their stages (decode.PAGED_TMA_STAGES).
+ptma: 1 does so for paged caches too (decode.PAGED_TMA); ptstages: their stages (decode.PAGED_TMA_STAGES);
+tmatiles: key tiles per program from which TMA is used (decode.DECODE_TMA_TILES).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 
 import argparse
 from pathlib import Path
 
+from decode_variants_settings import SETTINGS
 from tabulate import tabulate
 
 from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
 from tileattn.kernels import decode
-
-SETTINGS = {
-    "combine": "COMBINE_SPLITS_PER_LOAD",
-    "stages": "DECODE_STAGES",
-    "waves": "DECODE_WAVES",
-    "plong": "PAGED_LONG_STAGES",
-    "ptiles": "PAGED_LONG_TILES",
-    "tma": "DECODE_TMA",
-    "ptma": "PAGED_TMA",
-    "ptstages": "PAGED_TMA_STAGES",
-}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path)

@@ -78,5 +78,23 @@ q = torch.randn(64, 1, 8, 64, device=dev, dtype=dt)
 tileattn.flash_attn_with_kvcache(
     q, kc, kc, cache_seqlens=torch.randint(0, 129, (64,), dtype=torch.int32, device=dev), block_table=table
 )
+# TMA reads of long programs (decode.DECODE_TMA_TILES): a contiguous cache with cache_batch_idx and pages
+# of 256 (their tiles lie in one page), sequences of odd lengths whose last tiles are masked
+q = torch.randn(3, 1, 8, 64, device=dev, dtype=dt)
+lens = torch.tensor([4001, 2100, 3333], dtype=torch.int32, device=dev)
+kc = torch.randn(4, 4096, 2, 64, device=dev, dtype=dt)
+for splits in (1, 2):
+    tileattn.flash_attn_with_kvcache(
+        q,
+        kc,
+        kc,
+        cache_seqlens=lens,
+        cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev),
+        num_splits=splits,
+    )
+kc = torch.randn(3 * 16 + 1, 256, 2, 64, device=dev, dtype=dt)
+table = torch.randperm(3 * 16 + 1, device=dev)[: 3 * 16].view(3, 16).int()
+for splits in (1, 2):
+    tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, num_splits=splits)
 torch.cuda.synchronize()
 print("sanitize workload done")

@@ -176,6 +176,23 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
 
 
+def test_tma_reads(backend, monkeypatch):
+    """K/V tiles through TMA descriptors (decode.DECODE_TMA), which the launcher takes only for long
+    programs (forced here): contiguous caches, cache_batch_idx, windows, and paged caches whose pages
+    hold whole key tiles (pages of 16 under the interpreter's 16-key tiles; with cache_leftpad the
+    pointer loads)."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "DECODE_TMA_TILES", 0)
+    test_kvcache_matches_reference(backend, "decode-no-append", "dense", 3)
+    test_kvcache_matches_reference(backend, "batch-idx", "dense", 1)
+    test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
+    test_kvcache_matches_reference(backend, "chunk-causal-neox", "page16", 1)
+    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 0)
+
+
 @pytest.mark.parametrize("per_load", [1, 2, 16])
 def test_combine_reads_several_splits_per_load(backend, per_load, monkeypatch):
     """The split combine reading its partials one or several splits at a time

@@ -509,6 +509,9 @@ DECODE_WAVES = 1
 DECODE_TMA = True
 PAGED_TMA = True
 PAGED_TMA_STAGES = 5
+# ... for programs of at least this many key tiles: each program builds its descriptors on the device
+# (a write to global scratch and a fence), which short programs do not earn back.
+DECODE_TMA_TILES = 16
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
 # with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
 # table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
@@ -590,15 +593,12 @@ def attn_fwd_kvcache(
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     grid = (m_blocks, p.batch * nheads_k, num_splits)
     small_grid = programs * num_splits < 2 * sm_count
-    long_paged = (
-        paged
-        and small_grid
-        and PAGED_LONG_STAGES > 0
-        and cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), cfg.block_n * num_splits) >= PAGED_LONG_TILES
-    )
+    tiles = cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), cfg.block_n * num_splits)  # per program, at most
+    long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
     if paged:
         use_tma = (
-            PAGED_TMA
+            tiles >= DECODE_TMA_TILES
+            and PAGED_TMA
             and page_size % cfg.block_n == 0
             and c.leftpad is None
             and k_cache.stride(0) == page_size * k_cache.stride(1)
@@ -607,7 +607,7 @@ def attn_fwd_kvcache(
         )
         stages = PAGED_TMA_STAGES if use_tma else PAGED_LONG_STAGES if long_paged else cfg.num_stages
     else:
-        use_tma = common.use_tma(cfg, k_cache, v_cache)
+        use_tma = tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
         stages = cfg.num_stages
     _attn_fwd_kvcache[grid](
         q4,

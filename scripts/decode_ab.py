@@ -1,0 +1,122 @@
+"""Interleaved A/B timing of decode kernel settings: for each decode row and cache layout, one CUDA graph
+per variant (and cuDNN's, the anchor) over the same inputs, replayed in turn for several rounds, so that
+drift between variants (clocks, memory placement) falls on all of them alike; medians of the rounds.
+
+    python scripts/decode_ab.py [--rounds 4] [--out FILE] "" "tma=0" "ptma=0"
+
+Variants are ``name=value`` changes as in ``decode_variants.py`` (same names). Outputs are checked
+against the first variant's before timing. Prints GB/s of K+V per row (median, and the spread of rounds).
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from decode_variants_settings import SETTINGS, apply
+from tabulate import tabulate
+
+from tileattn.bench.decode import _L2_BYTES, DECODE_BACKENDS, DECODE_CASES
+
+
+def capture(calls):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        outs = [call() for call in calls]
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outs[0]
+
+
+def replay_ms(graph, calls: int, replays: int) -> float:
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--replays", type=int, default=5)
+    ap.add_argument("--layouts", nargs="+", default=["tileattn", "tileattn paged16", "tileattn paged256"])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("variants", nargs="+")
+    args = ap.parse_args()
+    nheads, nheads_k, headdim, dtype = 32, 8, 128, torch.bfloat16
+    results = []
+    for batch, cache_len in DECODE_CASES:
+        kv_bytes = 2 * batch * cache_len * nheads_k * headdim * 2
+        copies = max(1, -(-_L2_BYTES // kv_bytes))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        inputs = [
+            (
+                torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=dtype, generator=gen),
+                torch.randn(batch, cache_len, nheads_k, headdim, device="cuda", dtype=dtype, generator=gen),
+                torch.randn(batch, cache_len, nheads_k, headdim, device="cuda", dtype=dtype, generator=gen),
+            )
+            for _ in range(copies)
+        ]
+        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+        for layout in args.layouts:
+            graphs = {}
+            make = DECODE_BACKENDS[layout]
+            calls = [make(q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
+            first = None
+            for variant in args.variants:
+                with apply(variant):
+                    graph, out = capture(calls)
+                if first is None:
+                    first = out.float()
+                else:
+                    torch.testing.assert_close(out.float(), first, atol=2e-2, rtol=0)
+                graphs[variant or "table"] = graph
+            ref_calls = [DECODE_BACKENDS["sdpa-cudnn"](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
+            graphs["cuDNN"], _ = capture(ref_calls)
+            rounds = {name: [] for name in graphs}
+            for _ in range(args.rounds):
+                for name, graph in graphs.items():
+                    rounds[name].append(kv_bytes / replay_ms(graph, len(calls), args.replays) / 1e6)
+            for name, vals in rounds.items():
+                row = dict(batch=batch, cache_len=cache_len, layout=layout, variant=name, gbps=vals)
+                results.append(row)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+            print(
+                f"{batch}x{cache_len} {layout}: "
+                + ", ".join(f"{n} {statistics.median(v):.0f}" for n, v in rounds.items()),
+                flush=True,
+            )
+            del graphs, calls, ref_calls
+        del inputs
+        torch.cuda.empty_cache()
+    cases = list(dict.fromkeys((r["batch"], r["cache_len"]) for r in results))
+    keys = list(dict.fromkeys((r["layout"], r["variant"]) for r in results))
+    cell = {(r["layout"], r["variant"], r["batch"], r["cache_len"]): r["gbps"] for r in results}
+    table = []
+    for layout, variant in keys:
+        row = [f"{layout} [{variant}]"]
+        for case in cases:
+            v = cell.get((layout, variant, *case))
+            row.append(f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" if v else "-")
+        table.append(row)
+    print(tabulate(table, headers=["layout [variant]"] + [f"{b}x{n // 1024}k" for b, n in cases], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    assert SETTINGS
+    main()

@@ -1,0 +1,31 @@
+"""The decode kernels' settings that the variant scripts (decode_variants.py, decode_ab.py) change, by
+short name, and a context manager that applies one variant's ``name=value,...`` changes."""
+
+import contextlib
+
+from tileattn.kernels import decode
+
+SETTINGS = {
+    "combine": "COMBINE_SPLITS_PER_LOAD",
+    "stages": "DECODE_STAGES",
+    "waves": "DECODE_WAVES",
+    "plong": "PAGED_LONG_STAGES",
+    "ptiles": "PAGED_LONG_TILES",
+    "tma": "DECODE_TMA",
+    "ptma": "PAGED_TMA",
+    "ptstages": "PAGED_TMA_STAGES",
+    "tmatiles": "DECODE_TMA_TILES",
+}
+
+
+@contextlib.contextmanager
+def apply(variant: str):
+    saved = {attr: getattr(decode, attr) for attr in SETTINGS.values()}
+    try:
+        for change in filter(None, variant.split(",")):
+            name, _, value = change.partition("=")
+            setattr(decode, SETTINGS[name], int(value))
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(decode, attr, value)
