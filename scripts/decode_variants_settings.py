@@ -15,6 +15,7 @@ SETTINGS = {
     "ptma": "PAGED_TMA",
     "ptstages": "PAGED_TMA_STAGES",
     "tmatiles": "DECODE_TMA_TILES",
+    "pdl": "DECODE_PDL",
 }
 
 

@@ -186,11 +186,12 @@ def test_tma_reads(backend, monkeypatch):
     from tileattn.kernels import decode
 
     monkeypatch.setattr(decode, "DECODE_TMA_TILES", 0)
+    monkeypatch.setattr(decode, "DECODE_TMA", True)
     test_kvcache_matches_reference(backend, "decode-no-append", "dense", 3)
     test_kvcache_matches_reference(backend, "batch-idx", "dense", 1)
     test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
     test_kvcache_matches_reference(backend, "chunk-causal-neox", "page16", 1)
-    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 0)
+    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 3)
 
 
 @pytest.mark.parametrize("per_load", [1, 2, 16])

@@ -261,6 +261,7 @@ def _attn_fwd_kvcache(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
@@ -269,6 +270,8 @@ def _attn_fwd_kvcache(
     ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise.
     ``capacity`` bounds seqlens_k and ``num_rows_cache`` the pages / cache rows: out-of-range values
     are clamped so that the kernel never reads outside the cache (the API rejects them beforehand)."""
+    if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -430,10 +433,14 @@ def _combine(
     BLOCK_R: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
     HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
-    The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load."""
+    The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load. With
+    USE_PDL (a programmatic dependent launch) it first waits for the split kernel's writes."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < n_rows
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -503,15 +510,20 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
-# Caches read through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows): contiguous
-# ones, and with PAGED_TMA paged ones whose pages hold whole key tiles (page size a multiple of BLOCK_N,
-# pages contiguous, no cache_leftpad), at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates).
-DECODE_TMA = True
+# K/V tiles through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows), for programs
+# of at least DECODE_TMA_TILES key tiles (each program builds its descriptors on the device: a write to
+# global scratch and a fence, which short programs do not earn back). PAGED_TMA: paged caches whose
+# pages hold whole key tiles (page size a multiple of BLOCK_N, pages contiguous, no cache_leftpad) in
+# grids under two waves, at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates): +6 % at
+# 1 x 128k and 8 x 32k with pages of 256, -4 % at 64 x 4k's full grid. DECODE_TMA: contiguous caches,
+# 1 % slower than pointer loads in three rows and level in two (docs/perf.md), so off.
+DECODE_TMA = False
 PAGED_TMA = True
 PAGED_TMA_STAGES = 5
-# ... for programs of at least this many key tiles: each program builds its descriptors on the device
-# (a write to global scratch and a fence), which short programs do not earn back.
 DECODE_TMA_TILES = 16
+# Programmatic dependent launch of the split combine (sm90+): its programs start while the split kernel
+# runs and wait (griddepcontrol.wait) until its partials are written, instead of launching after it.
+DECODE_PDL = True
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
 # with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
 # table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
@@ -531,7 +543,13 @@ def _config_for(rows: int, block_d: int, interpret: bool, stages: int, tma: bool
 
 
 def _config(rows: int, block_d: int) -> KernelConfig:
-    return _config_for(rows, block_d, interpreting(), DECODE_STAGES, DECODE_TMA)
+    return _config_for(rows, block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: sm90+ GPUs (not the interpreter)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _sm_count(device: torch.device) -> int:
@@ -574,6 +592,7 @@ def attn_fwd_kvcache(
         num_splits = choose_splits(programs, max_k, cfg.block_n, sm_count)
     num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), cfg.block_n)))
     split = num_splits > 1
+    pdl = split and DECODE_PDL and _has_pdl(q.device)
     if split:
         out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
         lse_p = torch.empty((num_splits, *lse.shape), device=q.device, dtype=torch.float32)
@@ -598,6 +617,7 @@ def attn_fwd_kvcache(
     if paged:
         use_tma = (
             tiles >= DECODE_TMA_TILES
+            and small_grid
             and PAGED_TMA
             and page_size % cfg.block_n == 0
             and c.leftpad is None
@@ -607,7 +627,7 @@ def attn_fwd_kvcache(
         )
         stages = PAGED_TMA_STAGES if use_tma else PAGED_LONG_STAGES if long_paged else cfg.num_stages
     else:
-        use_tma = tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
+        use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
         stages = cfg.num_stages
     _attn_fwd_kvcache[grid](
         q4,
@@ -657,6 +677,7 @@ def attn_fwd_kvcache(
         HAS_ALIBI=p.alibi_slopes is not None,
         IS_VARLEN=p.is_varlen,
         SPLIT=split,
+        LAUNCH_DEPENDENTS=pdl,
         DEFER_SCALE=p.defer_scale,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages if interpreting() else stages,
@@ -681,7 +702,9 @@ def attn_fwd_kvcache(
             BLOCK_R=block_r,
             SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             CHUNK=chunk,
+            USE_PDL=pdl,
             num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return out, lse
 
