@@ -16,6 +16,7 @@ SETTINGS = {
     "ptstages": "PAGED_TMA_STAGES",
     "tmatiles": "DECODE_TMA_TILES",
     "pdl": "DECODE_PDL",
+    "pwarps": "PAGED_WARPS",
 }
 
 

@@ -531,6 +531,7 @@ DECODE_PDL = True
 # two waves, read the table one tile ahead by hand (PREFETCH_TABLE). Measured in docs/perf.md.
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
+PAGED_WARPS = 4  # warps of the paged pointer-load builds
 
 
 @functools.cache
@@ -552,6 +553,7 @@ def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -679,7 +681,7 @@ def attn_fwd_kvcache(
         SPLIT=split,
         LAUNCH_DEPENDENTS=pdl,
         DEFER_SCALE=p.defer_scale,
-        num_warps=cfg.num_warps,
+        num_warps=PAGED_WARPS if paged and not use_tma and not interpreting() else cfg.num_warps,
         num_stages=cfg.num_stages if interpreting() else stages,
     )
     if split:
