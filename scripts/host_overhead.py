@@ -1,4 +1,5 @@
-"""Host time of tileattn calls at a launch-bound size (BERT-large's attention, one layer), against SDPA.
+"""Host time of tileattn calls at a launch-bound size (BERT-large's attention, one layer), against SDPA;
+``--decode``: a decode step's flash_attn_with_kvcache call at 1 x 8k.
 
 Host time per call: 20 calls issued after a synchronize (the launch queue never fills, so the clock
 stops when the host is done issuing), best of 10 rounds. GPU time: CUDA events around the same calls.
@@ -42,7 +43,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare-op", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache at 1 x 8k instead")
     args = ap.parse_args()
+    if args.decode:
+        return decode()
     q, k, v = (torch.randn(8, 512, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 
@@ -83,6 +87,42 @@ def main():
             prof.disable()
         torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def decode():
+    """Host and GPU time of one decode step's attention call (1 x 8k, GQA 32/8, head dim 128): the plain
+    call, paged (pages of 16), with a new token appended and rotated, against SDPA's cuDNN backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    kc, vc = (torch.randn(1, 8192, 8, 128, device=dev, dtype=dt) for _ in range(2))
+    seqlens = torch.full((1,), 8191, dtype=torch.int32, device=dev)
+    new = torch.randn(1, 1, 8, 128, device=dev, dtype=dt)
+    angle = torch.rand(8192, 64, device=dev)
+    cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+    table = torch.randperm(512, device=dev).view(1, 512).int()
+    kp, vp = kc.view(512, 16, 8, 128), vc.view(512, 16, 8, 128)
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), enable_gqa=True
+            )
+
+    cases = {
+        "tileattn": lambda: tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens),
+        "tileattn paged16": lambda: tileattn.flash_attn_with_kvcache(
+            q, kp, vp, cache_seqlens=seqlens, block_table=table
+        ),
+        "tileattn append+rotary": lambda: tileattn.flash_attn_with_kvcache(
+            q, kc, vc, new, new, cos, sin, cache_seqlens=seqlens, causal=True
+        ),
+        "sdpa cudnn": sdpa,
+    }
+    for name, fn in cases.items():
+        host, gpu = host_and_gpu_us(fn)
+        print(f"decode 1x8k {name:24} host {host:7.1f} us/call   GPU {gpu:7.1f} us/call", flush=True)
 
 
 if __name__ == "__main__":
