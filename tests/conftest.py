@@ -7,6 +7,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:  # every launch through tileattn.kernels.launch is checked against the build Triton selects
+    os.environ.setdefault("TILEATTN_VERIFY_LAUNCH", "1")
 
 import pytest  # noqa: E402
 

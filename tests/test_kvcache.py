@@ -483,3 +483,25 @@ def test_split_decoding_under_graphs_streams_and_pages():
     for res in results:
         for out in res:
             close(out, want)
+
+
+def test_launch_key_covers_what_triton_specialises():
+    """kernels.launch.Launcher's key: tensors by dtype and 16-byte alignment (not by address), ints by
+    value, floats by type, do_not_specialize parameters by type; constexprs and options included."""
+    from types import SimpleNamespace
+
+    from tileattn.kernels.launch import Launcher
+
+    params = [SimpleNamespace(do_not_specialize=name == "seed") for name in ("X", "n", "scale", "seed")]
+    launcher = Launcher(SimpleNamespace(params=params, arg_names=["X", "n", "scale", "seed", "BLOCK"]))
+
+    def key(x, n=64, scale=0.5, seed=7, block=16, warps=4):
+        return launcher._key((x, n, scale, seed), {"BLOCK": block}, {"num_warps": warps})
+
+    a, b = torch.zeros(64, dtype=F16), torch.ones(64, dtype=F16)
+    assert key(a) == key(b) == key(a, scale=2.0) == key(a, seed=8)
+    assert key(a[1:]) != key(a)  # 2 bytes off: not 16-byte aligned
+    assert key(a[8:]) == key(a)  # 16 bytes off: aligned
+    assert key(a.float()) != key(a)
+    assert key(a, n=1) != key(a) != key(a, n=65)
+    assert key(a, block=32) != key(a) != key(a, warps=8)

@@ -14,8 +14,6 @@ out-of-range values then give unspecified results instead of an error.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
@@ -259,14 +257,14 @@ def flash_attn_with_kvcache(
         if has_new:
             raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
         seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+    elif type(cache_seqlens) is not torch.Tensor and api._is_int(cache_seqlens):
         seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
     else:
         seqlens = _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,) or an int", device)
     if cache_leftpad is not None:
         cache_leftpad = _check_int32("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
     rotary = _check_rotary(rotary_cos, rotary_sin, q, has_new)
-    if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
+    if not api._is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
     rotary_interleaved = _check_flag("rotary_interleaved", rotary_interleaved)
     return_softmax_lse = _check_flag("return_softmax_lse", return_softmax_lse)
@@ -375,17 +373,16 @@ def _fwd_kvcache_impl(
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
     with api._on_device(q):
         q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span)
-    c = CacheLayout(
-        seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
-        leftpad=cache_leftpad,
-        batch_idx=cache_batch_idx,
-        block_table=block_table,
-        num_splits=num_splits,
-        max_seqlen_k=max_seqlen_k,
-    )
-    if q.numel() == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
-    with api._on_device(q):
+        c = CacheLayout(
+            seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
+            leftpad=cache_leftpad,
+            batch_idx=cache_batch_idx,
+            block_table=block_table,
+            num_splits=num_splits,
+            max_seqlen_k=max_seqlen_k,
+        )
+        if q.numel() == 0:
+            return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
         out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c)
     return out.contiguous(), lse
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from tileattn.kernels import common
 from tileattn.kernels.configs import AttnParams, KernelConfig, cdiv, interpreting, next_power_of_2, padded_headdim
+from tileattn.kernels.launch import Launcher
 
 
 @dataclass
@@ -479,6 +480,10 @@ def _combine(
     tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
 
 
+_LAUNCH_KVCACHE = Launcher(_attn_fwd_kvcache)
+_LAUNCH_COMBINE = Launcher(_combine)
+
+
 # Splits the combine reads per load (one [rows, splits, head dim] tile; rounded up to a power of two, at
 # most 8192 values per load). 16 loads a [rows, splits, head dim] tile at once from more programs (fewer
 # rows each): +25 % at 1 x 8k (two programs merged 16 splits one at a time), +2-4 % at 1 x 128k, the
@@ -543,10 +548,6 @@ def _config_for(rows: int, block_d: int, interpret: bool, stages: int, tma: bool
     return KernelConfig(block_m, block_n, num_warps=4, num_stages=stages, tma=tma)
 
 
-def _config(rows: int, block_d: int) -> KernelConfig:
-    return _config_for(rows, block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
-
-
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: sm90+ GPUs (not the interpreter)."""
@@ -583,7 +584,8 @@ def attn_fwd_kvcache(
     group = nheads // nheads_k
     lse = p.new_lse(q4)
     rows = group * p.seqlen_q
-    cfg = _config(rows, p.block_d)
+    interpret = interpreting()
+    cfg = _config_for(rows, p.block_d, interpret, DECODE_STAGES, DECODE_TMA or PAGED_TMA)
     paged = c.block_table is not None
     m_blocks = cdiv(rows, cfg.block_m)
     programs = m_blocks * p.batch * nheads_k
@@ -599,8 +601,9 @@ def attn_fwd_kvcache(
         out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
         lse_p = torch.empty((num_splits, *lse.shape), device=q.device, dtype=torch.float32)
         o_target, l_target = out_p, lse_p
-        o_strides = (out_p.stride(0), *p.strides(out_p[0]))
-        l_strides = (lse_p.stride(0), *p.lse_strides(lse_p[0]))
+        # each split's slice is laid out like o4 / lse (all four contiguous)
+        o_strides = (o4.numel(), *p.strides(o4))
+        l_strides = (lse.numel(), *p.lse_strides(lse))
     else:
         o_target, l_target = o4, lse
         o_strides = (0, *p.strides(o4))
@@ -631,80 +634,79 @@ def attn_fwd_kvcache(
     else:
         use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
         stages = cfg.num_stages
-    _attn_fwd_kvcache[grid](
-        q4,
-        k_cache,
-        v_cache,
-        o_target,
-        l_target,
-        alibi,
-        c.seqlens_k,
-        c.leftpad if c.leftpad is not None else c.seqlens_k,
-        c.batch_idx if c.batch_idx is not None else c.seqlens_k,
-        table,
-        p.cu_seqlens_q if p.is_varlen else c.seqlens_k,
-        *p.strides(q4),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        *o_strides,
-        *l_strides,
-        p.alibi_batch_stride(),
-        table.stride(0),
-        nheads_k,
-        group,
-        p.seqlen_q,
-        capacity,
-        num_rows,
-        p.softmax_scale,
-        p.softcap,
-        p.window_left,
-        p.window_right,
-        HEAD_DIM=headdim,
-        BLOCK_D=p.block_d,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        PAGE_SIZE=page_size,
-        PAGED=paged,
-        PREFETCH_TABLE=paged and small_grid and not long_paged and not use_tma,
-        USE_TMA=use_tma,
-        HAS_LEFTPAD=c.leftpad is not None,
-        HAS_BATCH_IDX=c.batch_idx is not None,
-        MASK_LEFT=p.window_left >= 0,
-        MASK_RIGHT=p.window_right >= 0,
-        HAS_SOFTCAP=p.softcap > 0,
-        HAS_ALIBI=p.alibi_slopes is not None,
-        IS_VARLEN=p.is_varlen,
-        SPLIT=split,
-        LAUNCH_DEPENDENTS=pdl,
-        DEFER_SCALE=p.defer_scale,
-        num_warps=PAGED_WARPS if paged and not use_tma and not interpreting() else cfg.num_warps,
-        num_stages=cfg.num_stages if interpreting() else stages,
+    _LAUNCH_KVCACHE(
+        grid,
+        (
+            q4,
+            k_cache,
+            v_cache,
+            o_target,
+            l_target,
+            alibi,
+            c.seqlens_k,
+            c.leftpad if c.leftpad is not None else c.seqlens_k,
+            c.batch_idx if c.batch_idx is not None else c.seqlens_k,
+            table,
+            p.cu_seqlens_q if p.is_varlen else c.seqlens_k,
+            *p.strides(q4),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            *o_strides,
+            *l_strides,
+            p.alibi_batch_stride(),
+            table.stride(0),
+            nheads_k,
+            group,
+            p.seqlen_q,
+            capacity,
+            num_rows,
+            p.softmax_scale,
+            p.softcap,
+            p.window_left,
+            p.window_right,
+        ),
+        {
+            "HEAD_DIM": headdim,
+            "BLOCK_D": p.block_d,
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "PAGE_SIZE": page_size,
+            "PAGED": paged,
+            "PREFETCH_TABLE": paged and small_grid and not long_paged and not use_tma,
+            "USE_TMA": use_tma,
+            "HAS_LEFTPAD": c.leftpad is not None,
+            "HAS_BATCH_IDX": c.batch_idx is not None,
+            "MASK_LEFT": p.window_left >= 0,
+            "MASK_RIGHT": p.window_right >= 0,
+            "HAS_SOFTCAP": p.softcap > 0,
+            "HAS_ALIBI": p.alibi_slopes is not None,
+            "IS_VARLEN": p.is_varlen,
+            "SPLIT": split,
+            "LAUNCH_DEPENDENTS": pdl,
+            "DEFER_SCALE": p.defer_scale,
+        },
+        num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
+        num_stages=cfg.num_stages if interpret else stages,
     )
     if split:
         n_rows = o4.numel() // headdim
         block_r, chunk = _combine_tiles(num_splits, p.block_d)
         seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
-        _combine[(cdiv(n_rows, block_r),)](
-            out_p,
-            lse_p,
-            o4,
-            lse,
-            out_p.stride(0),
-            lse_p.stride(0),
-            n_rows,
-            nheads,
-            seqlen,
-            num_splits,
-            HEAD_DIM=headdim,
-            BLOCK_D=p.block_d,
-            BLOCK_R=block_r,
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
-            CHUNK=chunk,
-            USE_PDL=pdl,
+        _LAUNCH_COMBINE(
+            (cdiv(n_rows, block_r), 1, 1),
+            (out_p, lse_p, o4, lse, out_p.stride(0), lse_p.stride(0), n_rows, nheads, seqlen, num_splits),
+            {
+                "HEAD_DIM": headdim,
+                "BLOCK_D": p.block_d,
+                "BLOCK_R": block_r,
+                "SPLITS_PAD": max(2, next_power_of_2(num_splits)),
+                "CHUNK": chunk,
+                "USE_PDL": pdl,
+            },
             num_warps=4,
             **({"launch_pdl": True} if pdl else {}),
         )
@@ -798,40 +800,48 @@ def _rotate_rows(
     tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=ok)
 
 
+_LAUNCH_ROTATE = Launcher(_rotate_rows)
+
+
 def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode):
     batch, seqlen, nheads, headdim = src.shape
     if batch * seqlen * nheads == 0:
         return
     cos, sin, interleaved = rotary if rotary is not None else (seqlens, seqlens, False)
-    _rotate_rows[(batch * seqlen, nheads)](
-        src,
-        dst,
-        seqlens,
-        batch_idx if batch_idx is not None else seqlens,
-        block_table if block_table is not None else seqlens,
-        cos,
-        sin,
-        src.stride(0),
-        src.stride(1),
-        src.stride(2),
-        dst.stride(0),
-        dst.stride(1),
-        dst.stride(2),
-        block_table.stride(0) if block_table is not None else 0,
-        cos.stride(0) if rotary is not None else 0,
-        seqlen,
-        nheads,
-        cos.shape[1] if rotary is not None else 0,
-        block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
-        dst.shape[0],
-        HEAD_DIM=headdim,
-        BLOCK_D=padded_headdim(headdim),
-        ROTARY=rotary is not None,
-        INTERLEAVED=bool(interleaved),
-        POS_PER_TOKEN=pos_per_token,
-        DST_MODE=dst_mode,
-        PAGE_SIZE=dst.shape[1] if dst_mode == 2 else 1,
-        HAS_BATCH_IDX=batch_idx is not None,
+    _LAUNCH_ROTATE(
+        (batch * seqlen, nheads, 1),
+        (
+            src,
+            dst,
+            seqlens,
+            batch_idx if batch_idx is not None else seqlens,
+            block_table if block_table is not None else seqlens,
+            cos,
+            sin,
+            src.stride(0),
+            src.stride(1),
+            src.stride(2),
+            dst.stride(0),
+            dst.stride(1),
+            dst.stride(2),
+            block_table.stride(0) if block_table is not None else 0,
+            cos.stride(0) if rotary is not None else 0,
+            seqlen,
+            nheads,
+            cos.shape[1] if rotary is not None else 0,
+            block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
+            dst.shape[0],
+        ),
+        {
+            "HEAD_DIM": headdim,
+            "BLOCK_D": padded_headdim(headdim),
+            "ROTARY": rotary is not None,
+            "INTERLEAVED": bool(interleaved),
+            "POS_PER_TOKEN": pos_per_token,
+            "DST_MODE": dst_mode,
+            "PAGE_SIZE": dst.shape[1] if dst_mode == 2 else 1,
+            "HAS_BATCH_IDX": batch_idx is not None,
+        },
         num_warps=1,
         enable_fp_fusion=False,
     )

@@ -1,0 +1,92 @@
+"""Launching a Triton kernel with less host work per call.
+
+``JITFunction.run`` binds and specialises every argument on every launch (a generated binder), derives
+the compile-cache key and looks the build up: about 20 µs of host time for the decode kernel's 58
+parameters, more than the kernel itself runs at small decode sizes. ``Launcher`` does that once per
+*launch key* and then launches the build it got directly (``CompiledKernel[grid](*args)``, Triton's own
+launch entry point for a compiled build).
+
+The launch key holds everything the build depends on: each tensor argument's dtype and whether its
+address is 16-byte aligned (the only tensor properties Triton specialises on), each int argument's
+value (Triton specialises ints on their value: 1, multiples of 16, 64-bit range), the type of each
+float argument (floats are not specialised), the constexpr values, the launch options, and the device
+(builds are loaded per device; the first argument is a tensor on the launch device). It is a
+superset of Triton's specialisation key, so a hit always launches the build Triton would have chosen.
+Parameters marked ``do_not_specialize`` enter the key by type only. Under the interpreter, with Triton's
+debug mode or a launch hook installed, every launch takes ``JITFunction.run``. With the environment
+variable ``TILEATTN_VERIFY_LAUNCH=1`` (the GPU tests set it) every hit is checked against the build
+``JITFunction.run`` selects.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+from tileattn.kernels.configs import interpreting
+
+_MAX_PLANS = 4096  # builds remembered per kernel; beyond that the table starts over
+
+
+class Launcher:
+    """``Launcher(kernel)(grid, args, constexprs, **options)`` launches ``kernel[grid](*args, **constexprs,
+    **options)``, where ``args`` are the leading parameters in order and ``constexprs`` name all the
+    others."""
+
+    def __init__(self, fn: JITFunction):
+        self.fn = fn
+        self.plans: dict[tuple, tuple] = {}
+        # (the interpreter's kernels have no params: they always take JITFunction.run's path)
+        self.by_type = tuple(p.do_not_specialize for p in getattr(fn, "params", ()))
+        self.any_by_type = any(self.by_type)
+
+    def _key(self, args: tuple, constexprs: dict, options: dict) -> tuple:
+        tensor = torch.Tensor
+        if self.any_by_type:
+            key = tuple(
+                (a.dtype, a.data_ptr() % 16 == 0)
+                if type(a) is tensor
+                else type(a)
+                if by_type or type(a) is float
+                else a
+                for a, by_type in zip(args, self.by_type)
+            )
+        else:  # ints by value, bools and None as they are
+            key = tuple(
+                (a.dtype, a.data_ptr() % 16 == 0) if type(a) is tensor else float if type(a) is float else a
+                for a in args
+            )
+        # builds are loaded per device: the key holds the first tensor's (the launch device)
+        device = args[0].get_device() if args and type(args[0]) is tensor else None
+        return (device, key, tuple(constexprs.items()), tuple(options.items()))
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
+        if (
+            interpreting()
+            or knobs.runtime.debug
+            or knobs.runtime.launch_enter_hook is not None
+            or knobs.runtime.launch_exit_hook is not None
+            or not (args and type(args[0]) is torch.Tensor and args[0].is_cuda)
+        ):
+            self.fn[grid](*args, **constexprs, **options)
+            return
+        key = self._key(args, constexprs, options)
+        plan = self.plans.get(key)
+        if plan is None:
+            kernel = self.fn[grid](*args, **constexprs, **options)
+            names = self.fn.arg_names[len(args) :]
+            if kernel is None or set(names) != set(constexprs):  # not every parameter named: no plan
+                return
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.clear()
+            self.plans[key] = (kernel, tuple(constexprs[name] for name in names))
+            return
+        kernel, tail = plan
+        if os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1":
+            chosen = self.fn.run(*args, grid=grid, warmup=True, **constexprs, **options)
+            if chosen is not kernel:
+                raise AssertionError(f"{self.fn.__name__}: the launch key chose another build than Triton")
+        kernel[grid](*args, *tail)
