@@ -6,9 +6,11 @@ d)`` or paged ``(num_pages, PAGE_SIZE, nheads_k, d)`` through a block table, and
 so the GQA group's query heads share every K/V tile they read (one read of the cache per kv head, the
 bandwidth that decoding is bound by). Split-KV (Flash-Decoding): the third grid axis cuts each
 sequence's key range into ``num_splits`` parts that write partial outputs and LSEs; ``_combine`` merges
-them. Masks, softcap and ALiBi go through the same helpers as the training kernels
-(``kernels.common``); each sequence's keys are ``[leftpad, seqlens_k)`` of its cache row, counted from
-leftpad, with masks aligned to the bottom-right corner as everywhere else.
+them (on sm90+ as a programmatic dependent launch, ``DECODE_PDL``). Masks, softcap and ALiBi go through
+the same helpers as the training kernels (``kernels.common``); each sequence's keys are ``[leftpad,
+seqlens_k)`` of its cache row, counted from leftpad, with masks aligned to the bottom-right corner as
+everywhere else. K/V tiles come through pointer loads, or TMA descriptors where the settings below allow
+(long programs; pages that hold whole key tiles). Launches go through ``kernels.launch.Launcher``.
 """
 
 from __future__ import annotations
