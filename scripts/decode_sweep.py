@@ -27,7 +27,7 @@ def gbps(inputs, seqlens, kv_bytes, num_splits, page=None):
 
 
 def fixed(cfg):
-    return lambda rows, block_d: cfg
+    return lambda *args: cfg  # stands in for decode._config_for(rows, block_d, interpret, stages, tma)
 
 
 def main():
@@ -43,13 +43,13 @@ def main():
         ]
         seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
         name = f"{batch}x{cache_len}"
-        default = decode._config
+        default = decode._config_for
         for block_n, warps, stages in ((64, 4, 3), (128, 4, 3), (128, 4, 4)):
-            decode._config = fixed(KernelConfig(16, block_n, warps, stages))
+            decode._config_for = fixed(KernelConfig(16, block_n, warps, stages))
             res = [gbps(inputs, seqlens, kv_bytes, n) for n in (1, 2, 4, 8, 16, 32)]
             line = " ".join(f"{r:.0f}" for r in res)
             print(f"{name} n{block_n} w{warps} s{stages} splits 1/2/4/8/16/32: {line}", flush=True)
-        decode._config = default
+        decode._config_for = default
         for page in (None, 16, 256):
             res = [gbps(inputs, seqlens, kv_bytes, n, page) for n in (0, 1, 4, 16)]
             line = " ".join(f"{r:.0f}" for r in res)

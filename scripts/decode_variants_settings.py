@@ -17,6 +17,8 @@ SETTINGS = {
     "tmatiles": "DECODE_TMA_TILES",
     "pdl": "DECODE_PDL",
     "pwarps": "PAGED_WARPS",
+    "fstages": "FULL_GRID_STAGES",
+    "ftiles": "FULL_GRID_TILES",
 }
 
 

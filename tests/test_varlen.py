@@ -209,3 +209,18 @@ def test_cu_seqlens_checked_once_until_modified(monkeypatch):
     cu_k[1] = 10  # now decreasing
     with pytest.raises(ValueError, match="non-decreasing"):
         tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)
+
+
+def test_checked_once_keeps_the_latest_entries_when_full():
+    """A full table of remembered checks drops its oldest entry, never the ones just made: the layers
+    of a step keep sharing one check however many other tensors were checked before."""
+    from tileattn import api
+
+    checked = api._CheckedOnce(limit=3)
+    tensors = [torch.zeros(1) for _ in range(5)]
+    calls = []
+    for t in tensors:
+        checked((t,), (), lambda: calls.append(1))
+    checked((tensors[3],), (), lambda: calls.append(1))
+    checked((tensors[4],), (), lambda: calls.append(1))
+    assert len(calls) == 5 and len(checked._seen) == 3

@@ -249,8 +249,9 @@ class _CheckedOnce:
         ):
             return seen[2]
         result = check()
-        if len(self._seen) >= self._limit:
-            self._seen.clear()
+        self._seen.pop(key, None)
+        while len(self._seen) >= self._limit:  # the oldest entry goes (never the one just checked)
+            del self._seen[next(iter(self._seen))]
         self._seen[key] = ([weakref.ref(t) for t in present], [t._version for t in present], result)
         return result
 

@@ -517,6 +517,11 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
+# Contiguous caches in grids of two waves or more whose programs have at most FULL_GRID_TILES key tiles:
+# FULL_GRID_STAGES stages (0: DECODE_STAGES); two stages fit three blocks per SM, which shortens the last
+# wave's tail (64 x 4k: 512 programs, 3.9 waves of one block per SM).
+FULL_GRID_STAGES = 0
+FULL_GRID_TILES = 32
 # K/V tiles through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows), for programs
 # of at least DECODE_TMA_TILES key tiles (each program builds its descriptors on the device: a write to
 # global scratch and a fence, which short programs do not earn back). PAGED_TMA: paged caches whose
@@ -635,7 +640,8 @@ def attn_fwd_kvcache(
         stages = PAGED_TMA_STAGES if use_tma else PAGED_LONG_STAGES if long_paged else cfg.num_stages
     else:
         use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
-        stages = cfg.num_stages
+        full_short = FULL_GRID_STAGES > 0 and not small_grid and tiles <= FULL_GRID_TILES
+        stages = FULL_GRID_STAGES if full_short else cfg.num_stages
     _LAUNCH_KVCACHE(
         grid,
         (
