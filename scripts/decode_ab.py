@@ -2,7 +2,7 @@
 per variant (and cuDNN's, the anchor) over the same inputs, replayed in turn for several rounds, so that
 drift between variants (clocks, memory placement) falls on all of them alike; medians of the rounds.
 
-    python scripts/decode_ab.py [--rounds 4] [--out FILE] "" "tma=0" "ptma=0"
+    python scripts/decode_ab.py [--rounds 4] [--out FILE] "" "tma=1" "ptma=0"
 
 Variants are ``name=value`` changes as in ``decode_variants.py`` (same names). Outputs are checked
 against the first variant's before timing. Prints GB/s of K+V per row (median, and the spread of rounds).

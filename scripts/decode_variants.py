@@ -8,9 +8,13 @@ stages: pipeline stages of the decode kernel's key loop (decode.DECODE_STAGES; 3
 waves: waves of programs the split count aims for (decode.DECODE_WAVES; 1 in the table);
 plong: pipeline stages of long paged programs in small grids (decode.PAGED_LONG_STAGES; 0: none);
 ptiles: key tiles from which a paged program counts as long (decode.PAGED_LONG_TILES);
-tma: 1 reads caches through TMA descriptors where they allow it (decode.DECODE_TMA);
-ptma: 1 does so for paged caches too (decode.PAGED_TMA); ptstages: their stages (decode.PAGED_TMA_STAGES);
-tmatiles: key tiles per program from which TMA is used (decode.DECODE_TMA_TILES).
+tma: 1 reads contiguous caches through TMA descriptors (decode.DECODE_TMA; off in the table);
+ptma: 1 reads paged caches of whole-tile pages through them (decode.PAGED_TMA); ptstages: their stages
+(decode.PAGED_TMA_STAGES); tmatiles: key tiles per program from which TMA is used (decode.DECODE_TMA_TILES);
+pdl: 1 launches the combine as a programmatic dependent launch (decode.DECODE_PDL);
+pwarps: warps of the paged pointer-load builds (decode.PAGED_WARPS);
+fstages, ftiles: stages of contiguous full-grid builds of at most ftiles key tiles per program
+(decode.FULL_GRID_STAGES, 0: stages; decode.FULL_GRID_TILES).
 With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as it is timed.
 """
 

@@ -12,6 +12,7 @@ and in-loop variants, paged prefill), with odd head dims and ragged tails."""
 import torch
 
 import tileattn
+from tileattn.kernels import decode
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
@@ -78,11 +79,13 @@ q = torch.randn(64, 1, 8, 64, device=dev, dtype=dt)
 tileattn.flash_attn_with_kvcache(
     q, kc, kc, cache_seqlens=torch.randint(0, 129, (64,), dtype=torch.int32, device=dev), block_table=table
 )
-# TMA reads of long programs (decode.DECODE_TMA_TILES): a contiguous cache with cache_batch_idx and pages
-# of 256 (their tiles lie in one page), sequences of odd lengths whose last tiles are masked
+# TMA reads of long programs (decode.DECODE_TMA_TILES): a contiguous cache with cache_batch_idx (its TMA
+# build turned on here: off by default) and pages of 256 (their tiles lie in one page), sequences of odd
+# lengths whose last tiles are masked
 q = torch.randn(3, 1, 8, 64, device=dev, dtype=dt)
 lens = torch.tensor([4001, 2100, 3333], dtype=torch.int32, device=dev)
 kc = torch.randn(4, 4096, 2, 64, device=dev, dtype=dt)
+decode.DECODE_TMA = True
 for splits in (1, 2):
     tileattn.flash_attn_with_kvcache(
         q,
@@ -92,6 +95,7 @@ for splits in (1, 2):
         cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev),
         num_splits=splits,
     )
+decode.DECODE_TMA = False
 kc = torch.randn(3 * 16 + 1, 256, 2, 64, device=dev, dtype=dt)
 table = torch.randperm(3 * 16 + 1, device=dev)[: 3 * 16].view(3, 16).int()
 for splits in (1, 2):

@@ -177,10 +177,10 @@ def test_paged_lookup_inside_the_loop(backend, monkeypatch):
 
 
 def test_tma_reads(backend, monkeypatch):
-    """K/V tiles through TMA descriptors (decode.DECODE_TMA), which the launcher takes only for long
-    programs (forced here): contiguous caches, cache_batch_idx, windows, and paged caches whose pages
-    hold whole key tiles (pages of 16 under the interpreter's 16-key tiles; with cache_leftpad the
-    pointer loads)."""
+    """K/V tiles through TMA descriptors (decode.DECODE_TMA / PAGED_TMA), which the launcher takes only
+    for long programs (forced here): contiguous caches, cache_batch_idx, windows, and paged caches whose
+    pages hold whole key tiles (pages of 16 and 32 under the interpreter's 16-key tiles; with
+    cache_leftpad the pointer loads)."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     from tileattn.kernels import decode
@@ -192,6 +192,11 @@ def test_tma_reads(backend, monkeypatch):
     test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
     test_kvcache_matches_reference(backend, "chunk-causal-neox", "page16", 1)
     test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 3)
+    # pages of two tiles: tiles start inside a page (the descriptor row adds the offset in the page)
+    monkeypatch.setitem(LAYOUTS, "page32", 32)
+    for case in ("decode-no-append", "window-softcap", "chunk-causal-neox"):
+        for splits in (1, 3):
+            test_kvcache_matches_reference(backend, case, "page32", splits)
 
 
 @pytest.mark.parametrize("per_load", [1, 2, 16])
@@ -486,22 +491,69 @@ def test_split_decoding_under_graphs_streams_and_pages():
 
 
 def test_launch_key_covers_what_triton_specialises():
-    """kernels.launch.Launcher's key: tensors by dtype and 16-byte alignment (not by address), ints by
-    value, floats by type, do_not_specialize parameters by type; constexprs and options included."""
+    """kernels.launch.Launcher's key: wherever Triton's own specialisation of an argument differs
+    (native_specialize_impl, what JITFunction.run's binder calls), the keys differ; tensors enter by
+    dtype and 16-byte alignment (not by address or subclass), floats by type, do_not_specialize
+    parameters by type and int range; constexprs and options are part of the key."""
     from types import SimpleNamespace
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
 
     from tileattn.kernels.launch import Launcher
 
-    params = [SimpleNamespace(do_not_specialize=name == "seed") for name in ("X", "n", "scale", "seed")]
-    launcher = Launcher(SimpleNamespace(params=params, arg_names=["X", "n", "scale", "seed", "BLOCK"]))
+    def launcher(by_type):  # seed marked do_not_specialize, or no parameter marked (the two key paths)
+        params = [SimpleNamespace(do_not_specialize=by_type and name == "seed") for name in ("X", "n", "scale", "seed")]
+        return Launcher(SimpleNamespace(params=params, arg_names=["X", "n", "scale", "seed", "BLOCK"]))
 
-    def key(x, n=64, scale=0.5, seed=7, block=16, warps=4):
-        return launcher._key((x, n, scale, seed), {"BLOCK": block}, {"num_warps": warps})
+    plain, marked = launcher(False), launcher(True)
+
+    def key(x, n=64, scale=0.5, seed=7, block=16, warps=4, on=marked):
+        return on._key((x, n, scale, seed), {"BLOCK": block}, {"num_warps": warps})
 
     a, b = torch.zeros(64, dtype=F16), torch.ones(64, dtype=F16)
-    assert key(a) == key(b) == key(a, scale=2.0) == key(a, seed=8)
+    assert key(a) == key(b) == key(a, scale=2.0) == key(a, seed=8) == key(torch.nn.Parameter(a))
     assert key(a[1:]) != key(a)  # 2 bytes off: not 16-byte aligned
     assert key(a[8:]) == key(a)  # 16 bytes off: aligned
     assert key(a.float()) != key(a)
-    assert key(a, n=1) != key(a) != key(a, n=65)
     assert key(a, block=32) != key(a) != key(a, warps=8)
+
+    def triton_spec(value, specialize=True):
+        return native_specialize_impl(BaseBackend, value, False, specialize, True)
+
+    values = [0, 1, 2, 16, 17, 2**31, 2**40, -1, True, False, 0.5, 1.0, None]
+    for u in values:
+        for w in values:
+            if triton_spec(u) != triton_spec(w):
+                assert key(a, n=u) != key(a, n=w), (u, w)
+                assert key(a, n=u, on=plain) != key(a, n=w, on=plain), (u, w)
+                assert key(a, seed=u, on=plain) != key(a, seed=w, on=plain), (u, w)
+            if triton_spec(u, False) != triton_spec(w, False):
+                assert key(a, seed=u) != key(a, seed=w), (u, w)
+
+
+def test_launches_take_the_direct_path_by_default(monkeypatch):
+    """Outside the interpreter and without Triton hooks, debug or instrumentation, launches skip
+    JITFunction.run (Triton 3.6's launch hooks are empty HookChains by default, not None)."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from tileattn.kernels import launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    fn = SimpleNamespace(pre_run_hooks=[])
+    assert not launch.plain_run_needed(fn)
+    fn.pre_run_hooks.append(print)
+    assert launch.plain_run_needed(fn)
+    fn.pre_run_hooks.clear()
+    hook = lambda *args: None  # noqa: E731
+    if hasattr(knobs.runtime.launch_enter_hook, "add"):
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert launch.plain_run_needed(fn)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+        assert launch.plain_run_needed(fn)

@@ -557,8 +557,15 @@ def _config_for(rows: int, block_d: int, interpret: bool, stages: int, tma: bool
 
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: sm90+ GPUs (not the interpreter)."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic dependent launch: NVIDIA sm90+ GPUs with a Triton that has the grid dependency
+    controls (not the interpreter)."""
+    return (
+        device.type == "cuda"
+        and not interpreting()
+        and not torch.version.hip
+        and hasattr(tl.extra.cuda, "gdc_wait")
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 @functools.cache
