@@ -518,9 +518,9 @@ DECODE_STAGES = 3
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
 # Contiguous caches in grids of two waves or more whose programs have at most FULL_GRID_TILES key tiles:
-# FULL_GRID_STAGES stages (0: DECODE_STAGES); two stages fit three blocks per SM, which shortens the last
-# wave's tail (64 x 4k: 512 programs, 3.9 waves of one block per SM).
-FULL_GRID_STAGES = 0
+# FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB, two blocks per SM) shorten the last
+# wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM) +2 %; 64 x 16k level with them.
+FULL_GRID_STAGES = 2
 FULL_GRID_TILES = 32
 # K/V tiles through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows), for programs
 # of at least DECODE_TMA_TILES key tiles (each program builds its descriptors on the device: a write to
