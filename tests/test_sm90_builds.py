@@ -71,3 +71,30 @@ def test_varlen_backward_builds_as_the_tables_assume():
     dkdv, dense = _compiled(BWD_CASES)
     assert dkdv["config"][:2] == [64, 32] and dkdv["stack"] == 0 and dkdv["regs"] < 255, dkdv
     assert dense["config"][:2] == [64, 64] and dense["stack"] > 0, dense
+
+
+DECODE_CASES = """
+from tileattn.kernels import decode
+decode._has_pdl = lambda device: True  # the stand-in target's tensors are CPU tensors
+rows += compile_report.compile_decode(1, 131072, None)
+rows += compile_report.compile_decode(1, 131072, 16)
+rows += compile_report.compile_decode(1, 131072, 256)
+rows += compile_report.compile_decode(64, 4096, None)
+"""
+
+
+def test_decode_builds_as_the_settings_assume():
+    """The decode builds of bench --decode's rows: at 1 x 128k the split kernel (three stages, one block
+    per SM) signals its dependent combine (launched with PDL); pages of 16 take the five-stage pointer-load
+    build (two K/V tiles in flight) and pages of 256 the five-stage TMA build, both spill-free in the
+    shared memory of one block; 64 x 4k's full grid of short programs the two-stage build, two blocks
+    per SM."""
+    split, combine, paged16, _, paged256, _, full = _compiled(DECODE_CASES)
+    assert split["config"][3] == 3 and split["pdl"] and not split["tma"] and split["stack"] == 0, split
+    assert combine["kernel"] == "_combine" and combine["pdl"], combine
+    assert paged16["config"][3] == 5 and not paged16["tma"] and paged16["stack"] == 0, paged16
+    assert paged16["blocks_per_sm"] == 1, paged16
+    assert paged256["config"][3] == 5 and paged256["tma"] and paged256["stack"] == 0, paged256
+    assert paged256["blocks_per_sm"] == 1, paged256
+    assert full["config"][3] == 2 and full["grid"][2] == 1 and full["blocks_per_sm"] == 2, full
+    assert full["stack"] == 0, full
