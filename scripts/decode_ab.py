@@ -17,23 +17,7 @@ import torch
 from decode_variants_settings import SETTINGS, apply
 from tabulate import tabulate
 
-from tileattn.bench.decode import _L2_BYTES, DECODE_BACKENDS, DECODE_CASES
-
-
-def capture(calls):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        outs = [call() for call in calls]
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, outs[0]
+from tileattn.bench.decode import _L2_BYTES, DECODE_BACKENDS, DECODE_CASES, capture_graph
 
 
 def replay_ms(graph, calls: int, replays: int) -> float:
@@ -78,14 +62,15 @@ def main():
             first = None
             for variant in args.variants:
                 with apply(variant):
-                    graph, out = capture(calls)
+                    graph, outs = capture_graph(calls)
+                out = outs[0]
                 if first is None:
                     first = out.float()
                 else:
                     torch.testing.assert_close(out.float(), first, atol=2e-2, rtol=0)
                 graphs[variant or "table"] = graph
             ref_calls = [DECODE_BACKENDS["sdpa-cudnn"](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
-            graphs["cuDNN"], _ = capture(ref_calls)
+            graphs["cuDNN"], _ = capture_graph(ref_calls)
             rounds = {name: [] for name in graphs}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

@@ -35,13 +35,13 @@ def do_bench_ms(call) -> float:
     return triton.testing.do_bench(call, return_mode="median")
 
 
-def graph_ms(calls: list) -> float:
-    """Median time of one call: a CUDA graph of ``calls`` replayed, divided by their number."""
+def capture_graph(calls: list) -> tuple[torch.cuda.CUDAGraph, list]:
+    """A CUDA graph of ``calls`` (run once on a side stream first, as capture wants), replayed once;
+    with the outputs of the warm-up run."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for call in calls:
-            call()
+        outs = [call() for call in calls]
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -50,6 +50,12 @@ def graph_ms(calls: list) -> float:
             call()
     graph.replay()
     torch.cuda.synchronize()
+    return graph, outs
+
+
+def graph_ms(calls: list) -> float:
+    """Median time of one call: a CUDA graph of ``calls`` replayed, divided by their number."""
+    graph, _ = capture_graph(calls)
     times = []
     for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

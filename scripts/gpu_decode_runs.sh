@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU calls of the decode work of 2026-11-30 (docs/perf.md, "Decode: paged pipelines, TMA for
+# whole-tile pages, the combine as a dependent launch"), one per argument, each under 10 minutes on one
+# H200; outputs under $OUT (the first call ran the GPU tests and decode_variants.py "" "fused=0"
+# "pstages=5,lookahead=0" at commit 1d8381d, whose settings are gone):
+#   bash scripts/gpu_decode_runs.sh 7
+# 2: GPU tests, then the bench-method rows of TMA reads and deeper pipelines (decode_variants.py);
+# 3: GPU tests, interleaved A/B (decode_ab.py) of TMA reads and paged stages;
+# 4: GPU tests, A/B of the dependent combine and the TMA settings, compute-sanitizer;
+# 5: A/B of paged stages and warps, the call's host time, the benchmark CLI's decode table;
+# 6: GPU tests, host time, the A/B rows as set, the CLI's decode table;
+# 7: GPU tests with the launcher's direct path, host time, A/B of full-grid stages, memcheck.
+set -uo pipefail
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+tests() {  # the decode GPU tests (tests/conftest.py checks every cached launch against Triton's choice)
+  timeout "$1" python3 -m pytest "${@:2}" -q -n 8 -p no:cacheprovider -p no:warnings 2>&1 \
+    | tee "$OUT/pytest_kvcache.log" | tail -3
+}
+ab() {  # interleaved A/B: log name, then decode_ab.py's arguments
+  local name=$1
+  shift
+  timeout 280 python3 scripts/decode_ab.py --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+  tail -18 "$OUT/$name.log"
+}
+host() {
+  timeout 60 python3 scripts/host_overhead.py --decode 2>&1 | grep -v -i warn | tee "$OUT/host_decode.log"
+}
+cli() {
+  timeout 240 python3 -m tileattn.bench --decode --out "$OUT/bench_decode.jsonl" > "$OUT/bench_decode.log" 2>&1
+  grep -E "^\| [0-9]" "$OUT/bench_decode.log" | grep -E "tileattn( paged16| paged256)?( do_bench)? |cudnn|copy" \
+    | cut -c1-75
+}
+
+case "${1:?run number 2-7}" in
+  2)
+    tests 200 tests/test_kvcache.py
+    timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
+      > "$OUT/decode_variants.log" 2>&1
+    tail -22 "$OUT/decode_variants.log" ;;
+  3) tests 170 tests/test_kvcache.py; ab decode_ab "" "tma=0" "ptma=0" "plong=0" ;;
+  4) tests 150 tests/test_kvcache.py; ab decode_ab "" "pdl=0" "tma=1" "ptma=0"; SAN_TIMEOUT=150 bash scripts/gpu_sanitize.sh ;;
+  5)
+    ab decode_ab_paged --layouts "tileattn paged16" "tileattn paged256" "" "plong=7" "pwarps=8" "plong=7,pwarps=8"
+    host
+    cli ;;
+  6) tests 170 tests/test_kvcache.py; host; ab decode_ab --rounds 5 ""; cli ;;
+  7)
+    tests 170 tests/test_kvcache.py tests/test_cache.py
+    host
+    ab decode_ab --layouts tileattn "" "fstages=2" "fstages=2,ftiles=128"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 140 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log" ;;
+  *) echo "runs 2-7" >&2; exit 2 ;;
+esac
