@@ -118,7 +118,14 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
         else:
             cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"))
         case = f"{batch}x{cache_len}" + (f" page{page}" if page else "")
-        flags = dict(tma=bool(kw.get("USE_TMA")), pdl=bool(kw.get("launch_pdl") or kw.get("LAUNCH_DEPENDENTS")))
+        ptx = kernel.asm["ptx"]
+        flags = dict(
+            tma=bool(kw.get("USE_TMA")),
+            pdl=bool(kw.get("launch_pdl") or kw.get("LAUNCH_DEPENDENTS")),
+            pdl_launch=bool(kw.get("launch_pdl")),  # launched as a programmatic dependent
+            gdc_wait="griddepcontrol.wait" in ptx,
+            gdc_signal="griddepcontrol.launch_dependents" in ptx,
+        )
         rows.append(dict(kernel=name, headdim=d, case=case, config=cfg, grid=kw["grid"], **flags, **resources(kernel)))
     _LAUNCHES.clear()
     return rows

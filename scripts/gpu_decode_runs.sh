@@ -2,7 +2,9 @@
 # The GPU calls of the decode work of 2026-11-30 (docs/perf.md, "Decode: paged pipelines, TMA for
 # whole-tile pages, the combine as a dependent launch"), one per argument, each under 10 minutes on one
 # H200; outputs under $OUT (the first call ran the GPU tests and decode_variants.py "" "fused=0"
-# "pstages=5,lookahead=0" at commit 1d8381d, whose settings are gone):
+# "pstages=5,lookahead=0" at commit 1d8381d, whose settings are gone). Each run's "" is the defaults of
+# its day: TMA for contiguous caches was on in runs 2-3, full grids took three stages in runs 2-6.
+# Today's defaults repeat run 3's with "" "tma=1" "ptma=0" "plong=0", run 7's with "fstages=0" first.
 #   bash scripts/gpu_decode_runs.sh 7
 # 2: GPU tests, then the bench-method rows of TMA reads and deeper pipelines (decode_variants.py);
 # 3: GPU tests, interleaved A/B (decode_ab.py) of TMA reads and paged stages;
@@ -22,14 +24,14 @@ tests() {  # the decode GPU tests (tests/conftest.py checks every cached launch 
 ab() {  # interleaved A/B: log name, then decode_ab.py's arguments
   local name=$1
   shift
-  timeout 280 python3 scripts/decode_ab.py --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+  timeout 150 python3 scripts/decode_ab.py --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
   tail -18 "$OUT/$name.log"
 }
 host() {
   timeout 60 python3 scripts/host_overhead.py --decode 2>&1 | grep -v -i warn | tee "$OUT/host_decode.log"
 }
 cli() {
-  timeout 240 python3 -m tileattn.bench --decode --out "$OUT/bench_decode.jsonl" > "$OUT/bench_decode.log" 2>&1
+  timeout 150 python3 -m tileattn.bench --decode --out "$OUT/bench_decode.jsonl" > "$OUT/bench_decode.log" 2>&1
   grep -E "^\| [0-9]" "$OUT/bench_decode.log" | grep -E "tileattn( paged16| paged256)?( do_bench)? |cudnn|copy" \
     | cut -c1-75
 }
@@ -43,14 +45,14 @@ case "${1:?run number 2-7}" in
   3) tests 170 tests/test_kvcache.py; ab decode_ab "" "tma=0" "ptma=0" "plong=0" ;;
   4) tests 150 tests/test_kvcache.py; ab decode_ab "" "pdl=0" "tma=1" "ptma=0"; SAN_TIMEOUT=150 bash scripts/gpu_sanitize.sh ;;
   5)
-    ab decode_ab_paged --layouts "tileattn paged16" "tileattn paged256" "" "plong=7" "pwarps=8" "plong=7,pwarps=8"
+    ab decode_ab_paged --layouts "tileattn paged16" "tileattn paged256" -- "" "plong=7" "pwarps=8" "plong=7,pwarps=8"
     host
     cli ;;
   6) tests 170 tests/test_kvcache.py; host; ab decode_ab --rounds 5 ""; cli ;;
   7)
     tests 170 tests/test_kvcache.py tests/test_cache.py
     host
-    ab decode_ab --layouts tileattn "" "fstages=2" "fstages=2,ftiles=128"
+    ab decode_ab --layouts tileattn -- "" "fstages=2" "fstages=2,ftiles=128"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 140 compute-sanitizer --tool memcheck --print-limit 20 \
       python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
     echo "memcheck exit $?"

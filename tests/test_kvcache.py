@@ -512,16 +512,19 @@ def test_launch_key_covers_what_triton_specialises():
         return on._key((x, n, scale, seed), {"BLOCK": block}, {"num_warps": warps})
 
     a, b = torch.zeros(64, dtype=F16), torch.ones(64, dtype=F16)
-    assert key(a) == key(b) == key(a, scale=2.0) == key(a, seed=8) == key(torch.nn.Parameter(a))
-    assert key(a[1:]) != key(a)  # 2 bytes off: not 16-byte aligned
-    assert key(a[8:]) == key(a)  # 16 bytes off: aligned
-    assert key(a.float()) != key(a)
-    assert key(a, block=32) != key(a) != key(a, warps=8)
+    for which in (plain, marked):
+        assert key(a, on=which) == key(b, on=which) == key(a, scale=2.0, on=which)
+        assert key(torch.nn.Parameter(a), on=which) == key(a, on=which)
+        assert key(a[1:], on=which) != key(a, on=which)  # 2 bytes off: not 16-byte aligned
+        assert key(a[8:], on=which) == key(a, on=which)  # 16 bytes off: aligned
+        assert key(a.float(), on=which) != key(a, on=which)
+        assert key(a, block=32, on=which) != key(a, on=which) != key(a, warps=8, on=which)
+    assert key(a) == key(a, seed=8)
 
     def triton_spec(value, specialize=True):
         return native_specialize_impl(BaseBackend, value, False, specialize, True)
 
-    values = [0, 1, 2, 16, 17, 2**31, 2**40, -1, True, False, 0.5, 1.0, None]
+    values = [0, 1, 2, 16, 17, 2**31, 2**40, 2**63, -1, True, False, 0.5, 1.0, None]
     for u in values:
         for w in values:
             if triton_spec(u) != triton_spec(w):
@@ -547,6 +550,11 @@ def test_launches_take_the_direct_path_by_default(monkeypatch):
     fn.pre_run_hooks.append(print)
     assert launch.plain_run_needed(fn)
     fn.pre_run_hooks.clear()
+    for knob, name, value in ((knobs.runtime, "debug", True), (knobs.compilation, "instrumentation_mode", "x")):
+        with monkeypatch.context() as patch:
+            patch.setattr(knob, name, value)
+            assert launch.plain_run_needed(fn), name
+    assert not launch.plain_run_needed(fn)
     hook = lambda *args: None  # noqa: E731
     if hasattr(knobs.runtime.launch_enter_hook, "add"):
         knobs.runtime.launch_enter_hook.add(hook)
@@ -557,3 +565,27 @@ def test_launches_take_the_direct_path_by_default(monkeypatch):
     else:
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
         assert launch.plain_run_needed(fn)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a full grid of decode programs runs on the GPU")
+def test_full_grid_two_stage_build(monkeypatch):
+    """Contiguous decode in a full grid of short programs (34 sequences x 8 kv heads, 4k keys, head dim
+    128) takes the two-stage build (decode.FULL_GRID_STAGES); it matches the three-stage build and the
+    reference."""
+    from tileattn.kernels import decode
+    from tileattn.reference import attention_ref
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(34, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    kc, vc = (torch.randn(34, 4096, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    seqlens = torch.randint(3000, 4097, (34,), dtype=torch.int32, device=dev, generator=gen)
+    two = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    monkeypatch.setattr(decode, "FULL_GRID_STAGES", 0)
+    three = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    torch.testing.assert_close(two.float(), three.float(), atol=2e-2, rtol=0)
+    for b in (0, 33):
+        n = int(seqlens[b])
+        ref = attention_ref(q[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], upcast=torch.float64)[0]
+        low = attention_ref(q[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], upcast=False)[0]
+        check_close(f"full grid, sequence {b}", two[b : b + 1], ref, low)

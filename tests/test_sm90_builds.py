@@ -90,8 +90,9 @@ def test_decode_builds_as_the_settings_assume():
     shared memory of one block; 64 x 4k's full grid of short programs the two-stage build, two blocks
     per SM."""
     split, combine, paged16, _, paged256, _, full = _compiled(DECODE_CASES)
-    assert split["config"][3] == 3 and split["pdl"] and not split["tma"] and split["stack"] == 0, split
-    assert combine["kernel"] == "_combine" and combine["pdl"], combine
+    assert split["config"][3] == 3 and split["gdc_signal"] and not split["tma"] and split["stack"] == 0, split
+    # launched as a dependent, the combine must wait for the split kernel's partials in its code
+    assert combine["kernel"] == "_combine" and combine["pdl_launch"] and combine["gdc_wait"], combine
     assert paged16["config"][3] == 5 and not paged16["tma"] and paged16["stack"] == 0, paged16
     assert paged16["blocks_per_sm"] == 1, paged16
     assert paged256["config"][3] == 5 and paged256["tma"] and paged256["stack"] == 0, paged256

@@ -250,8 +250,8 @@ class _CheckedOnce:
             return seen[2]
         result = check()
         self._seen.pop(key, None)
-        while len(self._seen) >= self._limit:  # the oldest entry goes (never the one just checked)
-            del self._seen[next(iter(self._seen))]
+        while self._seen and len(self._seen) >= self._limit:  # the oldest goes (never the one just checked)
+            self._seen.pop(next(iter(self._seen), None), None)
         self._seen[key] = ([weakref.ref(t) for t in present], [t._version for t in present], result)
         return result
 

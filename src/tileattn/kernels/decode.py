@@ -517,8 +517,8 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
-# Contiguous caches in grids of two waves or more whose programs have at most FULL_GRID_TILES key tiles:
-# FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB, two blocks per SM) shorten the last
+# Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
+# have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB, two blocks per SM) shorten the last
 # wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM) +2 %; 64 x 16k level with them.
 FULL_GRID_STAGES = 2
 FULL_GRID_TILES = 32
@@ -647,7 +647,7 @@ def attn_fwd_kvcache(
         stages = PAGED_TMA_STAGES if use_tma else PAGED_LONG_STAGES if long_paged else cfg.num_stages
     else:
         use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
-        full_short = FULL_GRID_STAGES > 0 and not small_grid and tiles <= FULL_GRID_TILES
+        full_short = FULL_GRID_STAGES > 0 and p.block_d == 128 and not small_grid and tiles <= FULL_GRID_TILES
         stages = FULL_GRID_STAGES if full_short else cfg.num_stages
     _LAUNCH_KVCACHE(
         grid,

@@ -12,7 +12,7 @@ value (Triton specialises ints on their value: 1, multiples of 16, 64-bit range)
 type of each float argument (floats are not specialised), the constexpr values, the launch options and
 the current CUDA device (builds are loaded per device). It is a superset of Triton's specialisation
 key, so a hit launches the build Triton would have chosen. Parameters marked ``do_not_specialize``
-enter the key by type (ints by their 32- or 64-bit range).
+enter the key by type (ints by their range: 32-bit, 64-bit signed or unsigned).
 
 A hit skips what ``JITFunction.run`` does besides choosing the build: its pre-run hooks and
 instrumentation mode (``Launcher`` falls back to ``JITFunction.run`` while either is set, and under the
@@ -75,7 +75,7 @@ class Launcher:
                 if isinstance(a, tensor)
                 else (bool, a)
                 if type(a) is bool
-                else ((int, a in _INT32) if type(a) is int else type(a))
+                else ((int, a in _INT32, a >= 2**63) if type(a) is int else type(a))
                 if by_type
                 else float
                 if type(a) is float
