@@ -64,37 +64,27 @@ class Launcher:
         self.fn = fn
         self.plans: dict[tuple, tuple] = {}
         # (the interpreter's kernels have no params: they always take JITFunction.run's path)
-        self.by_type = tuple(p.do_not_specialize for p in getattr(fn, "params", ()))
-        self.any_by_type = any(self.by_type)
+        self.by_type = [i for i, p in enumerate(getattr(fn, "params", ())) if p.do_not_specialize]
 
     def _key(self, args: tuple, constexprs: dict, options: dict) -> tuple:
         tensor = torch.Tensor
-        if self.any_by_type:
-            key = tuple(
-                (a.dtype, a.data_ptr() % 16 == 0)
-                if isinstance(a, tensor)
-                else (bool, a)
-                if type(a) is bool
-                else ((int, a in _INT32, a >= 2**63) if type(a) is int else type(a))
-                if by_type
-                else float
-                if type(a) is float
-                else a
-                for a, by_type in zip(args, self.by_type)
-            )
-        else:  # ints by value, bools tagged (True == 1 as dict keys), None as it is
-            key = tuple(
-                (a.dtype, a.data_ptr() % 16 == 0)
-                if isinstance(a, tensor)
-                else float
-                if type(a) is float
-                else (bool, a)
-                if type(a) is bool
-                else a
-                for a in args
-            )
+        # ints by value, bools tagged (True == 1 as dict keys), floats by type, None as it is
+        key = [
+            (a.dtype, a.data_ptr() % 16 == 0)
+            if isinstance(a, tensor)
+            else float
+            if type(a) is float
+            else (bool, a)
+            if type(a) is bool
+            else a
+            for a in args
+        ]
+        for i in self.by_type:  # do_not_specialize: by type, ints by range (Triton's i32 / i64 / u64)
+            if i < len(args):
+                a = args[i]
+                key[i] = (int, a in _INT32, a >= 2**63) if type(a) is int else type(a)
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        return (device, key, tuple(constexprs.items()), tuple(options.items()))
+        return (device, tuple(key), tuple(constexprs.items()), tuple(options.items()))
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
         if plain_run_needed(self.fn) or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
