@@ -219,7 +219,7 @@ def _check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, 
         raise ValueError(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
+    if not _is_int(max_seqlen):
         raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
 
 
