@@ -14,10 +14,10 @@ import statistics
 from pathlib import Path
 
 import torch
-from decode_variants_settings import SETTINGS, apply
+from decode_variants_settings import apply
 from tabulate import tabulate
 
-from tileattn.bench.decode import _L2_BYTES, DECODE_BACKENDS, DECODE_CASES, capture_graph
+from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, capture_graph, decode_inputs
 
 
 def replay_ms(graph, calls: int, replays: int) -> float:
@@ -40,21 +40,9 @@ def main():
     ap.add_argument("--out", type=Path)
     ap.add_argument("variants", nargs="+")
     args = ap.parse_args()
-    nheads, nheads_k, headdim, dtype = 32, 8, 128, torch.bfloat16
     results = []
     for batch, cache_len in DECODE_CASES:
-        kv_bytes = 2 * batch * cache_len * nheads_k * headdim * 2
-        copies = max(1, -(-_L2_BYTES // kv_bytes))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        inputs = [
-            (
-                torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=dtype, generator=gen),
-                torch.randn(batch, cache_len, nheads_k, headdim, device="cuda", dtype=dtype, generator=gen),
-                torch.randn(batch, cache_len, nheads_k, headdim, device="cuda", dtype=dtype, generator=gen),
-            )
-            for _ in range(copies)
-        ]
-        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+        inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
         for layout in args.layouts:
             graphs = {}
             make = DECODE_BACKENDS[layout]
@@ -103,5 +91,4 @@ def main():
 
 
 if __name__ == "__main__":
-    assert SETTINGS
     main()

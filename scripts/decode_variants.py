@@ -21,30 +21,23 @@ With ``--out`` each variant's rows are appended (JSON lines and CSV) as soon as 
 import argparse
 from pathlib import Path
 
-from decode_variants_settings import SETTINGS
+from decode_variants_settings import apply
 from tabulate import tabulate
 
 from tileattn.bench.__main__ import append_results
 from tileattn.bench.decode import DECODE_CASES, format_decode, run_decode
-from tileattn.kernels import decode
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", type=Path)
 ap.add_argument("variants", nargs="*", default=[""])
 args = ap.parse_args()
-defaults = {name: getattr(decode, attr) for name, attr in SETTINGS.items()}
 rows = run_decode(cases=DECODE_CASES, backends=["sdpa-cudnn"])
 if args.out:
     append_results(args.out, rows)
 for variant in args.variants:
-    changes = dict(defaults)
-    for change in filter(None, variant.split(",")):
-        name, _, value = change.partition("=")
-        changes[name] = int(value)
-    for name, value in changes.items():
-        setattr(decode, SETTINGS[name], value)
     label = variant or "table"
-    new = run_decode(cases=DECODE_CASES, backends=["tileattn", "tileattn paged16", "tileattn paged256"])
+    with apply(variant):
+        new = run_decode(cases=DECODE_CASES, backends=["tileattn", "tileattn paged16", "tileattn paged256"])
     for r in new:
         if r["backend"].startswith("tileattn"):
             r["backend"] = f"{r['backend']} [{label}]"

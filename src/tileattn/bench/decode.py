@@ -129,20 +129,26 @@ DECODE_BACKENDS = {
 }
 
 
+def decode_inputs(batch, cache_len, nheads=32, nheads_k=8, headdim=128, dtype=torch.bfloat16, device="cuda"):
+    """``(inputs, seqlens, kv_bytes)`` of one decode row: ``(q, k_cache, v_cache)`` copies enough to
+    touch at least _L2_BYTES together (seeded), full caches, and the K+V bytes one call reads."""
+    kv_bytes = 2 * batch * cache_len * nheads_k * headdim * torch.finfo(dtype).bits // 8
+    copies = max(1, -(-_L2_BYTES // kv_bytes))
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = []
+    for _ in range(copies):
+        q = torch.randn(batch, 1, nheads, headdim, device=device, dtype=dtype, generator=gen)
+        kc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
+        vc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
+        inputs.append((q, kc, vc))
+    seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
+    return inputs, seqlens, kv_bytes
+
+
 def run_decode(dtype=torch.bfloat16, nheads=32, nheads_k=8, headdim=128, cases=None, backends=None, progress=print):
-    device = "cuda"
     rows = []
     for batch, cache_len in cases or DECODE_CASES:
-        kv_bytes = 2 * batch * cache_len * nheads_k * headdim * torch.finfo(dtype).bits // 8
-        copies = max(1, -(-_L2_BYTES // kv_bytes))
-        gen = torch.Generator(device=device).manual_seed(0)
-        inputs = []
-        for _ in range(copies):
-            q = torch.randn(batch, 1, nheads, headdim, device=device, dtype=dtype, generator=gen)
-            kc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
-            vc = torch.randn(batch, cache_len, nheads_k, headdim, device=device, dtype=dtype, generator=gen)
-            inputs.append((q, kc, vc))
-        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
+        inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len, nheads, nheads_k, headdim, dtype)
         base = dict(kind="decode", batch=batch, cache_len=cache_len, nheads=nheads, nheads_k=nheads_k, headdim=headdim)
         src = inputs[0][1]
         dst = torch.empty_like(src)
