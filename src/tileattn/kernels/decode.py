@@ -512,14 +512,16 @@ _MAX_SPLITS = 128
 
 
 # Pipeline stages of the decode kernel's key loop. 3 is what the decode table in docs/perf.md was measured
-# with (136 KiB of shared memory at head dim 128: one block per SM); 2 halves the buffers and fits three.
+# with (136 KiB of shared memory at head dim 128: one block per SM); 2 halves the buffers (72 KiB; two
+# blocks per SM at the 189 registers of that build).
 DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
 # Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
-# have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB, two blocks per SM) shorten the last
-# wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM) +2 %; 64 x 16k level with them.
+# have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB,
+# two blocks per SM) shorten the last wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM)
+# +2 %; 64 x 16k level with them.
 FULL_GRID_STAGES = 2
 FULL_GRID_TILES = 32
 # K/V tiles through TMA descriptors (common.use_tma decides per call: sm90+, aligned rows), for programs
