@@ -390,6 +390,57 @@ def test_cache_values_checked_once_per_step(monkeypatch):
     assert len(reads) == 5
 
 
+def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
+    """flash_attn_with_kvcache checks a call's metadata, and the kernels plan its launches, once per
+    signature (shapes, strides, dtypes, devices, address alignment, options with their types): a decode
+    loop's later calls reuse both with new values and stay exact. A call that differs only in a value's
+    type, a tensor's strides or its alignment has another signature: it is checked (and refused where it
+    must be) and planned again; so is a call after a decode setting changed."""
+    from tileattn import kvcache
+    from tileattn.kernels import decode
+
+    device = on(backend)[1]
+    q, kc, vc, args = _inputs(1, 1, {"causal": True, "rotary": "interleaved"}, 4, device)
+    planned = []
+    original = decode._plan
+    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(a[-1]) or original(*a))
+    monkeypatch.setattr(kvcache, "_CALLS", {})
+
+    def step(seqlens, **changes):
+        call = {**args, "cache_seqlens": torch.tensor(seqlens, dtype=torch.int32, device=device), **changes}
+        ref, k_ref, _ = kvcache_ref(q, kc.clone(), vc.clone(), **_ref_args(call))
+        lowp, _, _ = kvcache_ref(q, kc.clone(), vc.clone(), upcast=False, **_ref_args(call))
+        with on(backend)[0]:
+            out = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, **call)
+        check_close(f"step {seqlens}", out, ref, lowp)
+        assert torch.equal(dense_view(kc, args["block_table"], k_ref.shape[1]), k_ref.to(F16))
+
+    for seqlens in ([0, 17, 35], [5, 2, 34], [6, 3, 33]):  # key tiles per split alike: one plan
+        step(seqlens)
+    assert len(kvcache._CALLS) == 1
+    assert len(planned) == (1 if backend == "interpret" else 0)
+    step([1, 2, 3])  # fewer key tiles per program: planned again, same signature
+    assert len(kvcache._CALLS) == 1 and len(planned) == (2 if backend == "interpret" else 0)
+    with on(backend)[0]:
+        # (what step() passes, with one change each)
+        with pytest.raises(TypeError, match="causal"):
+            tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, **{**args, "causal": 1})
+        with pytest.raises(ValueError, match="window_size"):
+            tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, window_size=(True, -1), **args)
+        strided = torch.randn(*q.shape[:3], 2 * q.shape[3], dtype=F16, device=device)[..., ::2]
+        with pytest.raises(ValueError, match="contiguous in its last"):
+            tileattn.flash_attn_with_kvcache(strided, kc, vc, num_splits=2, **args)
+    assert len(kvcache._CALLS) == 1
+    shifted = torch.empty(q.numel() + 1, dtype=F16, device=device)[1:].view(q.shape)  # 2 bytes off
+    shifted.copy_(q)
+    q = shifted
+    step([7, 8, 9])
+    assert len(kvcache._CALLS) == 2
+    monkeypatch.setattr(decode, "DECODE_STAGES", decode.DECODE_STAGES + 1)
+    step([7, 8, 9])
+    assert len(planned) == (4 if backend == "interpret" else 0)
+
+
 def test_paged_prefill_values_checked_once(monkeypatch):
     """The paged varlen call checks cu_seqlens and the block table once until they change."""
     from tileattn import api, kvcache

@@ -240,14 +240,16 @@ class _CheckedOnce:
 
     def __call__(self, tensors: tuple[torch.Tensor | None, ...], args: tuple, check):
         present = [t for t in tensors if t is not None]
+        key = (tuple(map(id, tensors)), args)  # (None has one id)
+        seen = self._seen.get(key)
+        if seen is not None:  # the very tensors of the entry (so not inference tensors), unmodified?
+            for ref, version, t in zip(seen[0], seen[1], present):
+                if ref() is not t or t._version != version:
+                    break
+            else:
+                return seen[2]
         if any(t.is_inference() for t in present):
             return check()
-        key = (tuple(None if t is None else id(t) for t in tensors), args)
-        seen = self._seen.get(key)
-        if seen is not None and all(
-            ref() is t and version == t._version for ref, version, t in zip(seen[0], seen[1], present)
-        ):
-            return seen[2]
         result = check()
         self._seen.pop(key, None)
         while self._seen and len(self._seen) >= self._limit:  # the oldest goes (never the one just checked)
@@ -287,10 +289,30 @@ def _cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, m
 # --------------------------------------------------------------------------------------------------
 
 
+class _DeviceGuard:
+    """``torch.cuda.device(index)`` without its argument parsing (on every call of the API)."""
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self) -> None:
+        self.previous = torch.cuda._exchange_device(self.index)
+
+    def __exit__(self, *exc) -> bool:
+        torch.cuda._maybe_exchange_device(self.previous)
+        return False
+
+
+_NO_GUARD = contextlib.nullcontext()
+_GUARD = _DeviceGuard if hasattr(torch.cuda, "_maybe_exchange_device") else torch.cuda.device
+
+
 def _on_device(t: torch.Tensor):
     """Triton launches on the current CUDA device and its current stream: make the tensors' device
     current (its current stream is the caller's), so inputs on ``cuda:1`` never run on ``cuda:0``."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    return _GUARD(t.device.index) if t.is_cuda else _NO_GUARD
 
 
 def direct(*tensors: torch.Tensor | None) -> bool:

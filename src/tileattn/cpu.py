@@ -230,10 +230,11 @@ def _write_rows(
         cache[rows.unsqueeze(1), positions] = new
 
 
-def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span):
+def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span, plans=None):
     """Rotates the new keys at their cache positions and writes k, v into the caches in place; returns q
     rotated at ``seqlens + i`` (``q_span`` > 1) or at ``seqlens`` (q_span 1), or q itself without rotary.
-    ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as ``kernels.decode.kvcache_append``."""
+    ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as ``kernels.decode.kvcache_append``
+    (``plans`` is not used here)."""
     if k is not None:
         positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
         if rotary is not None:

@@ -14,6 +14,8 @@ out-of-range values then give unspecified results instead of an error.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -205,6 +207,146 @@ def flash_attn_with_kvcache(
     Validation (including index values, read on the host) happens before the caches are written; see
     the module docstring for CUDA graph capture.
     """
+    # the op's implementation directly in eager mode on plain tensors (api.direct: no dispatcher overhead);
+    # there, checks and launch plans are kept per call signature (none while tracing or under a mode)
+    direct = api.direct(q, k_cache, v_cache, k, v)
+    key = None
+    if direct:
+        key = _call_key(
+            (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
+            + (block_table, alibi_slopes),
+            (cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits),
+            return_softmax_lse,
+        )
+    try:
+        call = _CALLS.get(key) if key is not None else None
+    except TypeError:  # an unhashable value (the checks will say what is wrong with it)
+        key = call = None
+    if call is None:
+        call = _check_call(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            rotary_interleaved,
+            alibi_slopes,
+            num_splits,
+            return_softmax_lse,
+        )
+        if key is not None:
+            while len(_CALLS) >= _MAX_CALLS:
+                _CALLS.pop(next(iter(_CALLS)))
+            _CALLS[key] = call
+    device = q.device
+    if call.seqlens_value is None:
+        seqlens = cache_seqlens.contiguous()
+    else:  # an int, or None: the whole capacity
+        seqlens = torch.full((call.batch,), call.seqlens_value, dtype=torch.int32, device=device)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        seqlens,
+        cache_batch_idx.contiguous() if cache_batch_idx is not None else None,
+        cache_leftpad.contiguous() if cache_leftpad is not None else None,
+        block_table.contiguous() if block_table is not None else None,
+        alibi_slopes.contiguous() if alibi_slopes is not None else None,
+        call.scale,
+        call.left,
+        call.right,
+        call.softcap,
+        rotary_interleaved,
+        call.num_splits,
+        call.q_span,
+    )
+    if direct:
+        out, lse = _fwd_kvcache(*args, plans=call.plans, seqlens_value=call.seqlens_value)
+        if k is not None:  # what the op's dispatcher does for its mutated arguments
+            torch.autograd.graph.increment_version((k_cache, v_cache))
+    else:
+        out, lse = torch.ops.tileattn.fwd_kvcache(*args)
+    return (out, lse) if return_softmax_lse else out
+
+
+_MAX_CALLS = 1024  # call keys remembered (see flash_attn_with_kvcache); beyond that the oldest go
+_CALLS: dict[tuple, _Call] = {}
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+def _other_meta(t: object) -> type:
+    if isinstance(t, torch.Tensor):  # a subclass: no key
+        raise _Unkeyed
+    return type(t)
+
+
+def _call_key(tensors: tuple, scalars: tuple, return_lse: object) -> tuple | None:
+    """The key of a flash_attn_with_kvcache call's metadata: everything its checks and launch plans read
+    except index values. A plain tensor enters by shape, strides, dtype, device and address alignment
+    (Triton specialises on 16-byte alignment); None as None; any other object by type (the checks
+    refuse those, or read an int cache_seqlens from the scalars). Scalars enter with their types
+    (True == 1 and 1.0 == 1 as keys). None: no key (a tensor subclass, or a window_size that is not a
+    tuple): the call is checked in full."""
+    cache_seqlens, scale, causal, window, softcap, interleaved, num_splits = scalars
+    if type(window) is not tuple:
+        return None
+    tensor = torch.Tensor
+    try:
+        metas = [
+            (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+            if type(t) is tensor
+            else None
+            if t is None
+            else _other_meta(t)
+            for t in tensors
+        ]
+    except _Unkeyed:
+        return None
+    values = (cache_seqlens if type(cache_seqlens) is not tensor else None, scale, causal, *window)
+    values += (softcap, interleaved, num_splits, return_lse)
+    return (*metas, values, tuple(map(type, values)))
+
+
+def _check_call(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+) -> _Call:
+    """Every check of flash_attn_with_kvcache's arguments that their metadata decides (all but the index
+    values, which ``_check_values`` reads on the device): the normalised call, or a clear error."""
     q = api._check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     layout = "(batch_cache or num_pages, seqlen_cache or page_block_size, nheads_k, headdim)"
     k_cache = api._check_tensor("k_cache", k_cache, layout)
@@ -224,7 +366,6 @@ def flash_attn_with_kvcache(
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
     api._check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3])
-    seqlen_new = 0
     if has_new:
         seqlen_new = k.shape[1]
         expected = (batch, seqlen_new, nheads_k, headdim)
@@ -252,56 +393,56 @@ def flash_attn_with_kvcache(
                 f"k_cache holds {batch_cache} sequences but q has batch {batch}; pass cache_batch_idx to map them"
             )
     if cache_batch_idx is not None:
-        cache_batch_idx = _check_int32("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
+        _check_int32("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
+    seqlens_value = None
     if cache_seqlens is None:
         if has_new:
             raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=device)
+        seqlens_value = capacity
     elif type(cache_seqlens) is not torch.Tensor and api._is_int(cache_seqlens):
-        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+        seqlens_value = int(cache_seqlens)
     else:
-        seqlens = _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,) or an int", device)
+        _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,) or an int", device)
     if cache_leftpad is not None:
-        cache_leftpad = _check_int32("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
-    rotary = _check_rotary(rotary_cos, rotary_sin, q, has_new)
+        _check_int32("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
+    _check_rotary(rotary_cos, rotary_sin, q, has_new)
     if not api._is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
-    rotary_interleaved = _check_flag("rotary_interleaved", rotary_interleaved)
-    return_softmax_lse = _check_flag("return_softmax_lse", return_softmax_lse)
+    _check_flag("rotary_interleaved", rotary_interleaved)
+    _check_flag("return_softmax_lse", return_softmax_lse)
     _, scale, left, right, softcap = api._check_options(0.0, softmax_scale, causal, window_size, softcap, False, False)
     local = tuple(window_size) != (-1, -1)
-    q_span = seqlen_q if (causal or local) else 1
     api._check_extent(seqlen_q, {"q": q})
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
-
-    # the op's implementation directly in eager mode on plain tensors (api.direct: no dispatcher overhead)
-    direct = api.direct(q, k_cache, v_cache, k, v)
-    op = _fwd_kvcache_impl if direct else torch.ops.tileattn.fwd_kvcache
-    out, lse = op(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary[0] if rotary is not None else None,
-        rotary[1] if rotary is not None else None,
-        seqlens,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        api._check_alibi(alibi_slopes, batch, nheads, device),
-        api.resolve_scale(scale, headdim),
-        left,
-        right,
-        softcap,
-        rotary_interleaved,
-        int(num_splits),
-        q_span,
+    api._check_alibi(alibi_slopes, batch, nheads, device)
+    return _Call(
+        batch=batch,
+        seqlens_value=seqlens_value,
+        scale=api.resolve_scale(scale, headdim),
+        left=left,
+        right=right,
+        softcap=softcap,
+        num_splits=int(num_splits),
+        q_span=seqlen_q if (causal or local) else 1,
+        plans={},
     )
-    if direct and has_new:  # what the op's dispatcher does for its mutated arguments
-        torch.autograd.graph.increment_version((k_cache, v_cache))
-    return (out, lse) if return_softmax_lse else out
+
+
+class _Call(NamedTuple):
+    """A validated flash_attn_with_kvcache call, normalised: seqlens_value is cache_seqlens given as an
+    int (or the capacity when it is None); None when it is a tensor. ``plans``: where the kernels keep
+    the launch plans of calls with this metadata (``CacheLayout.plans``)."""
+
+    batch: int
+    seqlens_value: int | None
+    scale: float
+    left: int
+    right: int
+    softcap: float
+    num_splits: int
+    q_span: int
+    plans: dict
 
 
 def _fwd_kvcache_impl(
@@ -325,7 +466,58 @@ def _fwd_kvcache_impl(
     num_splits: int,
     q_span: int,
 ) -> tuple[Tensor, Tensor]:
-    """Value checks, rotary, the in-place append and the attention (metadata already validated)."""
+    """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
+    (metadata already validated)."""
+    return _fwd_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        alibi_slopes,
+        softmax_scale,
+        window_left,
+        window_right,
+        softcap,
+        rotary_interleaved,
+        num_splits,
+        q_span,
+    )
+
+
+def _fwd_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    seqlens: Tensor,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+    q_span: int,
+    plans: dict | None = None,
+    seqlens_value: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``_fwd_kvcache_impl`` with, from the eager API: ``plans``, the table in which the kernels plan the
+    launches of calls with this call's metadata once (``CacheLayout.plans``), and ``seqlens_value``, the
+    value of every entry of ``seqlens`` when the caller gave cache_seqlens as an int (its checks are then
+    remembered with the other index tensors' instead of reading a new tensor every call)."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
@@ -354,8 +546,8 @@ def _fwd_kvcache_impl(
 
         # once per step, not per layer: the layers share cache_seqlens and block_table (api.checked_once)
         max_seqlen_k = api.checked_once(
-            (seqlens, cache_leftpad, cache_batch_idx, block_table),
-            ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span),
+            (seqlens if seqlens_value is None else None, cache_leftpad, cache_batch_idx, block_table),
+            ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span, seqlens_value, batch),
             check,
         )
     p = AttnParams(
@@ -372,7 +564,7 @@ def _fwd_kvcache_impl(
     impl = api._implementation(q)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
     with api._on_device(q):
-        q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span)
+        q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span, plans)
         c = CacheLayout(
             seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
             leftpad=cache_leftpad,
@@ -380,6 +572,7 @@ def _fwd_kvcache_impl(
             block_table=block_table,
             num_splits=num_splits,
             max_seqlen_k=max_seqlen_k,
+            plans=plans,
         )
         if q.numel() == 0:
             return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
@@ -387,10 +580,12 @@ def _fwd_kvcache_impl(
     return out.contiguous(), lse
 
 
-_fwd_kvcache = torch.library.custom_op("tileattn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache"))
+_fwd_kvcache_op = torch.library.custom_op(
+    "tileattn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache")
+)
 
 
-@_fwd_kvcache.register_fake
+@_fwd_kvcache_op.register_fake
 def _(q, *args):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)

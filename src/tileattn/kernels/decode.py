@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ class CacheLayout:
     appended tokens); leftpad: int32 ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)``
     cache row of each sequence, or None for row b; block_table: int32 ``(batch, max_pages)`` or None;
     num_splits: 0 = heuristic; max_seqlen_k: the longest key range if known on the host (else the
-    capacity is assumed)."""
+    capacity is assumed); plans: a dict in which the launches of calls with the same metadata as this
+    one are planned once (``attn_fwd_kvcache``; the API keeps one per call signature), or None to plan
+    them for this call only."""
 
     seqlens_k: torch.Tensor
     leftpad: torch.Tensor | None = None
@@ -44,6 +47,7 @@ class CacheLayout:
     block_table: torch.Tensor | None = None
     num_splits: int = 0
     max_seqlen_k: int | None = None
+    plans: dict | None = None
 
 
 @triton.jit
@@ -588,52 +592,193 @@ def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int)
     return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
 
 
+# Module names a decode plan depends on besides the call's metadata: the settings above (changed at run
+# time by scripts/decode_variants_settings.py and by tests) and the helpers tests replace.
+_PLAN_INPUTS = (
+    "DECODE_STAGES",
+    "DECODE_WAVES",
+    "FULL_GRID_STAGES",
+    "FULL_GRID_TILES",
+    "DECODE_TMA",
+    "PAGED_TMA",
+    "PAGED_TMA_STAGES",
+    "DECODE_TMA_TILES",
+    "DECODE_PDL",
+    "PAGED_LONG_STAGES",
+    "PAGED_LONG_TILES",
+    "PAGED_WARPS",
+    "COMBINE_SPLITS_PER_LOAD",
+    "_config_for",
+    "_has_pdl",
+    "_sm_count",
+)
+_plan_inputs = operator.itemgetter(*_PLAN_INPUTS)  # (a tuple of their values, from globals())
+_MAX_PLANS = 64  # plans kept per call signature and settings; beyond that the oldest go
+
+
+def _remember(table: dict, key, value, limit: int = _MAX_PLANS):
+    while len(table) >= limit:
+        table.pop(next(iter(table)))
+    table[key] = value
+    return value
+
+
+class _Launch:
+    """One launch of a plan: the kernel's scalar arguments and constexprs fixed, its tensor arguments
+    given per call. The first call launches through the ``Launcher``; later calls launch the build that
+    call bound (``launch.Bound``), valid because a plan is only reused for calls whose tensors have the
+    same dtypes and alignments (its key)."""
+
+    __slots__ = ("launcher", "grid", "fixed", "constexprs", "options", "bound")
+
+    def __init__(self, launcher: Launcher, grid: tuple, fixed: tuple, constexprs: dict, **options):
+        self.launcher, self.grid, self.fixed = launcher, grid, fixed
+        self.constexprs, self.options = constexprs, options
+        self.bound = None
+
+    def __call__(self, tensors: tuple) -> None:
+        if self.bound is not None:
+            self.bound(tensors + self.fixed)
+        else:
+            self.bound = self.launcher.bind(self.grid, tensors + self.fixed, self.constexprs, **self.options)
+
+
+@dataclass
+class _Base:
+    """What a decode call's metadata fixes before its split count: packed query rows, programs per
+    split, the LSE's shape, and the plans built so far by (num_splits, key tiles per program)."""
+
+    cfg: KernelConfig
+    programs: int
+    lse_shape: tuple
+    sm_count: int
+    plans: dict = dataclasses.field(default_factory=dict)
+    split_counts: dict = dataclasses.field(default_factory=dict)
+
+    def splits(self, p: AttnParams, c: CacheLayout) -> tuple[int, int]:
+        """(num_splits, key tiles per program at most) of a call."""
+        key = (c.num_splits, c.max_seqlen_k)
+        counts = self.split_counts.get(key)
+        if counts is None:
+            counts = _remember(self.split_counts, key, self._splits(p, c))
+        return counts
+
+    def _splits(self, p: AttnParams, c: CacheLayout) -> tuple[int, int]:
+        block_n = self.cfg.block_n
+        num_splits = c.num_splits
+        if num_splits == 0:
+            max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
+            num_splits = choose_splits(self.programs, max_k, block_n, self.sm_count)
+        num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), block_n)))
+        return num_splits, cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), block_n * num_splits)
+
+
+def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
+    rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
+    cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+    programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
+    nheads = q4.shape[2]
+    lse_shape = (nheads, q4.shape[1]) if p.is_varlen else (p.batch, nheads, p.seqlen_q)
+    return _Base(cfg, programs, lse_shape, _sm_count(q4.device))
+
+
 def attn_fwd_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c: CacheLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``(batch, seqlen_q, nheads, d)`` (or ``(total_q, nheads, d)`` with p.cu_seqlens_q); caches as in
-    the module docstring. Returns ``(out, lse)`` laid out like the training forward's."""
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous: _combine addresses it flat
-    q4, o4 = p.as_4d(q), p.as_4d(out)
+    the module docstring. Returns ``(out, lse)`` laid out like the training forward's.
+
+    With ``c.plans`` (the API's table for calls whose arguments have the same shapes, strides, dtypes,
+    devices, alignments and options as this one) the launches are planned once per split count, key
+    tiles per program and module settings: later calls only allocate the outputs and launch."""
+    q4 = p.as_4d(q)
+    table = c.plans
+    base = None
+    if table is not None:
+        settings = _plan_inputs(globals())
+        base = table.get(settings)
+    if base is None:
+        base = _new_base(q4, k_cache, p)
+        if table is not None:
+            _remember(table, settings, base)
+    device = q.device
+    num_splits, tiles = base.splits(p, c)
+    out = torch.empty(q.shape, device=device, dtype=q.dtype)  # contiguous: _combine addresses it flat
+    o4 = p.as_4d(out)
+    lse = torch.empty(base.lse_shape, device=device, dtype=torch.float32)
+    split = num_splits > 1
+    if split:  # the partial LSEs, then (16-byte aligned) the partial outputs: one allocation
+        n_lse = num_splits * lse.numel()
+        at = -(-n_lse // 4) * 4
+        l_target = torch.empty(at + num_splits * out.numel(), device=device, dtype=torch.float32)
+        o_target = l_target[at:]
+    else:
+        o_target, l_target = o4, lse
+    plan = base.plans.get((num_splits, tiles))
+    if plan is None:
+        plan = _plan(base, q4, k_cache, v_cache, o4, lse, o_target, l_target, p, c, num_splits, tiles)
+        if table is not None:
+            _remember(base.plans, (num_splits, tiles), plan)
+    seqlens = c.seqlens_k
+    plan[0](
+        (
+            q4,
+            k_cache,
+            v_cache,
+            o_target,
+            l_target,
+            p.alibi_slopes if p.alibi_slopes is not None else lse,
+            seqlens,
+            c.leftpad if c.leftpad is not None else seqlens,
+            c.batch_idx if c.batch_idx is not None else seqlens,
+            c.block_table if c.block_table is not None else seqlens,
+            p.cu_seqlens_q if p.cu_seqlens_q is not None else seqlens,
+        )
+    )
+    if split:
+        plan[1]((o_target, l_target, o4, lse))
+    return out, lse
+
+
+def _plan(
+    base: _Base,
+    q4: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    o4: torch.Tensor,
+    lse: torch.Tensor,
+    o_target: torch.Tensor,
+    l_target: torch.Tensor,
+    p: AttnParams,
+    c: CacheLayout,
+    num_splits: int,
+    tiles: int,
+) -> tuple[_Launch, _Launch | None]:
+    """The split kernel's launch and the combine's (None without splits) for this call's metadata. The
+    partial outputs and LSEs (flat buffers) are addressed by the strides given here: each split's slice
+    is laid out like o4 / lse."""
     nheads, headdim = q4.shape[2], q4.shape[3]
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
-    lse = p.new_lse(q4)
-    rows = group * p.seqlen_q
     interpret = interpreting()
-    cfg = _config_for(rows, p.block_d, interpret, DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+    cfg = base.cfg
     paged = c.block_table is not None
-    m_blocks = cdiv(rows, cfg.block_m)
-    programs = m_blocks * p.batch * nheads_k
-    sm_count = _sm_count(q.device)
-    num_splits = c.num_splits
-    if num_splits == 0:
-        max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
-        num_splits = choose_splits(programs, max_k, cfg.block_n, sm_count)
-    num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), cfg.block_n)))
     split = num_splits > 1
-    pdl = split and DECODE_PDL and _has_pdl(q.device)
+    pdl = split and DECODE_PDL and _has_pdl(q4.device)
     if split:
-        out_p = torch.empty((num_splits, *o4.shape), device=q.device, dtype=torch.float32)
-        lse_p = torch.empty((num_splits, *lse.shape), device=q.device, dtype=torch.float32)
-        o_target, l_target = out_p, lse_p
-        # each split's slice is laid out like o4 / lse (all four contiguous)
         o_strides = (o4.numel(), *p.strides(o4))
         l_strides = (lse.numel(), *p.lse_strides(lse))
     else:
-        o_target, l_target = o4, lse
         o_strides = (0, *p.strides(o4))
         l_strides = (0, *p.lse_strides(lse))
-    table = c.block_table if paged else c.seqlens_k
     if paged:
         page_size, num_rows = k_cache.shape[1], k_cache.shape[0]
         capacity = c.block_table.shape[1] * page_size
+        table_stride = c.block_table.stride(0)
     else:
         page_size, num_rows, capacity = 1, k_cache.shape[0], k_cache.shape[1]
-    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
-    grid = (m_blocks, p.batch * nheads_k, num_splits)
-    small_grid = programs * num_splits < 2 * sm_count
-    tiles = cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), cfg.block_n * num_splits)  # per program, at most
+        table_stride = c.seqlens_k.stride(0)
+    small_grid = base.programs * num_splits < 2 * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
     if paged:
         use_tma = (
@@ -651,20 +796,11 @@ def attn_fwd_kvcache(
         use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
         full_short = FULL_GRID_STAGES > 0 and p.block_d == 128 and not small_grid and tiles <= FULL_GRID_TILES
         stages = FULL_GRID_STAGES if full_short else cfg.num_stages
-    _LAUNCH_KVCACHE(
-        grid,
+    m_blocks = base.programs // (p.batch * nheads_k)
+    attn = _Launch(
+        _LAUNCH_KVCACHE,
+        (m_blocks, p.batch * nheads_k, num_splits),
         (
-            q4,
-            k_cache,
-            v_cache,
-            o_target,
-            l_target,
-            alibi,
-            c.seqlens_k,
-            c.leftpad if c.leftpad is not None else c.seqlens_k,
-            c.batch_idx if c.batch_idx is not None else c.seqlens_k,
-            table,
-            p.cu_seqlens_q if p.is_varlen else c.seqlens_k,
             *p.strides(q4),
             k_cache.stride(0),
             k_cache.stride(1),
@@ -675,7 +811,7 @@ def attn_fwd_kvcache(
             *o_strides,
             *l_strides,
             p.alibi_batch_stride(),
-            table.stride(0),
+            table_stride,
             nheads_k,
             group,
             p.seqlen_q,
@@ -709,25 +845,26 @@ def attn_fwd_kvcache(
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
     )
-    if split:
-        n_rows = o4.numel() // headdim
-        block_r, chunk = _combine_tiles(num_splits, p.block_d)
-        seqlen = q4.shape[1]  # tokens per batch entry (total tokens in varlen mode)
-        _LAUNCH_COMBINE(
-            (cdiv(n_rows, block_r), 1, 1),
-            (out_p, lse_p, o4, lse, out_p.stride(0), lse_p.stride(0), n_rows, nheads, seqlen, num_splits),
-            {
-                "HEAD_DIM": headdim,
-                "BLOCK_D": p.block_d,
-                "BLOCK_R": block_r,
-                "SPLITS_PAD": max(2, next_power_of_2(num_splits)),
-                "CHUNK": chunk,
-                "USE_PDL": pdl,
-            },
-            num_warps=4,
-            **({"launch_pdl": True} if pdl else {}),
-        )
-    return out, lse
+    if not split:
+        return attn, None
+    n_rows = o4.numel() // headdim
+    block_r, chunk = _combine_tiles(num_splits, p.block_d)
+    combine = _Launch(
+        _LAUNCH_COMBINE,
+        (cdiv(n_rows, block_r), 1, 1),
+        (o4.numel(), lse.numel(), n_rows, nheads, q4.shape[1], num_splits),
+        {
+            "HEAD_DIM": headdim,
+            "BLOCK_D": p.block_d,
+            "BLOCK_R": block_r,
+            "SPLITS_PAD": max(2, next_power_of_2(num_splits)),
+            "CHUNK": chunk,
+            "USE_PDL": pdl,
+        },
+        num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return attn, combine
 
 
 @triton.jit
@@ -820,13 +957,52 @@ def _rotate_rows(
 _LAUNCH_ROTATE = Launcher(_rotate_rows)
 
 
-def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode):
+def _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_batch_idx) -> _Launch:
     batch, seqlen, nheads, headdim = src.shape
-    if batch * seqlen * nheads == 0:
-        return
-    cos, sin, interleaved = rotary if rotary is not None else (seqlens, seqlens, False)
-    _LAUNCH_ROTATE(
+    cos = rotary[0] if rotary is not None else None
+    return _Launch(
+        _LAUNCH_ROTATE,
         (batch * seqlen, nheads, 1),
+        (
+            src.stride(0),
+            src.stride(1),
+            src.stride(2),
+            dst.stride(0),
+            dst.stride(1),
+            dst.stride(2),
+            block_table.stride(0) if block_table is not None else 0,
+            cos.stride(0) if cos is not None else 0,
+            seqlen,
+            nheads,
+            cos.shape[1] if cos is not None else 0,
+            block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
+            dst.shape[0],
+        ),
+        {
+            "HEAD_DIM": headdim,
+            "BLOCK_D": padded_headdim(headdim),
+            "ROTARY": rotary is not None,
+            "INTERLEAVED": bool(rotary[2]) if rotary is not None else False,
+            "POS_PER_TOKEN": pos_per_token,
+            "DST_MODE": dst_mode,
+            "PAGE_SIZE": dst.shape[1] if dst_mode == 2 else 1,
+            "HAS_BATCH_IDX": has_batch_idx,
+        },
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
+
+
+def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode, plans, which):
+    if src.numel() == 0:
+        return
+    launch = plans.get(which) if plans is not None else None
+    if launch is None:
+        launch = _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, batch_idx is not None)
+        if plans is not None:
+            _remember(plans, which, launch)
+    cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
+    launch(
         (
             src,
             dst,
@@ -835,44 +1011,20 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
             block_table if block_table is not None else seqlens,
             cos,
             sin,
-            src.stride(0),
-            src.stride(1),
-            src.stride(2),
-            dst.stride(0),
-            dst.stride(1),
-            dst.stride(2),
-            block_table.stride(0) if block_table is not None else 0,
-            cos.stride(0) if rotary is not None else 0,
-            seqlen,
-            nheads,
-            cos.shape[1] if rotary is not None else 0,
-            block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
-            dst.shape[0],
-        ),
-        {
-            "HEAD_DIM": headdim,
-            "BLOCK_D": padded_headdim(headdim),
-            "ROTARY": rotary is not None,
-            "INTERLEAVED": bool(interleaved),
-            "POS_PER_TOKEN": pos_per_token,
-            "DST_MODE": dst_mode,
-            "PAGE_SIZE": dst.shape[1] if dst_mode == 2 else 1,
-            "HAS_BATCH_IDX": batch_idx is not None,
-        },
-        num_warps=1,
-        enable_fp_fusion=False,
+        )
     )
 
 
-def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span):
+def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span, plans=None):
     """The in-place append of ``flash_attn_with_kvcache`` in one launch per tensor (rotated k, v, and
-    the rotated copy of q): same interface and results as ``tileattn.cpu.kvcache_append``."""
+    the rotated copy of q): same interface and results as ``tileattn.cpu.kvcache_append``. ``plans`` as
+    ``CacheLayout.plans``: the launches are planned once per table."""
     if k is not None:
         mode = 2 if block_table is not None else 1
-        _launch_rotate(k, k_cache, seqlens, batch_idx, block_table, rotary, True, mode)
-        _launch_rotate(v, v_cache, seqlens, batch_idx, block_table, None, True, mode)
+        _launch_rotate(k, k_cache, seqlens, batch_idx, block_table, rotary, True, mode, plans, ("rotate", "k"))
+        _launch_rotate(v, v_cache, seqlens, batch_idx, block_table, None, True, mode, plans, ("rotate", "v"))
     if rotary is None:
         return q
     q_rot = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    _launch_rotate(q, q_rot, seqlens, None, None, rotary, q_span > 1, 0)
+    _launch_rotate(q, q_rot, seqlens, None, None, rotary, q_span > 1, 0, plans, ("rotate", "q"))
     return q_rot

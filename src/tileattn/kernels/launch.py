@@ -18,8 +18,13 @@ A hit skips what ``JITFunction.run`` does besides choosing the build: its pre-ru
 instrumentation mode (``Launcher`` falls back to ``JITFunction.run`` while either is set, and under the
 interpreter, Triton's debug mode or a launch hook) and its check that the kernel's global variables
 have not changed since it was compiled (tileattn's kernels read none). With the environment variable
-``TILEATTN_VERIFY_LAUNCH=1`` (the GPU tests set it) every hit is checked against the build
-``JITFunction.run`` selects.
+``TILEATTN_VERIFY_LAUNCH=1`` set when this module is imported (the GPU tests set it) every hit is
+checked against the build ``JITFunction.run`` selects.
+
+``Launcher.bind`` also returns the build it launched as a ``Bound``: callers that know their next
+launches have the same key (``kernels.decode`` plans its launches once per call signature) launch it
+again without computing the key, and without Triton's launch-metadata and hook calls while no hook is
+set.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from triton.runtime.jit import JITFunction
 
 from tileattn.kernels.configs import interpreting
 
-_MAX_PLANS = 4096  # builds remembered per kernel; beyond that the table starts over
+# Checks every launch against Triton's own choice of build (read once, when this module is imported).
+VERIFY = os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1"
+_MAX_PLANS = 4096  # builds remembered per kernel; beyond that the oldest go
 _INT32 = range(-(2**31), 2**31)
 
 
@@ -45,11 +52,16 @@ def _hooked(hook) -> bool:
 def plain_run_needed(fn) -> bool:
     """Whether launches of ``fn`` must go through ``JITFunction.run``: under the interpreter, in Triton's
     debug or instrumentation mode, or while a launch hook or one of ``fn``'s pre-run hooks is set."""
+    return interpreting() or _hooks_set(fn)
+
+
+def _hooks_set(fn) -> bool:
+    """``plain_run_needed`` but for the interpreter (fixed once a kernel is defined)."""
+    runtime = knobs.runtime
     return bool(
-        interpreting()
-        or knobs.runtime.debug
-        or _hooked(knobs.runtime.launch_enter_hook)
-        or _hooked(knobs.runtime.launch_exit_hook)
+        runtime.debug
+        or _hooked(runtime.launch_enter_hook)
+        or _hooked(runtime.launch_exit_hook)
         or knobs.compilation.instrumentation_mode
         or getattr(fn, "pre_run_hooks", None)
     )
@@ -87,9 +99,14 @@ class Launcher:
         return (device, tuple(key), tuple(constexprs.items()), tuple(options.items()))
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
+        self.bind(grid, args, constexprs, **options)
+
+    def bind(self, grid: tuple, args: tuple, constexprs: dict, **options) -> Bound | None:
+        """Launches like ``__call__``; returns the build it launched bound to this grid, constexprs and
+        options (None when the launch went through ``JITFunction.run``)."""
         if plain_run_needed(self.fn) or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             self.fn[grid](*args, **constexprs, **options)
-            return
+            return None
         grid = (*grid, 1, 1)[:3]
         key = self._key(args, constexprs, options)
         plan = self.plans.get(key)
@@ -97,14 +114,71 @@ class Launcher:
             kernel = self.fn[grid](*args, **constexprs, **options)
             names = self.fn.arg_names[len(args) :]
             if kernel is None or set(names) != set(constexprs):  # not every parameter named: no plan
-                return
-            if len(self.plans) >= _MAX_PLANS:
-                self.plans.clear()
-            self.plans[key] = (kernel, tuple(constexprs[name] for name in names))
+                return None
+            while len(self.plans) >= _MAX_PLANS:  # the oldest goes
+                self.plans.pop(next(iter(self.plans)))
+            self.plans[key] = plan = (kernel, tuple(constexprs[name] for name in names))
+        else:
+            if VERIFY:
+                self.verify(plan[0], grid, args, constexprs, options)
+            plan[0][grid](*args, *plan[1])
+        return Bound(self, grid, key, plan[0], plan[1], constexprs, options)
+
+    def verify(self, kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
+        chosen = self.fn.run(*args, grid=grid, warmup=True, **constexprs, **options)
+        if chosen is not kernel:
+            raise AssertionError(f"{self.fn.__name__}: the launch key chose another build than Triton")
+
+
+# Triton versions whose CUDA launcher (``CudaLauncher``) is called here without its Python wrapper: its
+# C ``launch(grid x, y, z, stream, function, cooperative, pdl, global scratch, profile scratch,
+# packed metadata, launch metadata, enter hook, exit hook, *args)``, read from Triton 3.6's driver.
+_C_LAUNCH_VERSIONS = ("3.6.",)
+
+
+class Bound:
+    """One build of a kernel at one grid: ``bound(args)`` launches it with leading arguments ``args``,
+    which the caller guarantees to have the launch key it was bound with (the same dtypes, 16-byte
+    alignments, int values, ... as the arguments of the launch that bound it). That skips the key as
+    well: a launch is Triton's launcher call alone, without its launch-metadata and hook calls (made
+    only while no hook is set; otherwise the launch goes through ``Launcher`` again). Builds that need
+    no scratch memory are launched by the launcher's C entry point directly (Triton 3.6; others through
+    its Python wrapper, which allocates the scratch). With ``TILEATTN_VERIFY_LAUNCH=1`` every launch
+    checks the key of ``args`` and Triton's own choice of build."""
+
+    __slots__ = ("launcher", "grid", "key", "kernel", "tail", "constexprs", "options", "_launch", "_head", "_stream")
+
+    def __init__(self, launcher: Launcher, grid: tuple, key: tuple, kernel, tail: tuple, constexprs, options):
+        self.launcher, self.grid, self.key, self.kernel, self.tail = launcher, grid, key, kernel, tail
+        self.constexprs, self.options = constexprs, options
+        self._launch = None
+        if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             return
-        kernel, tail = plan
-        if os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1":
-            chosen = self.fn.run(*args, grid=grid, warmup=True, **constexprs, **options)
-            if chosen is not kernel:
-                raise AssertionError(f"{self.fn.__name__}: the launch key chose another build than Triton")
-        kernel[grid](*args, *tail)
+        import triton
+        from triton.runtime import driver
+
+        active = driver.active
+        self._stream = (active.get_current_device, active.get_current_stream)
+        run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+        # what CompiledKernel's runner passes, with no launch metadata and no hooks (none is set)
+        self._launch, self._head = run, (function, metadata, None, None, None)
+        c_entry = all(
+            hasattr(run, name)
+            for name in ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid")
+        )
+        if c_entry and triton.__version__.startswith(_C_LAUNCH_VERSIONS) and hasattr(run, "launch_pdl"):
+            if not run.global_scratch_size and not run.profile_scratch_size:
+                pdl = run.launch_pdl
+                self._launch = run.launch
+                self._head = (function, run.launch_cooperative_grid, pdl, None, None, metadata, None, None, None)
+
+    def __call__(self, args: tuple) -> None:
+        if self._launch is None or _hooks_set(self.launcher.fn):  # (a bound kernel is not interpreted)
+            self.launcher(self.grid, args, self.constexprs, **self.options)
+            return
+        if VERIFY:
+            if self.launcher._key(args, self.constexprs, self.options) != self.key:
+                raise AssertionError(f"{self.launcher.fn.__name__}: bound launch with arguments of another key")
+            self.launcher.verify(self.kernel, self.grid, args, self.constexprs, self.options)
+        device, stream = self._stream
+        self._launch(*self.grid, stream(device()), *self._head, *args, *self.tail)
