@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache at 1 x 8k instead")
     args = ap.parse_args()
     if args.decode:
-        return decode()
+        return decode(args.profile)
     q, k, v = (torch.randn(8, 512, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 
@@ -89,9 +89,11 @@ def main():
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
-def decode():
+def decode(profile=False):
     """Host and GPU time of one decode step's attention call (1 x 8k, GQA 32/8, head dim 128): the plain
-    call, paged (pages of 16), with a new token appended and rotated, against SDPA's cuDNN backend."""
+    call, paged (pages of 16), with a new token appended and rotated, against SDPA's cuDNN backend; and
+    each under ``triton.testing.do_bench`` (ANCHORS' method). ``profile``: a cProfile of the plain call."""
+    import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev, dt = "cuda", torch.bfloat16
@@ -122,7 +124,32 @@ def decode():
     }
     for name, fn in cases.items():
         host, gpu = host_and_gpu_us(fn)
-        print(f"decode 1x8k {name:24} host {host:7.1f} us/call   GPU {gpu:7.1f} us/call", flush=True)
+        bench = triton.testing.do_bench(fn, return_mode="median") * 1e3
+        print(
+            f"decode 1x8k {name:24} host {host:7.1f} us/call   GPU {gpu:7.1f} us/call   do_bench {bench:7.1f} us",
+            flush=True,
+        )
+    # the same calls with the launches left out (launch.Bound a no-op): the Python of the call path alone
+    from tileattn.kernels import launch
+
+    real = launch.Bound.__call__
+    launch.Bound.__call__ = lambda self, args: None
+    try:
+        for name in ("tileattn", "tileattn paged16", "tileattn append+rotary"):
+            host, _ = host_and_gpu_us(cases[name])
+            print(f"decode 1x8k {name + ' no launch':24} host {host:7.1f} us/call", flush=True)
+    finally:
+        launch.Bound.__call__ = real
+    if profile:
+        prof = cProfile.Profile()
+        for _ in range(20):
+            torch.cuda.synchronize()
+            prof.enable()
+            for _ in range(10):
+                cases["tileattn"]()
+            prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
