@@ -244,6 +244,7 @@ def kvcache_problems(draw, max_len):
         softcap=draw(st.sampled_from([0.0, 0.0, 4.0])),
         alibi=draw(st.booleans()),
         num_splits=draw(st.sampled_from([0, 1, 2, 5])),
+        v_padded=draw(st.booleans()),  # v and v_cache as views with other strides than k's
     )
 
 
@@ -258,11 +259,12 @@ def _check_kvcache_problem(backend, pb):
         args["block_table"] = torch.randperm(b * pages + 2, device=device)[: b * pages].view(b, pages).int()
     else:
         kc = torch.randn(b, cap, hk, d, dtype=F16, device=device)
-    vc = torch.randn_like(kc)
+    pad = 8 if pb["v_padded"] else 0
+    vc = torch.randn(*kc.shape[:-1], d + pad, dtype=F16, device=device)[..., :d]
     args["cache_seqlens"] = torch.tensor(pb["seqlens"], dtype=torch.int32, device=device)
     if pb["seqlen_new"]:
         args["k"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=F16, device=device)
-        args["v"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=F16, device=device)
+        args["v"] = torch.randn(b, pb["seqlen_new"], hk, d + pad, dtype=F16, device=device)[..., :d]
     if pb["leftpad"] is not None:
         args["cache_leftpad"] = torch.tensor(pb["leftpad"], dtype=torch.int32, device=device)
     if pb["alibi"]:
@@ -272,13 +274,15 @@ def _check_kvcache_problem(backend, pb):
         args.update(rotary_cos=angle.cos().to(F16), rotary_sin=angle.sin().to(F16))
         args["rotary_interleaved"] = pb["rotary"] == "interleaved"
     ref_args = {key: val for key, val in args.items() if key != "num_splits"}
-    ref, k_ref, _ = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
+    ref, k_ref, v_ref = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
     lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(ref_args))
     with ctx:
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
     check_close(f"{pb} out", out, ref, lowp)
     got = dense_view(kc, args.get("block_table"), k_ref.shape[1])
     assert torch.equal(got, k_ref.to(F16)), f"{pb}: k_cache after append"
+    got = dense_view(vc, args.get("block_table"), v_ref.shape[1])
+    assert torch.equal(got, v_ref.to(F16)), f"{pb}: v_cache after append"
 
 
 _KV_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 40}
@@ -415,12 +419,13 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
         check_close(f"step {seqlens}", out, ref, lowp)
         assert torch.equal(dense_view(kc, args["block_table"], k_ref.shape[1]), k_ref.to(F16))
 
+    kernels = backend != "torch"  # (the PyTorch path plans no launches)
     for seqlens in ([0, 17, 35], [5, 2, 34], [6, 3, 33]):  # key tiles per split alike: one plan
         step(seqlens)
-    assert len(kvcache._CALLS) == 1
-    assert len(planned) == (1 if backend == "interpret" else 0)
-    step([1, 2, 3])  # fewer key tiles per program: planned again, same signature
-    assert len(kvcache._CALLS) == 1 and len(planned) == (2 if backend == "interpret" else 0)
+    assert len(kvcache._CALLS) == 1 and len(planned) == kernels
+    step([1, 2, 3])  # fewer key tiles per program under the interpreter (16-key tiles): planned again
+    plans = kernels + (backend == "interpret")
+    assert len(kvcache._CALLS) == 1 and len(planned) == plans
     with on(backend)[0]:
         # (what step() passes, with one change each)
         with pytest.raises(TypeError, match="causal"):
@@ -435,10 +440,10 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
     shifted.copy_(q)
     q = shifted
     step([7, 8, 9])
-    assert len(kvcache._CALLS) == 2
+    assert len(kvcache._CALLS) == 2 and len(planned) == plans + kernels
     monkeypatch.setattr(decode, "DECODE_STAGES", decode.DECODE_STAGES + 1)
     step([7, 8, 9])
-    assert len(planned) == (4 if backend == "interpret" else 0)
+    assert len(planned) == plans + 2 * kernels
 
 
 def test_paged_prefill_values_checked_once(monkeypatch):

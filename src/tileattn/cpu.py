@@ -251,7 +251,7 @@ def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention against a KV cache (``kernels.decode.CacheLayout`` ``c``): each sequence's keys are
     gathered from its cache row or pages into a packed batch, which the blockwise forward runs in
     varlen mode. Same returns as ``kernels.decode.attn_fwd_kvcache``."""
-    ends = c.seqlens_k.tolist()
+    ends = [n + c.new_tokens for n in c.seqlens_k.tolist()]
     starts = c.leftpad.tolist() if c.leftpad is not None else [0] * p.batch
     ks, vs = [], []
     for b in range(p.batch):

@@ -566,7 +566,8 @@ def _fwd_kvcache(
     with api._on_device(q):
         q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span, plans)
         c = CacheLayout(
-            seqlens_k=(seqlens + seqlen_new).to(torch.int32) if seqlen_new else seqlens,
+            seqlens_k=seqlens,
+            new_tokens=seqlen_new,
             leftpad=cache_leftpad,
             batch_idx=cache_batch_idx,
             block_table=block_table,

@@ -33,15 +33,17 @@ from tileattn.kernels.launch import Launcher
 class CacheLayout:
     """Where each sequence's keys live, validated by the API.
 
-    seqlens_k: int32 ``(batch,)``, end of each sequence's keys in its cache row (cache_seqlens plus the
-    appended tokens); leftpad: int32 ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)``
-    cache row of each sequence, or None for row b; block_table: int32 ``(batch, max_pages)`` or None;
-    num_splits: 0 = heuristic; max_seqlen_k: the longest key range if known on the host (else the
-    capacity is assumed); plans: a dict in which the launches of calls with the same metadata as this
-    one are planned once (``attn_fwd_kvcache``; the API keeps one per call signature), or None to plan
-    them for this call only."""
+    seqlens_k: int32 ``(batch,)`` and new_tokens: each sequence's keys end at ``seqlens_k[b] +
+    new_tokens`` in its cache row (cache_seqlens, and the tokens just appended); leftpad: int32
+    ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)`` cache row of each sequence, or None
+    for row b; block_table: int32 ``(batch, max_pages)`` or None; num_splits: 0 = heuristic;
+    max_seqlen_k: the longest key range if known on the host (else the capacity is assumed); plans: a
+    dict in which the launches of calls with the same metadata as this one are planned once
+    (``attn_fwd_kvcache``; the API keeps one per call signature), or None to plan them for this call
+    only."""
 
     seqlens_k: torch.Tensor
+    new_tokens: int = 0
     leftpad: torch.Tensor | None = None
     batch_idx: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
@@ -212,7 +214,7 @@ def _kv_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["new_tokens"])
 def _attn_fwd_kvcache(
     Q,
     K,
@@ -248,6 +250,7 @@ def _attn_fwd_kvcache(
     seqlen_q,
     capacity,
     num_rows_cache,
+    new_tokens,
     sm_scale,
     softcap,
     window_left,
@@ -274,9 +277,11 @@ def _attn_fwd_kvcache(
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
 
-    ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise.
-    ``capacity`` bounds seqlens_k and ``num_rows_cache`` the pages / cache rows: out-of-range values
-    are clamped so that the kernel never reads outside the cache (the API rejects them beforehand)."""
+    ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise. A
+    sequence's keys end at ``SeqlensK[b] + new_tokens`` (the tokens just appended; not specialised on, so
+    calls with and without an append share a build). ``capacity`` bounds that end and ``num_rows_cache``
+    the pages / cache rows: out-of-range values are clamped so that the kernel never reads outside the
+    cache (the API rejects them beforehand)."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -295,7 +300,7 @@ def _attn_fwd_kvcache(
     if r_start >= n_rows:
         return
 
-    k_end = tl.minimum(tl.maximum(tl.load(SeqlensK + b), 0), capacity)
+    k_end = tl.minimum(tl.maximum(tl.load(SeqlensK + b) + new_tokens, 0), capacity)
     k_start = 0
     if HAS_LEFTPAD:
         k_start = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), k_end)
@@ -817,6 +822,7 @@ def _plan(
             p.seqlen_q,
             capacity,
             num_rows,
+            c.new_tokens,
             p.softmax_scale,
             p.softcap,
             p.window_left,
@@ -871,6 +877,8 @@ def _plan(
 def _rotate_rows(
     Src,
     Dst,
+    Src2,
+    Dst2,
     Seqlens,
     BatchIdx,
     Table,
@@ -882,6 +890,12 @@ def _rotate_rows(
     stride_db,
     stride_dt,
     stride_dh,
+    stride_s2b,
+    stride_s2t,
+    stride_s2h,
+    stride_d2b,
+    stride_d2t,
+    stride_d2h,
     stride_tb,
     stride_c,
     seqlen,
@@ -901,31 +915,47 @@ def _rotate_rows(
     """Copies row (b, t, h) of ``Src`` to its destination, rotated (if ROTARY) at position
     ``Seqlens[b] + t`` (``Seqlens[b]`` when not POS_PER_TOKEN). DST_MODE 0: ``Dst[b, t, h]``; 1: a
     contiguous cache, ``Dst[row, pos, h]`` with row = BatchIdx[b] or b; 2: a paged cache through
-    ``Table``. The rotation is computed in fp32 as ``x·cos ∓ partner·sin`` and rounded once, like
-    ``tileattn.rotary`` (launched without FMA contraction, so the bits match it). Writes whose position
-    (``< capacity``), cache row or page (``< num_rows``) is out of range are dropped: the API refuses such
-    values, and under CUDA graph capture, where it cannot read them, nothing outside the cache is written."""
+    ``Table``. Programs of grid axis 2 index 1 copy ``Src2`` to ``Dst2`` the same way, unrotated (the new
+    values beside the new keys, in one launch). The rotation is computed in fp32 as ``x·cos ∓
+    partner·sin`` and rounded once, like ``tileattn.rotary`` (launched without FMA contraction, so the
+    bits match it). Writes whose position (``< capacity``), cache row or page (``< num_rows``) is out of
+    range are dropped: the API refuses such values, and under CUDA graph capture, where it cannot read
+    them, nothing outside the cache is written."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    first = tl.program_id(2) == 0
     b = pid // seqlen
     t = pid % seqlen
     base = tl.load(Seqlens + b)
     pos = base + t
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    src = Src + b.to(tl.int64) * stride_sb + t.to(tl.int64) * stride_st + h * stride_sh
+    b64 = b.to(tl.int64)
+    t64 = t.to(tl.int64)
+    if first:
+        src = Src + b64 * stride_sb + t64 * stride_st + h * stride_sh
+        dst_base = Dst
+        sdb = stride_db
+        sdt = stride_dt
+        sdh = stride_dh
+    else:
+        src = Src2 + b64 * stride_s2b + t64 * stride_s2t + h * stride_s2h
+        dst_base = Dst2
+        sdb = stride_d2b
+        sdt = stride_d2t
+        sdh = stride_d2h
     x = tl.load(src + offs_d, mask=mask_d, other=0.0)
     if ROTARY:
-        rot = offs_d < 2 * rot_half
+        rot = (offs_d < 2 * rot_half) & first
         if INTERLEAVED:
             partner = offs_d ^ 1
             freq = offs_d // 2
             sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
         else:
-            first = offs_d < rot_half
-            partner = tl.where(first, offs_d + rot_half, offs_d - rot_half)
-            freq = tl.where(first, offs_d, offs_d - rot_half)
-            sign = tl.where(first, -1.0, 1.0)
+            lower = offs_d < rot_half
+            partner = tl.where(lower, offs_d + rot_half, offs_d - rot_half)
+            freq = tl.where(lower, offs_d, offs_d - rot_half)
+            sign = tl.where(lower, -1.0, 1.0)
         rot_pos = base
         if POS_PER_TOKEN:
             rot_pos = pos
@@ -936,7 +966,7 @@ def _rotate_rows(
         x = tl.where(rot, xf * c + (sign * xp) * s, xf)
     ok = mask_d
     if DST_MODE == 0:
-        dst = Dst + b.to(tl.int64) * stride_db + t.to(tl.int64) * stride_dt + h * stride_dh
+        dst = dst_base + b64 * sdb + t64 * sdt + h * sdh
     else:
         in_range = (pos >= 0) & (pos < capacity)
         safe_pos = tl.where(in_range, pos, 0)
@@ -945,11 +975,11 @@ def _rotate_rows(
             if HAS_BATCH_IDX:
                 row = tl.load(BatchIdx + b)
             in_range = in_range & (row >= 0) & (row < num_rows)
-            dst = Dst + row.to(tl.int64) * stride_db + safe_pos.to(tl.int64) * stride_dt + h * stride_dh
+            dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h * sdh
         else:
-            page = tl.load(Table + b.to(tl.int64) * stride_tb + safe_pos // PAGE_SIZE)
+            page = tl.load(Table + b64 * stride_tb + safe_pos // PAGE_SIZE)
             in_range = in_range & (page >= 0) & (page < num_rows)
-            dst = Dst + page.to(tl.int64) * stride_db + (safe_pos % PAGE_SIZE) * stride_dt + h * stride_dh
+            dst = dst_base + page.to(tl.int64) * sdb + (safe_pos % PAGE_SIZE) * sdt + h * sdh
         ok = ok & in_range
     tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=ok)
 
@@ -957,19 +987,18 @@ def _rotate_rows(
 _LAUNCH_ROTATE = Launcher(_rotate_rows)
 
 
-def _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_batch_idx) -> _Launch:
+def _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_batch_idx, pair) -> _Launch:
     batch, seqlen, nheads, headdim = src.shape
     cos = rotary[0] if rotary is not None else None
+    src2, dst2 = pair if pair is not None else (src, dst)
     return _Launch(
         _LAUNCH_ROTATE,
-        (batch * seqlen, nheads, 1),
+        (batch * seqlen, nheads, 2 if pair is not None else 1),
         (
-            src.stride(0),
-            src.stride(1),
-            src.stride(2),
-            dst.stride(0),
-            dst.stride(1),
-            dst.stride(2),
+            *src.stride()[:3],
+            *dst.stride()[:3],
+            *src2.stride()[:3],
+            *dst2.stride()[:3],
             block_table.stride(0) if block_table is not None else 0,
             cos.stride(0) if cos is not None else 0,
             seqlen,
@@ -993,19 +1022,25 @@ def _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mo
     )
 
 
-def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode, plans, which):
+def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode, plans, which, pair=None):
+    """``_rotate_rows`` from ``src`` to ``dst`` (and, with ``pair = (src2, dst2)`` of the same shapes,
+    from src2 to dst2 unrotated), planned once per ``which`` in ``plans`` (``CacheLayout.plans``)."""
     if src.numel() == 0:
         return
     launch = plans.get(which) if plans is not None else None
     if launch is None:
-        launch = _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, batch_idx is not None)
+        has_idx = batch_idx is not None
+        launch = _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_idx, pair)
         if plans is not None:
             _remember(plans, which, launch)
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
+    src2, dst2 = pair if pair is not None else (src, dst)
     launch(
         (
             src,
             dst,
+            src2,
+            dst2,
             seqlens,
             batch_idx if batch_idx is not None else seqlens,
             block_table if block_table is not None else seqlens,
@@ -1016,13 +1051,13 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
 
 
 def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span, plans=None):
-    """The in-place append of ``flash_attn_with_kvcache`` in one launch per tensor (rotated k, v, and
-    the rotated copy of q): same interface and results as ``tileattn.cpu.kvcache_append``. ``plans`` as
-    ``CacheLayout.plans``: the launches are planned once per table."""
+    """The in-place append of ``flash_attn_with_kvcache``: the rotated k and v in one launch, and the
+    rotated copy of q in another; same interface and results as ``tileattn.cpu.kvcache_append``.
+    ``plans`` as ``CacheLayout.plans``: the launches are planned once per table."""
     if k is not None:
         mode = 2 if block_table is not None else 1
-        _launch_rotate(k, k_cache, seqlens, batch_idx, block_table, rotary, True, mode, plans, ("rotate", "k"))
-        _launch_rotate(v, v_cache, seqlens, batch_idx, block_table, None, True, mode, plans, ("rotate", "v"))
+        args = (seqlens, batch_idx, block_table, rotary, True, mode, plans, ("rotate", "kv"))
+        _launch_rotate(k, k_cache, *args, pair=(v, v_cache))
     if rotary is None:
         return q
     q_rot = torch.empty(q.shape, device=q.device, dtype=q.dtype)
