@@ -12,6 +12,7 @@
 # 5: A/B of paged stages and warps, the call's host time, the benchmark CLI's decode table;
 # 6: GPU tests, host time, the A/B rows as set, the CLI's decode table;
 # 7: GPU tests with the launcher's direct path, host time, A/B of full-grid stages, memcheck.
+# 8, 9 (2026-12-01, the host path): GPU tests and the benchmark CLI's decode table; memcheck and host time.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -36,7 +37,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-7}" in
+case "${1:?run number 2-9}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -57,5 +58,12 @@ case "${1:?run number 2-7}" in
       python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
     echo "memcheck exit $?"
     grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log" ;;
-  *) echo "runs 2-7" >&2; exit 2 ;;
+  8) tests 170 tests/test_kvcache.py tests/test_cache.py; cli ;;
+  9)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    host; host ;;
+  *) echo "runs 2-9" >&2; exit 2 ;;
 esac
