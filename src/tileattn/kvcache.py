@@ -14,6 +14,7 @@ out-of-range values then give unspecified results instead of an error.
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -445,52 +446,6 @@ class _Call(NamedTuple):
     plans: dict
 
 
-def _fwd_kvcache_impl(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor | None,
-    v: Tensor | None,
-    rotary_cos: Tensor | None,
-    rotary_sin: Tensor | None,
-    seqlens: Tensor,
-    cache_batch_idx: Tensor | None,
-    cache_leftpad: Tensor | None,
-    block_table: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softmax_scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    rotary_interleaved: bool,
-    num_splits: int,
-    q_span: int,
-) -> tuple[Tensor, Tensor]:
-    """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
-    (metadata already validated)."""
-    return _fwd_kvcache(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        rotary_cos,
-        rotary_sin,
-        seqlens,
-        cache_batch_idx,
-        cache_leftpad,
-        block_table,
-        alibi_slopes,
-        softmax_scale,
-        window_left,
-        window_right,
-        softcap,
-        rotary_interleaved,
-        num_splits,
-        q_span,
-    )
-
-
 def _fwd_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -514,10 +469,12 @@ def _fwd_kvcache(
     plans: dict | None = None,
     seqlens_value: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``_fwd_kvcache_impl`` with, from the eager API: ``plans``, the table in which the kernels plan the
-    launches of calls with this call's metadata once (``CacheLayout.plans``), and ``seqlens_value``, the
-    value of every entry of ``seqlens`` when the caller gave cache_seqlens as an int (its checks are then
-    remembered with the other index tensors' instead of reading a new tensor every call)."""
+    """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
+    (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
+    out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
+    once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
+    caller gave cache_seqlens as an int (its checks are then remembered with the other index tensors'
+    instead of reading a new tensor every call)."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
@@ -581,8 +538,20 @@ def _fwd_kvcache(
     return out.contiguous(), lse
 
 
+def _op_prototype():
+    """Carries the op's signature: ``_fwd_kvcache``'s without its eager-only arguments."""
+
+
+_signature = inspect.signature(_fwd_kvcache)
+_op_prototype.__signature__ = _signature.replace(
+    parameters=[p for name, p in _signature.parameters.items() if name not in ("plans", "seqlens_value")]
+)
+_MUTATED = ("k_cache", "v_cache")
 _fwd_kvcache_op = torch.library.custom_op(
-    "tileattn::fwd_kvcache", _fwd_kvcache_impl, mutates_args=("k_cache", "v_cache")
+    "tileattn::fwd_kvcache",
+    _fwd_kvcache,
+    mutates_args=_MUTATED,
+    schema=torch.library.infer_schema(_op_prototype, mutates_args=_MUTATED),
 )
 
 
