@@ -104,6 +104,23 @@ def test_kvcache_matches_reference(backend, case, layout, num_splits):
     assert lse.shape == (q.shape[0], q.shape[2], seqlen_q) and lse.dtype == torch.float32
 
 
+def test_rotary_tables_as_strided_views(backend):
+    """rotary_cos and rotary_sin may be views with row strides of their own (the kernels read one
+    contiguous layout for both)."""
+    ctx, device = on(backend)
+    q, kc, vc, args = _inputs(1, 1, {"causal": True, "rotary": "interleaved"}, 4, device)
+    ref, k_ref, _ = kvcache_ref(q, kc.clone(), vc.clone(), **_ref_args(args))
+    lowp, _, _ = kvcache_ref(q, kc.clone(), vc.clone(), upcast=False, **_ref_args(args))
+    sin = args["rotary_sin"]
+    wide = torch.zeros(sin.shape[0], sin.shape[1] + 5, dtype=sin.dtype, device=device)
+    wide[:, : sin.shape[1]] = sin
+    args["rotary_sin"] = wide[:, : sin.shape[1]]
+    with ctx:
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
+    check_close("strided rotary_sin", out, ref, lowp)
+    assert torch.equal(dense_view(kc, args["block_table"], k_ref.shape[1]), k_ref.to(F16))
+
+
 def test_lse_matches_logsumexp(backend):
     ctx, device = on(backend)
     q = torch.randn(2, 3, 4, 32, dtype=F16, device=device)
@@ -430,20 +447,21 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
         # (what step() passes, with one change each)
         with pytest.raises(TypeError, match="causal"):
             tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, **{**args, "causal": 1})
+        tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, window_size=(1, -1), **args)  # valid
         with pytest.raises(ValueError, match="window_size"):
             tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=2, window_size=(True, -1), **args)
         strided = torch.randn(*q.shape[:3], 2 * q.shape[3], dtype=F16, device=device)[..., ::2]
         with pytest.raises(ValueError, match="contiguous in its last"):
             tileattn.flash_attn_with_kvcache(strided, kc, vc, num_splits=2, **args)
-    assert len(kvcache._CALLS) == 1
+    assert len(kvcache._CALLS) == 2  # (and the window's)
     shifted = torch.empty(q.numel() + 1, dtype=F16, device=device)[1:].view(q.shape)  # 2 bytes off
     shifted.copy_(q)
     q = shifted
     step([7, 8, 9])
-    assert len(kvcache._CALLS) == 2 and len(planned) == plans + kernels
+    assert len(kvcache._CALLS) == 3 and len(planned) == plans + 2 * kernels
     monkeypatch.setattr(decode, "DECODE_STAGES", decode.DECODE_STAGES + 1)
     step([7, 8, 9])
-    assert len(planned) == plans + 2 * kernels
+    assert len(planned) == plans + 3 * kernels
 
 
 def test_paged_prefill_values_checked_once(monkeypatch):
@@ -621,6 +639,42 @@ def test_launches_take_the_direct_path_by_default(monkeypatch):
     else:
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
         assert launch.plain_run_needed(fn)
+
+
+def test_bound_launches_install_the_scratch_allocator_in_each_context():
+    """Triton keeps its scratch allocator per context (thread, asyncio task). A planned launch of a build
+    that needs scratch (TMA descriptors made on the device) installs one in the context it runs in, also
+    when the plan was made in another."""
+    import contextvars
+    import threading
+    from types import SimpleNamespace
+
+    from triton.runtime import _allocation
+
+    from tileattn.kernels import launch
+
+    class Recorder:
+        fn = SimpleNamespace(pre_run_hooks=[])
+        calls = []
+
+        def __call__(self, grid, args, constexprs, **options):
+            self.calls.append(isinstance(_allocation._allocator.get(), _allocation.NullAllocator))
+
+    def bound(scratch):
+        kernel = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=scratch))  # (no C entry point)
+        return launch.Bound(Recorder(), (1, 1, 1), (), kernel, (), {}, {})
+
+    def fresh(fn):
+        ctx = contextvars.copy_context()
+        ctx.run(_allocation._allocator.set, _allocation.NullAllocator())
+        ctx.run(fn)
+
+    fresh(lambda: bound(0)(()))
+    fresh(lambda: bound(128)(()))
+    thread = threading.Thread(target=bound(128), args=((),))
+    thread.start()
+    thread.join()
+    assert Recorder.calls == [True, False, False]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a full grid of decode programs runs on the GPU")

@@ -99,3 +99,32 @@ def test_decode_builds_as_the_settings_assume():
     assert paged256["blocks_per_sm"] == 1, paged256
     assert full["config"][3] == 2 and full["grid"][2] == 1 and full["blocks_per_sm"] == 2, full
     assert full["stack"] == 0, full
+
+
+ROTATE_CASE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tileattn.kernels import decode
+fn = decode._rotate_rows
+consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, POS_PER_TOKEN=True, DST_MODE=1)
+consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False)
+sig, constexprs = {}, {}
+for i, name in enumerate(fn.arg_names):
+    if name in consts:
+        sig[name], constexprs[(i,)] = "constexpr", consts[name]
+    elif name in ("Seqlens", "BatchIdx", "Table"):
+        sig[name] = "*i32"
+    elif name[0].isupper():
+        sig[name] = "*fp16"
+    else:  # the v cache's row stride past 2**31: a 64-bit argument beside the k cache's 32-bit one
+        sig[name] = "i64" if name == "stride_d2b" else "i32"
+triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+rows.append({"compiled": True})
+"""
+
+
+def test_paired_append_compiles_with_strides_of_two_widths():
+    """_rotate_rows appends k and v in one launch; when only one cache's stride is 2**31 or more, Triton
+    passes it as int64 and the other as int32, which the kernel selects between without a branch."""
+    assert _compiled(ROTATE_CASE) == [{"compiled": True}]

@@ -19,7 +19,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from tileattn import cpu, rng
-from tileattn.kernels.configs import AttnParams, interpreting
+from tileattn.kernels.configs import AttnParams, interpreting, remember
 
 MAX_HEADDIM = 256
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -252,9 +252,8 @@ class _CheckedOnce:
             return check()
         result = check()
         self._seen.pop(key, None)
-        while self._seen and len(self._seen) >= self._limit:  # the oldest goes (never the one just checked)
-            self._seen.pop(next(iter(self._seen), None), None)
-        self._seen[key] = ([weakref.ref(t) for t in present], [t._version for t in present], result)
+        entry = ([weakref.ref(t) for t in present], [t._version for t in present], result)
+        remember(self._seen, key, entry, self._limit)  # the oldest go (never the one just checked)
         return result
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from tileattn import api
-from tileattn.kernels.configs import AttnParams
+from tileattn.kernels.configs import AttnParams, remember
 from tileattn.kernels.decode import CacheLayout
 
 
@@ -216,7 +216,7 @@ def flash_attn_with_kvcache(
         key = _call_key(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
             + (block_table, alibi_slopes),
-            (cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits),
+            (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits),
             return_softmax_lse,
         )
     try:
@@ -246,22 +246,21 @@ def flash_attn_with_kvcache(
             return_softmax_lse,
         )
         if key is not None:
-            while len(_CALLS) >= _MAX_CALLS:
-                _CALLS.pop(next(iter(_CALLS)))
-            _CALLS[key] = call
-    device = q.device
-    if call.seqlens_value is None:
+            remember(_CALLS, key, call, _MAX_CALLS)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens_value = None
         seqlens = cache_seqlens.contiguous()
     else:  # an int, or None: the whole capacity
-        seqlens = torch.full((call.batch,), call.seqlens_value, dtype=torch.int32, device=device)
+        seqlens_value = call.capacity if cache_seqlens is None else int(cache_seqlens)
+        seqlens = torch.full((call.batch,), seqlens_value, dtype=torch.int32, device=q.device)
     args = (
         q,
         k_cache,
         v_cache,
         k,
         v,
-        rotary_cos,
-        rotary_sin,
+        rotary_cos.contiguous() if rotary_cos is not None else None,  # (the kernel reads both with one stride)
+        rotary_sin.contiguous() if rotary_sin is not None else None,
         seqlens,
         cache_batch_idx.contiguous() if cache_batch_idx is not None else None,
         cache_leftpad.contiguous() if cache_leftpad is not None else None,
@@ -276,7 +275,7 @@ def flash_attn_with_kvcache(
         call.q_span,
     )
     if direct:
-        out, lse = _fwd_kvcache(*args, plans=call.plans, seqlens_value=call.seqlens_value)
+        out, lse = _fwd_kvcache(*args, plans=call.plans, seqlens_value=seqlens_value)
         if k is not None:  # what the op's dispatcher does for its mutated arguments
             torch.autograd.graph.increment_version((k_cache, v_cache))
     else:
@@ -302,10 +301,10 @@ def _call_key(tensors: tuple, scalars: tuple, return_lse: object) -> tuple | Non
     """The key of a flash_attn_with_kvcache call's metadata: everything its checks and launch plans read
     except index values. A plain tensor enters by shape, strides, dtype, device and address alignment
     (Triton specialises on 16-byte alignment); None as None; any other object by type (the checks
-    refuse those, or read an int cache_seqlens from the scalars). Scalars enter with their types
+    refuse those but an int cache_seqlens, whose value is read per call). Scalars enter with their types
     (True == 1 and 1.0 == 1 as keys). None: no key (a tensor subclass, or a window_size that is not a
     tuple): the call is checked in full."""
-    cache_seqlens, scale, causal, window, softcap, interleaved, num_splits = scalars
+    scale, causal, window, softcap, interleaved, num_splits = scalars
     if type(window) is not tuple:
         return None
     tensor = torch.Tensor
@@ -320,8 +319,7 @@ def _call_key(tensors: tuple, scalars: tuple, return_lse: object) -> tuple | Non
         ]
     except _Unkeyed:
         return None
-    values = (cache_seqlens if type(cache_seqlens) is not tensor else None, scale, causal, *window)
-    values += (softcap, interleaved, num_splits, return_lse)
+    values = (scale, causal, *window, softcap, interleaved, num_splits, return_lse)
     return (*metas, values, tuple(map(type, values)))
 
 
@@ -395,13 +393,11 @@ def _check_call(
             )
     if cache_batch_idx is not None:
         _check_int32("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
-    seqlens_value = None
     if cache_seqlens is None:
         if has_new:
             raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
-        seqlens_value = capacity
-    elif type(cache_seqlens) is not torch.Tensor and api._is_int(cache_seqlens):
-        seqlens_value = int(cache_seqlens)
+    elif not isinstance(cache_seqlens, torch.Tensor) and api._is_int(cache_seqlens):
+        pass  # (its value is checked with the other index values)
     else:
         _check_int32("cache_seqlens", cache_seqlens, (batch,), "(batch,) or an int", device)
     if cache_leftpad is not None:
@@ -419,7 +415,7 @@ def _check_call(
     api._check_alibi(alibi_slopes, batch, nheads, device)
     return _Call(
         batch=batch,
-        seqlens_value=seqlens_value,
+        capacity=capacity,
         scale=api.resolve_scale(scale, headdim),
         left=left,
         right=right,
@@ -431,12 +427,12 @@ def _check_call(
 
 
 class _Call(NamedTuple):
-    """A validated flash_attn_with_kvcache call, normalised: seqlens_value is cache_seqlens given as an
-    int (or the capacity when it is None); None when it is a tensor. ``plans``: where the kernels keep
-    the launch plans of calls with this metadata (``CacheLayout.plans``)."""
+    """A validated flash_attn_with_kvcache call, normalised (capacity: of each sequence's cache row or
+    pages). ``plans``: where the kernels keep the launch plans of calls with this metadata
+    (``CacheLayout.plans``)."""
 
     batch: int
-    seqlens_value: int | None
+    capacity: int
     scale: float
     left: int
     right: int

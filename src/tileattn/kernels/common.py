@@ -10,13 +10,10 @@ in the log2 domain (natural-log scores times log2(e)) so the softmax uses ``exp2
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
+
+from tileattn.kernels.launch import ensure_scratch_allocator
 
 LOG2E = 1.4426950408889634
-
-
-def _scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def use_tma(cfg, *tensors: torch.Tensor) -> bool:
@@ -33,8 +30,7 @@ def use_tma(cfg, *tensors: torch.Tensor) -> bool:
             return False
         if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device)[0] < 9:
             return False
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
+    ensure_scratch_allocator()
     return True
 
 

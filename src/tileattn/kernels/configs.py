@@ -31,6 +31,18 @@ def padded_headdim(headdim: int) -> int:
     return max(16, next_power_of_2(headdim))
 
 
+def remember(table: dict, key, value, limit: int):
+    """``table[key] = value`` in a table of at most ``limit`` entries: the oldest go first. Safe when
+    threads evict at once (an entry another thread removed is skipped)."""
+    while len(table) >= limit:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):  # emptied or resized by another thread meanwhile
+            break
+    table[key] = value
+    return value
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

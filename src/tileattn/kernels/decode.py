@@ -25,7 +25,15 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, KernelConfig, cdiv, interpreting, next_power_of_2, padded_headdim
+from tileattn.kernels.configs import (
+    AttnParams,
+    KernelConfig,
+    cdiv,
+    interpreting,
+    next_power_of_2,
+    padded_headdim,
+    remember,
+)
 from tileattn.kernels.launch import Launcher
 
 
@@ -621,11 +629,8 @@ _plan_inputs = operator.itemgetter(*_PLAN_INPUTS)  # (a tuple of their values, f
 _MAX_PLANS = 64  # plans kept per call signature and settings; beyond that the oldest go
 
 
-def _remember(table: dict, key, value, limit: int = _MAX_PLANS):
-    while len(table) >= limit:
-        table.pop(next(iter(table)))
-    table[key] = value
-    return value
+def _remember(table: dict, key, value):
+    return remember(table, key, value, _MAX_PLANS)
 
 
 class _Launch:
@@ -932,18 +937,16 @@ def _rotate_rows(
     mask_d = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
     t64 = t.to(tl.int64)
-    if first:
-        src = Src + b64 * stride_sb + t64 * stride_st + h * stride_sh
-        dst_base = Dst
-        sdb = stride_db
-        sdt = stride_dt
-        sdh = stride_dh
-    else:
-        src = Src2 + b64 * stride_s2b + t64 * stride_s2t + h * stride_s2h
-        dst_base = Dst2
-        sdb = stride_d2b
-        sdt = stride_d2t
-        sdh = stride_d2h
+    # (selected, not branched: a stride of 2**31 or more is an int64 argument, the other's may be int32)
+    src = tl.where(
+        first,
+        Src + b64 * stride_sb + t64 * stride_st + h * stride_sh,
+        Src2 + b64 * stride_s2b + t64 * stride_s2t + h * stride_s2h,
+    )
+    dst_base = tl.where(first, Dst, Dst2)
+    sdb = tl.where(first, stride_db, stride_d2b)
+    sdt = tl.where(first, stride_dt, stride_d2t)
+    sdh = tl.where(first, stride_dh, stride_d2h)
     x = tl.load(src + offs_d, mask=mask_d, other=0.0)
     if ROTARY:
         rot = (offs_d < 2 * rot_half) & first

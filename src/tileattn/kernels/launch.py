@@ -32,15 +32,29 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 from triton import knobs
+from triton.runtime import _allocation
 from triton.runtime.jit import JITFunction
 
-from tileattn.kernels.configs import interpreting
+from tileattn.kernels.configs import interpreting, remember
 
 # Checks every launch against Triton's own choice of build (read once, when this module is imported).
 VERIFY = os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1"
 _MAX_PLANS = 4096  # builds remembered per kernel; beyond that the oldest go
 _INT32 = range(-(2**31), 2**31)
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Builds that make TMA descriptors on the device take global scratch memory from Triton's allocator,
+    which Triton keeps per context (a context variable: each thread and asyncio task has its own): one
+    backed by PyTorch's caching allocator is installed in the current context unless one is set."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def _hooked(hook) -> bool:
@@ -107,6 +121,7 @@ class Launcher:
         if plain_run_needed(self.fn) or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             self.fn[grid](*args, **constexprs, **options)
             return None
+        ensure_scratch_allocator()
         grid = (*grid, 1, 1)[:3]
         key = self._key(args, constexprs, options)
         plan = self.plans.get(key)
@@ -115,9 +130,7 @@ class Launcher:
             names = self.fn.arg_names[len(args) :]
             if kernel is None or set(names) != set(constexprs):  # not every parameter named: no plan
                 return None
-            while len(self.plans) >= _MAX_PLANS:  # the oldest goes
-                self.plans.pop(next(iter(self.plans)))
-            self.plans[key] = plan = (kernel, tuple(constexprs[name] for name in names))
+            plan = remember(self.plans, key, (kernel, tuple(constexprs[name] for name in names)), _MAX_PLANS)
         else:
             if VERIFY:
                 self.verify(plan[0], grid, args, constexprs, options)
@@ -143,15 +156,29 @@ class Bound:
     well: a launch is Triton's launcher call alone, without its launch-metadata and hook calls (made
     only while no hook is set; otherwise the launch goes through ``Launcher`` again). Builds that need
     no scratch memory are launched by the launcher's C entry point directly (Triton 3.6; others through
-    its Python wrapper, which allocates the scratch). With ``TILEATTN_VERIFY_LAUNCH=1`` every launch
+    its Python wrapper, which allocates the scratch, from the allocator ``ensure_scratch_allocator``
+    installs in the calling context if it has none). With ``TILEATTN_VERIFY_LAUNCH=1`` every launch
     checks the key of ``args`` and Triton's own choice of build."""
 
-    __slots__ = ("launcher", "grid", "key", "kernel", "tail", "constexprs", "options", "_launch", "_head", "_stream")
+    __slots__ = (
+        "launcher",
+        "grid",
+        "key",
+        "kernel",
+        "tail",
+        "constexprs",
+        "options",
+        "_launch",
+        "_head",
+        "_stream",
+        "_scratch",
+    )
 
     def __init__(self, launcher: Launcher, grid: tuple, key: tuple, kernel, tail: tuple, constexprs, options):
         self.launcher, self.grid, self.key, self.kernel, self.tail = launcher, grid, key, kernel, tail
         self.constexprs, self.options = constexprs, options
         self._launch = None
+        self._scratch = bool(getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0))
         if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             return
         import triton
@@ -173,6 +200,8 @@ class Bound:
                 self._head = (function, run.launch_cooperative_grid, pdl, None, None, metadata, None, None, None)
 
     def __call__(self, args: tuple) -> None:
+        if self._scratch:  # (this thread or task may not have launched the build before)
+            ensure_scratch_allocator()
         if self._launch is None or _hooks_set(self.launcher.fn):  # (a bound kernel is not interpreted)
             self.launcher(self.grid, args, self.constexprs, **self.options)
             return
