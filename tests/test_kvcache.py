@@ -699,3 +699,30 @@ def test_full_grid_two_stage_build(monkeypatch):
         ref = attention_ref(q[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], upcast=torch.float64)[0]
         low = attention_ref(q[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], upcast=False)[0]
         check_close(f"full grid, sequence {b}", two[b : b + 1], ref, low)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA builds run on the GPU")
+def test_planned_tma_launch_in_another_thread():
+    """A decode call planned in one thread (pages of 256 through TMA descriptors, which need Triton's
+    scratch allocator) runs again from a new thread, whose context has no allocator yet."""
+    import threading
+
+    from tileattn.kernels import decode
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    kc, vc = (torch.randn(17, 256, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    table = torch.randperm(17, device=dev, generator=gen)[:16].view(1, 16).int()
+    seqlens = torch.tensor([4000], dtype=torch.int32, device=dev)
+    assert decode.PAGED_TMA
+
+    def call():
+        return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)
+
+    first = call()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(call()))
+    thread.start()
+    thread.join()
+    assert len(results) == 1 and torch.equal(results[0], first)
