@@ -19,6 +19,9 @@ SETTINGS = {
     "pwarps": "PAGED_WARPS",
     "fstages": "FULL_GRID_STAGES",
     "ftiles": "FULL_GRID_TILES",
+    "psmall": "PAGED_SMALL_TMA",
+    "psstages": "PAGED_SMALL_STAGES",
+    "pswaves": "PAGED_SMALL_WAVES",
 }
 
 

@@ -13,6 +13,7 @@
 # 6: GPU tests, host time, the A/B rows as set, the CLI's decode table;
 # 7: GPU tests with the launcher's direct path, host time, A/B of full-grid stages, memcheck.
 # 8, 9 (2026-12-01, the host path): GPU tests and the benchmark CLI's decode table; memcheck and host time.
+# 10 (prepared, not yet run): GPU tests (with the small-page TMA build's), A/B of decode.PAGED_SMALL_TMA.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -37,7 +38,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-9}" in
+case "${1:?run number 2-10}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -65,5 +66,8 @@ case "${1:?run number 2-9}" in
     echo "memcheck exit $?"
     grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
     host; host ;;
-  *) echo "runs 2-9" >&2; exit 2 ;;
+  10)
+    tests 170 tests/test_kvcache.py
+    ab decode_ab_small --layouts "tileattn paged16" -- "" "psmall=1" "psmall=1,psstages=16" "psmall=1,pswaves=2" ;;
+  *) echo "runs 2-10" >&2; exit 2 ;;
 esac

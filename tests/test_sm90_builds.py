@@ -128,3 +128,25 @@ def test_paired_append_compiles_with_strides_of_two_widths():
     """_rotate_rows appends k and v in one launch; when only one cache's stride is 2**31 or more, Triton
     passes it as int64 and the other as int32, which the kernel selects between without a branch."""
     assert _compiled(ROTATE_CASE) == [{"compiled": True}]
+
+
+SMALL_PAGE_CASES = """
+from tileattn.kernels import decode
+decode._has_pdl = lambda device: True
+decode.PAGED_SMALL_TMA = True
+rows += compile_report.compile_decode(1, 131072, 16)
+rows += compile_report.compile_decode(64, 4096, 16)
+"""
+
+
+def test_small_page_builds_as_the_setting_assumes():
+    """decode.PAGED_SMALL_TMA (off by default, an A/B candidate): at 1 x 128k, pages of 16 become the key
+    tile (BLOCK_N 16) read through TMA at PAGED_SMALL_STAGES stages, split for PAGED_SMALL_WAVES programs
+    per SM, which fit on an SM together without spills; 64 x 4k's full grid keeps the pointer-load build."""
+    from tileattn.kernels import decode
+
+    small, _, full = _compiled(SMALL_PAGE_CASES)
+    assert small["config"] == [16, 16, 4, decode.PAGED_SMALL_STAGES] and small["tma"], small
+    assert small["grid"] == [1, 8, decode.PAGED_SMALL_WAVES * 132 // 8] and small["stack"] == 0, small
+    assert small["blocks_per_sm"] >= decode.PAGED_SMALL_WAVES, small
+    assert full["config"][1] == 128 and not full["tma"], full

@@ -563,6 +563,16 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
+# Pages smaller than a key tile (16 to 64 keys) when the programs before splitting fill under one wave:
+# key tiles of one page each (BLOCK_N = page size), so that whole pages come through TMA descriptors
+# as pages of 256 do, at PAGED_SMALL_STAGES stages (one page of K and V is 8 KiB at head dim 128).
+# Such a build holds a few pages in flight (the page lookup feeds each load's coordinates: (stages - 1)
+# // 2 of them) in little shared memory, so the splits aim at PAGED_SMALL_WAVES programs per SM, each
+# with at least DECODE_TMA_TILES pages. Off: prepared for the GPU's A/B (decode_ab.py "psmall=1"), not
+# yet measured.
+PAGED_SMALL_TMA = False
+PAGED_SMALL_STAGES = 10
+PAGED_SMALL_WAVES = 4
 
 
 @functools.cache
@@ -594,15 +604,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int) -> int:
-    """As many splits as keep the programs within DECODE_WAVES waves (one program per SM per wave),
-    with at least four key tiles per split. Measured on the H200 (docs/perf.md, decode sweep): one wave;
-    1x8k and 1x128k want 8-16 splits, 8x32k 2, and batches of 64 sequences none (their 512 programs
-    already fill the GPU)."""
-    if programs >= DECODE_WAVES * sm_count:
+def choose_splits(
+    programs: int, max_seqlen_k: int, block_n: int, sm_count: int, waves: int | None = None, min_tiles: int = 4
+) -> int:
+    """As many splits as keep the programs within ``waves`` waves (DECODE_WAVES; one program per SM per
+    wave), with at least ``min_tiles`` key tiles per split. Measured on the H200 (docs/perf.md, decode
+    sweep): one wave; 1x8k and 1x128k want 8-16 splits, 8x32k 2, and batches of 64 sequences none
+    (their 512 programs already fill the GPU)."""
+    waves = DECODE_WAVES if waves is None else waves
+    if programs >= waves * sm_count:
         return 1
     tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
+    return max(1, min(waves * sm_count // programs, tiles // min_tiles, _MAX_SPLITS))
 
 
 # Module names a decode plan depends on besides the call's metadata: the settings above (changed at run
@@ -620,6 +633,9 @@ _PLAN_INPUTS = (
     "PAGED_LONG_STAGES",
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
+    "PAGED_SMALL_TMA",
+    "PAGED_SMALL_STAGES",
+    "PAGED_SMALL_WAVES",
     "COMBINE_SPLITS_PER_LOAD",
     "_config_for",
     "_has_pdl",
@@ -662,6 +678,7 @@ class _Base:
     programs: int
     lse_shape: tuple
     sm_count: int
+    small_pages: bool  # key tiles of one page through TMA (PAGED_SMALL_TMA)
     plans: dict = dataclasses.field(default_factory=dict)
     split_counts: dict = dataclasses.field(default_factory=dict)
 
@@ -678,18 +695,40 @@ class _Base:
         num_splits = c.num_splits
         if num_splits == 0:
             max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
-            num_splits = choose_splits(self.programs, max_k, block_n, self.sm_count)
+            if self.small_pages:
+                num_splits = choose_splits(
+                    self.programs, max_k, block_n, self.sm_count, PAGED_SMALL_WAVES, DECODE_TMA_TILES
+                )
+            else:
+                num_splits = choose_splits(self.programs, max_k, block_n, self.sm_count)
         num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), block_n)))
         return num_splits, cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), block_n * num_splits)
 
 
-def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
+def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c: CacheLayout) -> _Base:
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
-    cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+    interpret = interpreting()
+    cfg = _config_for(rows, p.block_d, interpret, DECODE_STAGES, DECODE_TMA or PAGED_TMA)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
+    sm_count = _sm_count(q4.device)
+    page_size = k_cache.shape[1]
+    small_pages = (
+        PAGED_SMALL_TMA
+        and not interpret
+        and c.block_table is not None
+        and 16 <= page_size < cfg.block_n
+        and page_size & (page_size - 1) == 0
+        and programs < sm_count
+        and c.leftpad is None
+        and k_cache.stride(0) == page_size * k_cache.stride(1)
+        and v_cache.stride(0) == page_size * v_cache.stride(1)
+        and common.use_tma(cfg, k_cache, v_cache)
+    )
+    if small_pages:  # the page is the key tile
+        cfg = dataclasses.replace(cfg, block_n=page_size)
     nheads = q4.shape[2]
     lse_shape = (nheads, q4.shape[1]) if p.is_varlen else (p.batch, nheads, p.seqlen_q)
-    return _Base(cfg, programs, lse_shape, _sm_count(q4.device))
+    return _Base(cfg, programs, lse_shape, sm_count, small_pages)
 
 
 def attn_fwd_kvcache(
@@ -708,7 +747,7 @@ def attn_fwd_kvcache(
         settings = _plan_inputs(globals())
         base = table.get(settings)
     if base is None:
-        base = _new_base(q4, k_cache, p)
+        base = _new_base(q4, k_cache, v_cache, p, c)
         if table is not None:
             _remember(table, settings, base)
     device = q.device
@@ -790,7 +829,9 @@ def _plan(
         table_stride = c.seqlens_k.stride(0)
     small_grid = base.programs * num_splits < 2 * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
-    if paged:
+    if base.small_pages:  # (its TMA conditions checked by _new_base)
+        use_tma, stages = True, PAGED_SMALL_STAGES
+    elif paged:
         use_tma = (
             tiles >= DECODE_TMA_TILES
             and small_grid
