@@ -259,6 +259,8 @@ KVCACHE_CASES = [
         ValueError,
         ["cache_seqlens", ">= 0"],
     ),
+    ("seqlens-int-negative", {"cache_seqlens": -1}, False, ValueError, ["cache_seqlens", "[0, 12]"]),
+    ("seqlens-int-huge", {"cache_seqlens": 2**40}, False, ValueError, ["cache_seqlens", "capacity"]),
     ("seqlens-int64", {"cache_seqlens": torch.tensor([3, 4])}, False, TypeError, ["cache_seqlens", "int32"]),
     ("seqlens-shape", {"cache_seqlens": torch.tensor([3], dtype=I32)}, False, ValueError, ["cache_seqlens", "(2,)"]),
     ("seqlens-missing", {"cache_seqlens": None}, False, ValueError, ["cache_seqlens", "required"]),

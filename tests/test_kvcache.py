@@ -702,9 +702,10 @@ def test_full_grid_two_stage_build(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA builds run on the GPU")
-def test_planned_tma_launch_in_another_thread():
+def test_planned_tma_launch_in_another_thread(monkeypatch):
     """A decode call planned in one thread (pages of 256 through TMA descriptors, which need Triton's
     scratch allocator) runs again from a new thread, whose context has no allocator yet."""
+    import contextvars
     import threading
 
     from tileattn.kernels import decode
@@ -715,29 +716,36 @@ def test_planned_tma_launch_in_another_thread():
     kc, vc = (torch.randn(17, 256, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     table = torch.randperm(17, device=dev, generator=gen)[:16].view(1, 16).int()
     seqlens = torch.tensor([4000], dtype=torch.int32, device=dev)
-    assert decode.PAGED_TMA
+    planned = []
+    original = decode._plan
+    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
 
     def call():
         return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)
 
     first = call()
+    assert [plan[0].constexprs["USE_TMA"] for plan in planned] == [True]
     results = []
-    thread = threading.Thread(target=lambda: results.append(call()))
+    # (in a new, empty context: without an allocator whatever a thread inherits)
+    thread = threading.Thread(target=lambda: contextvars.Context().run(lambda: results.append(call())))
     thread.start()
     thread.join()
-    assert len(results) == 1 and torch.equal(results[0], first)
+    assert len(results) == 1 and torch.equal(results[0], first) and len(planned) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the small-page TMA build runs on the GPU")
 @pytest.mark.parametrize("page", [16, 32])
 def test_small_pages_through_tma(page, monkeypatch):
-    """decode.PAGED_SMALL_TMA (an A/B candidate, off by default): key tiles of one page each through TMA
-    descriptors; sequences whose last page is partly filled (a masked tile through pointer loads), an
+    """decode.PAGED_SMALL_TMA (an A/B candidate, off by default): key tiles of one page of 16 each through
+    TMA descriptors (pages of 32 keep the other builds); sequences whose last page is partly filled (a masked tile through pointer loads), an
     empty one, shuffled pages, the heuristic's splits and a fixed count; against the reference."""
     from tileattn.kernels import decode
     from tileattn.reference import attention_ref
 
     monkeypatch.setattr(decode, "PAGED_SMALL_TMA", True)
+    planned = []
+    original = decode._plan
+    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     batch, capacity = 3, 4096
@@ -757,3 +765,6 @@ def test_small_pages_through_tma(page, monkeypatch):
             ref = attention_ref(q[b : b + 1], k, v, upcast=torch.float64)[0]
             low = attention_ref(q[b : b + 1], k, v, upcast=False)[0]
             check_close(f"pages of {page}, splits {splits}, sequence {b}", out[b : b + 1], ref, low)
+    # the page as the key tile through TMA for pages of 16 (larger pages keep the other builds)
+    small = [plan[0].constexprs["USE_TMA"] and plan[0].constexprs["BLOCK_N"] == 16 for plan in planned]
+    assert small and all(small) == (page == 16), small

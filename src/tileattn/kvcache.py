@@ -252,6 +252,8 @@ def flash_attn_with_kvcache(
         seqlens = cache_seqlens.contiguous()
     else:  # an int, or None: the whole capacity
         seqlens_value = call.capacity if cache_seqlens is None else int(cache_seqlens)
+        if not 0 <= seqlens_value <= call.capacity:  # (int32 below; the new tokens are checked with the rest)
+            raise ValueError(f"cache_seqlens must be in [0, {call.capacity}] (the cache capacity), got {seqlens_value}")
         seqlens = torch.full((call.batch,), seqlens_value, dtype=torch.int32, device=q.device)
     args = (
         q,

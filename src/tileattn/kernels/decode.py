@@ -563,13 +563,14 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
-# Pages smaller than a key tile (16 to 64 keys) when the programs before splitting fill under one wave:
-# key tiles of one page each (BLOCK_N = page size), so that whole pages come through TMA descriptors
-# as pages of 256 do, at PAGED_SMALL_STAGES stages (one page of K and V is 8 KiB at head dim 128).
-# Such a build holds a few pages in flight (the page lookup feeds each load's coordinates: (stages - 1)
-# // 2 of them) in little shared memory, so the splits aim at PAGED_SMALL_WAVES programs per SM, each
-# with at least DECODE_TMA_TILES pages. Off: prepared for the GPU's A/B (decode_ab.py "psmall=1"), not
-# yet measured.
+# Pages of 16 keys at head dims up to 128 when the programs before splitting fill under one wave: key
+# tiles of one page each (BLOCK_N = 16), so that whole pages come through TMA descriptors as pages of
+# 256 do (the config's TMA must be on: DECODE_TMA or PAGED_TMA), at PAGED_SMALL_STAGES stages (one page
+# of K and V is 8 KiB at head dim 128). Such a build holds a few pages in flight (the page lookup feeds
+# each load's coordinates: (stages - 1) // 2 of them) in little shared memory, so the splits aim at
+# PAGED_SMALL_WAVES programs per SM, each with at least DECODE_TMA_TILES pages. Off: prepared for the
+# GPU's A/B (decode_ab.py "psmall=1"), not yet measured; larger pages and head dims would need other
+# stages or waves to fit that many programs on an SM.
 PAGED_SMALL_TMA = False
 PAGED_SMALL_STAGES = 10
 PAGED_SMALL_WAVES = 4
@@ -716,8 +717,8 @@ def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p:
         PAGED_SMALL_TMA
         and not interpret
         and c.block_table is not None
-        and 16 <= page_size < cfg.block_n
-        and page_size & (page_size - 1) == 0
+        and page_size == 16
+        and p.block_d <= 128
         and programs < sm_count
         and c.leftpad is None
         and k_cache.stride(0) == page_size * k_cache.stride(1)

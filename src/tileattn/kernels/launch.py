@@ -34,7 +34,7 @@ import os
 import torch
 import triton
 from triton import knobs
-from triton.runtime import _allocation
+from triton.runtime import _allocation, driver
 from triton.runtime.jit import JITFunction
 
 from tileattn.kernels.configs import interpreting, remember
@@ -118,10 +118,10 @@ class Launcher:
     def bind(self, grid: tuple, args: tuple, constexprs: dict, **options) -> Bound | None:
         """Launches like ``__call__``; returns the build it launched bound to this grid, constexprs and
         options (None when the launch went through ``JITFunction.run``)."""
+        ensure_scratch_allocator()  # (a build may need scratch on either path)
         if plain_run_needed(self.fn) or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
             self.fn[grid](*args, **constexprs, **options)
             return None
-        ensure_scratch_allocator()
         grid = (*grid, 1, 1)[:3]
         key = self._key(args, constexprs, options)
         plan = self.plans.get(key)
@@ -181,9 +181,6 @@ class Bound:
         self._scratch = bool(getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0))
         if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
             return
-        import triton
-        from triton.runtime import driver
-
         active = driver.active
         self._stream = (active.get_current_device, active.get_current_stream)
         run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
