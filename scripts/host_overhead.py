@@ -1,5 +1,6 @@
 """Host time of tileattn calls at a launch-bound size (BERT-large's attention, one layer), against SDPA;
-``--decode``: a decode step's flash_attn_with_kvcache call at 1 x 8k.
+``--decode``: a decode step's flash_attn_with_kvcache call at 1 x 8k (with ``do_bench`` of each call,
+the call path without its launches, and with ``--profile`` a cProfile of the plain call).
 
 Host time per call: 20 calls issued after a synchronize (the launch queue never fills, so the clock
 stops when the host is done issuing), best of 10 rounds. GPU time: CUDA events around the same calls.
