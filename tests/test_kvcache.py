@@ -411,6 +411,16 @@ def test_cache_values_checked_once_per_step(monkeypatch):
     assert len(reads) == 5
 
 
+def _record_plans(monkeypatch) -> list:
+    """The launch plans ``kernels.decode`` builds from now on (each an (attention, combine) pair)."""
+    from tileattn.kernels import decode
+
+    planned = []
+    original = decode._plan
+    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
+    return planned
+
+
 def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
     """flash_attn_with_kvcache checks a call's metadata, and the kernels plan its launches, once per
     signature (shapes, strides, dtypes, devices, address alignment, options with their types): a decode
@@ -422,9 +432,7 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
 
     device = on(backend)[1]
     q, kc, vc, args = _inputs(1, 1, {"causal": True, "rotary": "interleaved"}, 4, device)
-    planned = []
-    original = decode._plan
-    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(a[-1]) or original(*a))
+    planned = _record_plans(monkeypatch)
     monkeypatch.setattr(kvcache, "_CALLS", {})
 
     def step(seqlens, **changes):
@@ -708,17 +716,13 @@ def test_planned_tma_launch_in_another_thread(monkeypatch):
     import contextvars
     import threading
 
-    from tileattn.kernels import decode
-
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
     kc, vc = (torch.randn(17, 256, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     table = torch.randperm(17, device=dev, generator=gen)[:16].view(1, 16).int()
     seqlens = torch.tensor([4000], dtype=torch.int32, device=dev)
-    planned = []
-    original = decode._plan
-    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
+    planned = _record_plans(monkeypatch)
 
     def call():
         return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)
@@ -743,9 +747,7 @@ def test_small_pages_through_tma(page, monkeypatch):
     from tileattn.reference import attention_ref
 
     monkeypatch.setattr(decode, "PAGED_SMALL_TMA", True)
-    planned = []
-    original = decode._plan
-    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
+    planned = _record_plans(monkeypatch)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     batch, capacity = 3, 4096

@@ -48,15 +48,14 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_flag(name: str, value: object) -> bool:
+def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
-def _check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> None:
     if cos is None and sin is None:
-        return None
+        return
     if cos is None or sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if not has_new:
@@ -80,7 +79,6 @@ def _check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> t
         raise ValueError(
             f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be between 2 and the head dim ({q.shape[-1]})"
         )
-    return cos, sin
 
 
 def _first_bad(mask: torch.Tensor) -> int:

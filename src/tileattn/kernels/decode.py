@@ -759,14 +759,14 @@ def attn_fwd_kvcache(
     split = num_splits > 1
     if split:  # the partial LSEs, then (16-byte aligned) the partial outputs: one allocation
         n_lse = num_splits * lse.numel()
-        at = -(-n_lse // 4) * 4
+        at = cdiv(n_lse, 4) * 4
         l_target = torch.empty(at + num_splits * out.numel(), device=device, dtype=torch.float32)
         o_target = l_target[at:]
     else:
         o_target, l_target = o4, lse
     plan = base.plans.get((num_splits, tiles))
     if plan is None:
-        plan = _plan(base, q4, k_cache, v_cache, o4, lse, o_target, l_target, p, c, num_splits, tiles)
+        plan = _plan(base, q4, k_cache, v_cache, o4, lse, p, c, num_splits, tiles)
         if table is not None:
             _remember(base.plans, (num_splits, tiles), plan)
     seqlens = c.seqlens_k
@@ -797,8 +797,6 @@ def _plan(
     v_cache: torch.Tensor,
     o4: torch.Tensor,
     lse: torch.Tensor,
-    o_target: torch.Tensor,
-    l_target: torch.Tensor,
     p: AttnParams,
     c: CacheLayout,
     num_splits: int,
