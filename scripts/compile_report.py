@@ -82,6 +82,27 @@ def resources(kernel) -> dict:
     )
 
 
+def tile_loop(kernel) -> int:
+    """Instructions in the body of the kernel's shortest loop that holds a tensor-core instruction: in the
+    decode kernel, the key loop over unmasked tiles (the masked edges' copies are longer). A static count
+    (cuobjdump -sass): what one warp issues per key tile there."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    sizes = []
+    for at, ins in code:
+        jump = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
+        if jump and int(jump.group(1), 16) < at:
+            body = [i for a, i in code if int(jump.group(1), 16) <= a <= at]
+            if any("HMMA" in i or "HGMMA" in i for i in body):
+                sizes.append(len(body))
+    if not sizes:
+        raise RuntimeError("no loop with a tensor-core instruction in the SASS")
+    return min(sizes)
+
+
 DECODE_CASES = [
     (1, 8192, None),
     (1, 8192, 16),
@@ -90,6 +111,8 @@ DECODE_CASES = [
     (8, 32768, None),
     (8, 32768, 16),
     (64, 4096, None),
+    (64, 4096, 16),
+    (64, 4096, 256),
     (64, 16384, 256),
 ]
 
@@ -126,7 +149,10 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
             gdc_wait="griddepcontrol.wait" in ptx,
             gdc_signal="griddepcontrol.launch_dependents" in ptx,
         )
-        rows.append(dict(kernel=name, headdim=d, case=case, config=cfg, grid=kw["grid"], **flags, **resources(kernel)))
+        loop = dict(tile_loop=tile_loop(kernel)) if name != "_combine" else {}
+        rows.append(
+            dict(kernel=name, headdim=d, case=case, config=cfg, grid=kw["grid"], **flags, **resources(kernel), **loop)
+        )
     _LAUNCHES.clear()
     return rows
 
@@ -242,12 +268,13 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
     if args.decode:
-        print(f"{'kernel':>18} {'case':>16} {'tiles':>22} {'grid':>16} regs stack shared blocks/SM")
+        print(f"{'kernel':>18} {'case':>16} {'tiles':>22} {'grid':>16} regs stack shared blocks/SM tile loop")
         for batch, cache_len, page in DECODE_CASES:
             for r in compile_decode(batch, cache_len, page):
                 print(
                     f"{r['kernel']:>18} {r['case']:>16} {str(r['config']):>22} {str(r['grid']):>16} "
-                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K {r['blocks_per_sm']:>3}",
+                    f"{r['regs']:>4} {r['stack']:>5} {r['shared'] // 1024:>5}K {r['blocks_per_sm']:>9} "
+                    f"{r.get('tile_loop', ''):>9}",
                     flush=True,
                 )
         return

@@ -17,17 +17,15 @@ SETTINGS = {
     "tmatiles": "DECODE_TMA_TILES",
     "pdl": "DECODE_PDL",
     "pwarps": "PAGED_WARPS",
+    "pprefetch": "PAGED_PREFETCH_WAVES",
     "fstages": "FULL_GRID_STAGES",
     "ftiles": "FULL_GRID_TILES",
-    "psmall": "PAGED_SMALL_TMA",
-    "psstages": "PAGED_SMALL_STAGES",
-    "pswaves": "PAGED_SMALL_WAVES",
 }
 
 
 @contextlib.contextmanager
 def apply(variant: str):
-    saved = {attr: getattr(decode, attr) for attr in SETTINGS.values()}
+    saved = {attr: getattr(decode, attr) for attr in SETTINGS.values() if hasattr(decode, attr)}  # (older trees)
     try:
         for change in filter(None, variant.split(",")):
             name, _, value = change.partition("=")

@@ -376,6 +376,54 @@ def test_append_kernel_drops_out_of_range_writes():
     assert torch.equal(written, expected), written
 
 
+@pytest.mark.parametrize("page", [4, 16, 32])
+def test_attention_kernel_clamps_bad_pages(page):
+    """What runs under CUDA graph capture, where the API cannot read the block table: the attention
+    kernel reads a page number outside the pool (negative or past it) as the pool's last page, never
+    memory outside it. Pages smaller than, equal to and larger than the interpreter's 16-key tile take
+    the kernel's three lookups. Called directly, bypassing validation."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
+        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    from tileattn.kernels import configs, decode
+    from tileattn.reference import attention_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks, num_pages = 3, 5
+    q = torch.randn(2, 1, 4, 16, dtype=F16, device=device, generator=gen)
+    kp, vp = (torch.randn(num_pages, page, 2, 16, dtype=F16, device=device, generator=gen) for _ in range(2))
+    table = torch.tensor([[0, -1, 3], [num_pages, 2, -7]], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([3 * page - 1, 2 * page + 1], dtype=torch.int32, device=device)
+    p = configs.AttnParams(batch=2, seqlen_q=1, seqlen_k=blocks * page, headdim=16, softmax_scale=0.25)
+    for splits in (1, 2):
+        c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=blocks * page, num_splits=splits)
+        out, _ = decode.attn_fwd_kvcache(q, kp, vp, p, c)
+        read = torch.where((table >= 0) & (table < num_pages), table, num_pages - 1).long()
+        for b in range(2):
+            n = int(seqlens[b])
+            k = kp[read[b]].reshape(1, -1, 2, 16)[:, :n]
+            v = vp[read[b]].reshape(1, -1, 2, 16)[:, :n]
+            ref = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=torch.float64)[0]
+            low = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=False)[0]
+            check_close(f"pages of {page}, splits {splits}, sequence {b}", out[b : b + 1], ref, low)
+
+
+def test_offsets_widen_only_past_int32():
+    """The decode kernel computes cache offsets in int32 unless an offset into a cache could pass 2**31
+    (decode._offsets_past_int32, from shapes and strides: meta tensors, nothing allocated)."""
+    from tileattn.kernels import decode
+
+    def pool(pages, stride=16384):
+        return torch.empty_strided((pages, 16, 8, 128), (stride, 1024, 128, 1), dtype=F16, device="meta")
+
+    assert not decode._offsets_past_int32(pool(131072))  # the last element at 2**31 - 1
+    assert decode._offsets_past_int32(pool(131073))
+    assert decode._offsets_past_int32(pool(2, stride=2**31))
+    # one cache row of 2**31 + 1024 elements
+    rows = torch.empty_strided((1, 2**21 + 1, 8, 128), (0, 1024, 128, 1), dtype=F16, device="meta")
+    assert decode._offsets_past_int32(rows)
+
+
 def test_cache_values_checked_once_per_step(monkeypatch):
     """cache_seqlens and block_table are read on the host (a device sync) once until they change, not
     once per layer: calls with the same, unmodified tensors reuse the check; an in-place update (the
@@ -709,6 +757,50 @@ def test_full_grid_two_stage_build(monkeypatch):
         check_close(f"full grid, sequence {b}", two[b : b + 1], ref, low)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="caches of 4 GiB on the GPU")
+@pytest.mark.parametrize("page", [None, 16, 256])
+def test_cache_offsets_past_int32(page, monkeypatch):
+    """Caches of more than 2**31 elements (a pool of pages of 16 or 256 x 8 x 128, or two cache rows of
+    2**20 + 128 tokens): the kernel takes 64-bit offsets, and keys stored past element 2**31 are read
+    where they are. The paged sequences use the pool's last pages; the second contiguous row attends over
+    its last keys (cache_leftpad)."""
+    from tileattn.reference import attention_ref
+
+    planned = _record_plans(monkeypatch)
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    if page is None:  # (the API refuses a sequence of 2**31 elements or more; two of 2**30 + 2**17)
+        capacity = 2**20 + 128
+        kc, vc = (torch.zeros(2, capacity, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        start = torch.tensor([5, capacity - 300], dtype=torch.int32, device=dev)
+        seqlens = torch.tensor([400, capacity - 3], dtype=torch.int32, device=dev)
+        for c in (kc, vc):
+            c[0, :400].normal_(generator=gen)
+            c[1, capacity - 300 :].normal_(generator=gen)
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_leftpad=start)
+        keys = [tuple(c[b : b + 1, int(start[b]) : int(seqlens[b])] for c in (kc, vc)) for b in range(2)]
+    else:
+        pages = 2**31 // (page * 1024) + 1
+        kc, vc = (torch.zeros(pages, page, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        per_seq = 4096 // page
+        table = torch.arange(pages - 2 * per_seq, pages, device=dev, dtype=torch.int32).flip(0).view(2, per_seq)
+        for c in (kc, vc):
+            c[pages - 2 * per_seq :].normal_(generator=gen)
+        seqlens = torch.tensor([4000, 1111], dtype=torch.int32, device=dev)
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+        keys = []
+        for b in range(2):
+            rows = table[b].long()
+            n = int(seqlens[b])
+            keys.append((kc[rows].reshape(1, -1, 8, 128)[:, :n], vc[rows].reshape(1, -1, 8, 128)[:, :n]))
+    assert planned and all(plan[0].constexprs["OFFS_64"] for plan in planned)
+    for b, (k, v) in enumerate(keys):
+        ref = attention_ref(q[b : b + 1], k, v, upcast=torch.float64)[0]
+        low = attention_ref(q[b : b + 1], k, v, upcast=False)[0]
+        check_close(f"offsets past int32, page {page}, sequence {b}", out[b : b + 1], ref, low)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA builds run on the GPU")
 def test_planned_tma_launch_in_another_thread(monkeypatch):
     """A decode call planned in one thread (pages of 256 through TMA descriptors, which need Triton's
@@ -735,38 +827,3 @@ def test_planned_tma_launch_in_another_thread(monkeypatch):
     thread.start()
     thread.join()
     assert len(results) == 1 and torch.equal(results[0], first) and len(planned) == 1
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the small-page TMA build runs on the GPU")
-@pytest.mark.parametrize("page", [16, 32])
-def test_small_pages_through_tma(page, monkeypatch):
-    """decode.PAGED_SMALL_TMA (an A/B candidate, off by default): key tiles of one page of 16 each through
-    TMA descriptors (pages of 32 keep the other builds); sequences whose last page is partly filled (a masked tile through pointer loads), an
-    empty one, shuffled pages, the heuristic's splits and a fixed count; against the reference."""
-    from tileattn.kernels import decode
-    from tileattn.reference import attention_ref
-
-    monkeypatch.setattr(decode, "PAGED_SMALL_TMA", True)
-    planned = _record_plans(monkeypatch)
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    batch, capacity = 3, 4096
-    pages = batch * capacity // page
-    q = torch.randn(batch, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
-    kc, vc = (torch.randn(pages + 1, page, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    table = torch.randperm(pages + 1, device=dev, generator=gen)[:pages].view(batch, -1).int()
-    seqlens = torch.tensor([4001, 0, 2100], dtype=torch.int32, device=dev)
-    for splits in (0, 3):
-        out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=splits)
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
-        for b in (0, 2):
-            n = int(seqlens[b])
-            rows = table[b].long()
-            k = kc[rows].reshape(1, -1, 8, 128)[:, :n]
-            v = vc[rows].reshape(1, -1, 8, 128)[:, :n]
-            ref = attention_ref(q[b : b + 1], k, v, upcast=torch.float64)[0]
-            low = attention_ref(q[b : b + 1], k, v, upcast=False)[0]
-            check_close(f"pages of {page}, splits {splits}, sequence {b}", out[b : b + 1], ref, low)
-    # the page as the key tile through TMA for pages of 16 (larger pages keep the other builds)
-    small = [plan[0].constexprs["USE_TMA"] and plan[0].constexprs["BLOCK_N"] == 16 for plan in planned]
-    assert small and all(small) == (page == 16), small

@@ -63,8 +63,9 @@ class CacheLayout:
 @triton.jit
 def _cache_rows(
     Table_row,
-    offs_n,
+    offs_n_base,
     k_start,
+    start_n,
     seqlen_k,
     num_pages,
     stride_kn,
@@ -72,17 +73,49 @@ def _cache_rows(
     stride_kp,
     stride_vp,
     PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
+    MASK_TABLE: tl.constexpr,
+    OFFS_64: tl.constexpr,
 ):
-    """Element offsets of key columns ``offs_n`` (counted from k_start) in the K and V caches: through
-    the block table when PAGED (pages clamped to the pool, so a bad table never reads outside it)."""
-    pos = k_start + offs_n  # position in the cache row
+    """Element offsets in the K and V caches of the key tile at column ``start_n`` (a multiple of
+    BLOCK_N, columns counted from k_start): through the block table when PAGED, pages clamped to the
+    pool so that a bad table never reads outside it, and table reads masked past seqlen_k with
+    MASK_TABLE. Pages that divide the tile split the position into the page
+    index and the slot, so the slots' offsets stay loop-invariant. In int32 unless OFFS_64 (a cache whose
+    offsets could pass 2**31): the 64-bit products were a quarter of a paged key tile's instructions
+    (docs/perf.md)."""
+    first = k_start + offs_n_base  # loop-invariant
     if PAGED:
-        page = tl.load(Table_row + pos // PAGE_SIZE, mask=offs_n < seqlen_k, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-        slot = pos % PAGE_SIZE
+        if PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD:  # the tile lies in one page: one lookup
+            if MASK_TABLE:
+                page = tl.load(Table_row + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
+            else:
+                page = tl.load(Table_row + start_n // PAGE_SIZE)
+            slot = start_n % PAGE_SIZE + offs_n_base
+        else:
+            if BLOCK_N % PAGE_SIZE == 0:
+                idx = first // PAGE_SIZE + start_n // PAGE_SIZE
+                slot = first % PAGE_SIZE
+            else:
+                idx = (first + start_n) // PAGE_SIZE
+                slot = (first + start_n) % PAGE_SIZE
+            if MASK_TABLE:
+                page = tl.load(Table_row + idx, mask=start_n + offs_n_base < seqlen_k, other=0)
+            else:
+                page = tl.load(Table_row + idx)
+        # one unsigned minimum: negative entries wrap past the pool and clamp to its last page too
+        page = tl.minimum(page.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32))
+        page = page.to(tl.int32, bitcast=True)
+        if OFFS_64:
+            page = page.to(tl.int64)
+            slot = slot.to(tl.int64)
         return page * stride_kp + slot * stride_kn, page * stride_vp + slot * stride_vn
     else:
+        pos = first + start_n
+        if OFFS_64:
+            pos = pos.to(tl.int64)
         return pos * stride_kn, pos * stride_vn
 
 
@@ -121,6 +154,8 @@ def _kv_tiles(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
+    OFFS_64: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     USE_TMA: tl.constexpr,
     MASKED: tl.constexpr,
@@ -139,8 +174,9 @@ def _kv_tiles(
     addresses computed for the other tiles are dropped as dead code where unused."""
     rows_k, rows_v = _cache_rows(
         Table_row,
-        lo + offs_n_base,
+        offs_n_base,
         k_start,
+        lo,
         seqlen_k,
         num_pages,
         stride_kn,
@@ -148,15 +184,20 @@ def _kv_tiles(
         stride_kp,
         stride_vp,
         PAGE_SIZE,
+        BLOCK_N,
         PAGED,
+        HAS_LEFTPAD,
+        MASKED or PREFETCH_TABLE,
+        OFFS_64,
     )
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         if not PREFETCH_TABLE:
             rows_k, rows_v = _cache_rows(
                 Table_row,
-                offs_n,
+                offs_n_base,
                 k_start,
+                start_n,
                 seqlen_k,
                 num_pages,
                 stride_kn,
@@ -164,7 +205,11 @@ def _kv_tiles(
                 stride_kp,
                 stride_vp,
                 PAGE_SIZE,
+                BLOCK_N,
                 PAGED,
+                HAS_LEFTPAD,
+                MASKED or PREFETCH_TABLE,
+                OFFS_64,
             )
         if USE_TMA and PAGED and not MASKED:
             # a whole tile of keys lies in one page (PAGE_SIZE a multiple of BLOCK_N, no leftpad); the
@@ -187,8 +232,9 @@ def _kv_tiles(
         if PREFETCH_TABLE:
             rows_k, rows_v = _cache_rows(
                 Table_row,
-                offs_n + BLOCK_N,
+                offs_n_base,
                 k_start,
+                start_n + BLOCK_N,
                 seqlen_k,
                 num_pages,
                 stride_kn,
@@ -196,7 +242,11 @@ def _kv_tiles(
                 stride_kp,
                 stride_vp,
                 PAGE_SIZE,
+                BLOCK_N,
                 PAGED,
+                HAS_LEFTPAD,
+                MASKED or PREFETCH_TABLE,
+                OFFS_64,
             )
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
         s, _ = common.scores(
@@ -269,6 +319,8 @@ def _attn_fwd_kvcache(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
+    OFFS_64: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr,
     USE_TMA: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
@@ -314,6 +366,10 @@ def _attn_fwd_kvcache(
         k_start = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), k_end)
     seqlen_k = k_end - k_start
     b64 = b.to(tl.int64)
+    if SAME_KV_STRIDES:  # (one set of row offsets serves both caches)
+        stride_vb = stride_kb
+        stride_vn = stride_kn
+        stride_vh = stride_kh
     if PAGED:
         K_base = K + hk * stride_kh
         V_base = V + hk * stride_vh
@@ -411,6 +467,8 @@ def _attn_fwd_kvcache(
             BLOCK_N,
             PAGE_SIZE,
             PAGED,
+            OFFS_64,
+            HAS_LEFTPAD,
             PREFETCH_TABLE,
             USE_TMA,
             seg != 1,
@@ -558,22 +616,13 @@ DECODE_PDL = True
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
 # with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
 # table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
-# K/V tiles in flight, as three stages give contiguous caches); the others keep DECODE_STAGES and, under
-# two waves, read the table one tile ahead by hand (PREFETCH_TABLE). Measured in docs/perf.md.
+# K/V tiles in flight, as three stages give contiguous caches); the others keep DECODE_STAGES and, in
+# grids under PAGED_PREFETCH_WAVES waves, read the table one tile ahead by hand (PREFETCH_TABLE).
+# Measured in docs/perf.md.
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
-# Pages of 16 keys at head dims up to 128 when the programs before splitting fill under one wave: key
-# tiles of one page each (BLOCK_N = 16), so that whole pages come through TMA descriptors as pages of
-# 256 do (the config's TMA must be on: DECODE_TMA or PAGED_TMA), at PAGED_SMALL_STAGES stages (one page
-# of K and V is 8 KiB at head dim 128). Such a build holds a few pages in flight (the page lookup feeds
-# each load's coordinates: (stages - 1) // 2 of them) in little shared memory, so the splits aim at
-# PAGED_SMALL_WAVES programs per SM, each with at least DECODE_TMA_TILES pages. Off: prepared for the
-# GPU's A/B (decode_ab.py "psmall=1"), not yet measured; larger pages and head dims would need other
-# stages or waves to fit that many programs on an SM.
-PAGED_SMALL_TMA = False
-PAGED_SMALL_STAGES = 10
-PAGED_SMALL_WAVES = 4
+PAGED_PREFETCH_WAVES = 2
 
 
 @functools.cache
@@ -605,18 +654,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(
-    programs: int, max_seqlen_k: int, block_n: int, sm_count: int, waves: int | None = None, min_tiles: int = 4
-) -> int:
-    """As many splits as keep the programs within ``waves`` waves (DECODE_WAVES; one program per SM per
-    wave), with at least ``min_tiles`` key tiles per split. Measured on the H200 (docs/perf.md, decode
-    sweep): one wave; 1x8k and 1x128k want 8-16 splits, 8x32k 2, and batches of 64 sequences none
-    (their 512 programs already fill the GPU)."""
-    waves = DECODE_WAVES if waves is None else waves
-    if programs >= waves * sm_count:
+def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int) -> int:
+    """As many splits as keep the programs within DECODE_WAVES waves (one program per SM per wave),
+    with at least four key tiles per split. Measured on the H200 (docs/perf.md, decode sweep): one wave;
+    1x8k and 1x128k want 8-16 splits, 8x32k 2, and batches of 64 sequences none (their 512 programs
+    already fill the GPU)."""
+    if programs >= DECODE_WAVES * sm_count:
         return 1
     tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(waves * sm_count // programs, tiles // min_tiles, _MAX_SPLITS))
+    return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
 
 
 # Module names a decode plan depends on besides the call's metadata: the settings above (changed at run
@@ -634,9 +680,7 @@ _PLAN_INPUTS = (
     "PAGED_LONG_STAGES",
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
-    "PAGED_SMALL_TMA",
-    "PAGED_SMALL_STAGES",
-    "PAGED_SMALL_WAVES",
+    "PAGED_PREFETCH_WAVES",
     "COMBINE_SPLITS_PER_LOAD",
     "_config_for",
     "_has_pdl",
@@ -679,7 +723,6 @@ class _Base:
     programs: int
     lse_shape: tuple
     sm_count: int
-    small_pages: bool  # key tiles of one page through TMA (PAGED_SMALL_TMA)
     plans: dict = dataclasses.field(default_factory=dict)
     split_counts: dict = dataclasses.field(default_factory=dict)
 
@@ -696,40 +739,18 @@ class _Base:
         num_splits = c.num_splits
         if num_splits == 0:
             max_k = c.max_seqlen_k if c.max_seqlen_k is not None else p.seqlen_k
-            if self.small_pages:
-                num_splits = choose_splits(
-                    self.programs, max_k, block_n, self.sm_count, PAGED_SMALL_WAVES, DECODE_TMA_TILES
-                )
-            else:
-                num_splits = choose_splits(self.programs, max_k, block_n, self.sm_count)
+            num_splits = choose_splits(self.programs, max_k, block_n, self.sm_count)
         num_splits = max(1, min(num_splits, _MAX_SPLITS, cdiv(max(p.seqlen_k, 1), block_n)))
         return num_splits, cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), block_n * num_splits)
 
 
-def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c: CacheLayout) -> _Base:
+def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
-    interpret = interpreting()
-    cfg = _config_for(rows, p.block_d, interpret, DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+    cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
-    sm_count = _sm_count(q4.device)
-    page_size = k_cache.shape[1]
-    small_pages = (
-        PAGED_SMALL_TMA
-        and not interpret
-        and c.block_table is not None
-        and page_size == 16
-        and p.block_d <= 128
-        and programs < sm_count
-        and c.leftpad is None
-        and k_cache.stride(0) == page_size * k_cache.stride(1)
-        and v_cache.stride(0) == page_size * v_cache.stride(1)
-        and common.use_tma(cfg, k_cache, v_cache)
-    )
-    if small_pages:  # the page is the key tile
-        cfg = dataclasses.replace(cfg, block_n=page_size)
     nheads = q4.shape[2]
     lse_shape = (nheads, q4.shape[1]) if p.is_varlen else (p.batch, nheads, p.seqlen_q)
-    return _Base(cfg, programs, lse_shape, sm_count, small_pages)
+    return _Base(cfg, programs, lse_shape, _sm_count(q4.device))
 
 
 def attn_fwd_kvcache(
@@ -748,7 +769,7 @@ def attn_fwd_kvcache(
         settings = _plan_inputs(globals())
         base = table.get(settings)
     if base is None:
-        base = _new_base(q4, k_cache, v_cache, p, c)
+        base = _new_base(q4, k_cache, p)
         if table is not None:
             _remember(table, settings, base)
     device = q.device
@@ -790,6 +811,11 @@ def attn_fwd_kvcache(
     return out, lse
 
 
+def _offsets_past_int32(t: torch.Tensor) -> bool:
+    """Whether an element offset into ``t`` (from its start, over all dims) could pass int32."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31
+
+
 def _plan(
     base: _Base,
     q4: torch.Tensor,
@@ -827,10 +853,9 @@ def _plan(
         page_size, num_rows, capacity = 1, k_cache.shape[0], k_cache.shape[1]
         table_stride = c.seqlens_k.stride(0)
     small_grid = base.programs * num_splits < 2 * base.sm_count
+    prefetch_grid = base.programs * num_splits < PAGED_PREFETCH_WAVES * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
-    if base.small_pages:  # (its TMA conditions checked by _new_base)
-        use_tma, stages = True, PAGED_SMALL_STAGES
-    elif paged:
+    if paged:
         use_tma = (
             tiles >= DECODE_TMA_TILES
             and small_grid
@@ -880,7 +905,9 @@ def _plan(
             "BLOCK_N": cfg.block_n,
             "PAGE_SIZE": page_size,
             "PAGED": paged,
-            "PREFETCH_TABLE": paged and small_grid and not long_paged and not use_tma,
+            "OFFS_64": _offsets_past_int32(k_cache) or _offsets_past_int32(v_cache),
+            "SAME_KV_STRIDES": k_cache.stride() == v_cache.stride(),
+            "PREFETCH_TABLE": paged and prefetch_grid and not long_paged and not use_tma,
             "USE_TMA": use_tma,
             "HAS_LEFTPAD": c.leftpad is not None,
             "HAS_BATCH_IDX": c.batch_idx is not None,
