@@ -13,7 +13,14 @@
 # 6: GPU tests, host time, the A/B rows as set, the CLI's decode table;
 # 7: GPU tests with the launcher's direct path, host time, A/B of full-grid stages, memcheck.
 # 8, 9 (2026-12-01, the host path): GPU tests and the benchmark CLI's decode table; memcheck and host time.
-# 10 (prepared, not yet run): GPU tests (with the small-page TMA build's), A/B of decode.PAGED_SMALL_TMA.
+# 10: GPU tests (with the small-page TMA build's), A/B of decode.PAGED_SMALL_TMA (since removed).
+# 11: GPU tests, then the int32 paged offsets against the tree in $BASE (default ab_base: a copy of the
+#     source before them, e.g. `git archive 3058b17 src | tar x -C ab_base`), alternating trees, then host time.
+# 12: with the int32 offsets, the table read ahead at full grids (with two stages), and small grids'
+#     long programs at three stages with the table read ahead instead of five.
+# 13: GPU tests (with caches past 2**31 elements), then three trees alternating: this one, ab_mid (this
+#     one with SAME_KV_STRIDES off) and ab_base (the source before the int32 offsets).
+# 14: GPU tests, the benchmark CLI's decode rows, and the host time twice.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -38,7 +45,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-10}" in
+case "${1:?run number 2-14}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -69,5 +76,26 @@ case "${1:?run number 2-10}" in
   10)
     tests 170 tests/test_kvcache.py
     ab decode_ab_small --layouts "tileattn paged16" -- "" "psmall=1" "psmall=1,psstages=16" "psmall=1,pswaves=2" ;;
-  *) echo "runs 2-10" >&2; exit 2 ;;
+  11)
+    tests 170 tests/test_kvcache.py
+    for tree in new base new base; do
+      src=$PWD/src
+      [ "$tree" = base ] && src=$PWD/${BASE:-ab_base}/src
+      PYTHONPATH=$src timeout 120 python3 scripts/decode_ab.py --rounds 3 --out "$OUT/decode_ab_$tree.jsonl" \
+        --layouts "tileattn paged16" "tileattn paged256" tileattn -- "" > "$OUT/decode_ab_$tree.log" 2>&1
+      echo "$tree: $(grep -E '^[0-9]+x' "$OUT/decode_ab_$tree.log" | tr '\n' ';')"
+    done
+    host ;;
+  12) ab decode_ab_prefetch -- "" "pprefetch=100" "pprefetch=100,stages=2" "plong=0" ;;
+  13)
+    tests 200 tests/test_kvcache.py tests/test_cache.py
+    for tree in new mid base new mid base; do
+      src=$PWD/src
+      [ "$tree" != new ] && src=$PWD/ab_$tree/src
+      PYTHONPATH=$src timeout 120 python3 scripts/decode_ab.py --rounds 3 --out "$OUT/decode_ab_$tree.jsonl" \
+        --layouts "tileattn paged16" "tileattn paged256" tileattn -- "" > "$OUT/decode_ab_$tree.log" 2>&1
+      echo "$tree: $(grep -E '^[0-9]+x' "$OUT/decode_ab_$tree.log" | sed 's/tileattn //; s/: table / /' | tr '\n' ';')"
+    done ;;
+  14) tests 200 tests/test_kvcache.py tests/test_cache.py; cli; host; host ;;
+  *) echo "runs 2-14" >&2; exit 2 ;;
 esac
