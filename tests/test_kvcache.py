@@ -204,6 +204,7 @@ def test_tma_reads(backend, monkeypatch):
 
     monkeypatch.setattr(decode, "DECODE_TMA_TILES", 0)
     monkeypatch.setattr(decode, "DECODE_TMA", True)
+    monkeypatch.setattr(decode, "PAGED_TMA", True)
     test_kvcache_matches_reference(backend, "decode-no-append", "dense", 3)
     test_kvcache_matches_reference(backend, "batch-idx", "dense", 1)
     test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
@@ -807,6 +808,10 @@ def test_planned_tma_launch_in_another_thread(monkeypatch):
     scratch allocator) runs again from a new thread, whose context has no allocator yet."""
     import contextvars
     import threading
+
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "PAGED_TMA", True)
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -603,11 +603,12 @@ FULL_GRID_TILES = 32
 # of at least DECODE_TMA_TILES key tiles (each program builds its descriptors on the device: a write to
 # global scratch and a fence, which short programs do not earn back). PAGED_TMA: paged caches whose
 # pages hold whole key tiles (page size a multiple of BLOCK_N, pages contiguous, no cache_leftpad) in
-# grids under two waves, at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates): +6 % at
-# 1 x 128k and 8 x 32k with pages of 256, -4 % at 64 x 4k's full grid. DECODE_TMA: contiguous caches,
-# 1 % slower than pointer loads in three rows and level in two (docs/perf.md), so off.
+# grids under two waves, at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates). It gained
+# 6 % at 1 x 128k and 8 x 32k with pages of 256 over the pointer loads' 64-bit page offsets; since those
+# are int32 (one lookup per tile), the pointer loads read 1-2 % faster there, so off. DECODE_TMA:
+# contiguous caches, 1 % slower than pointer loads in three rows and level in two, so off (docs/perf.md).
 DECODE_TMA = False
-PAGED_TMA = True
+PAGED_TMA = False
 PAGED_TMA_STAGES = 5
 DECODE_TMA_TILES = 16
 # Programmatic dependent launch of the split combine (sm90+): its programs start while the split kernel
