@@ -82,10 +82,10 @@ def _cache_rows(
     """Element offsets in the K and V caches of the key tile at column ``start_n`` (a multiple of
     BLOCK_N, columns counted from k_start): through the block table when PAGED, pages clamped to the
     pool so that a bad table never reads outside it, and table reads masked past seqlen_k with
-    MASK_TABLE. Pages that divide the tile split the position into the page
-    index and the slot, so the slots' offsets stay loop-invariant. In int32 unless OFFS_64 (a cache whose
-    offsets could pass 2**31): the 64-bit products were a quarter of a paged key tile's instructions
-    (docs/perf.md)."""
+    MASK_TABLE. A tile inside one page (pages of whole tiles, k_start = 0) takes one lookup; pages that
+    divide the tile split the position into page index and slot, so the slots' offsets stay
+    loop-invariant. In int32 unless OFFS_64 (a cache whose offsets could pass 2**31): the 64-bit products
+    were about a quarter of a paged key tile's instructions (docs/perf.md)."""
     first = k_start + offs_n_base  # loop-invariant
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD:  # the tile lies in one page: one lookup
