@@ -21,6 +21,8 @@
 # 13: GPU tests (with caches past 2**31 elements), then three trees alternating: this one, ab_mid (this
 #     one with SAME_KV_STRIDES off) and ab_base (the source before the int32 offsets).
 # 14: GPU tests, the benchmark CLI's decode rows, and the host time twice.
+# 15: with the int32 offsets: pages of 256 through pointer loads, seven stages for long paged programs,
+#     two waves of splits.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -45,7 +47,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-14}" in
+case "${1:?run number 2-15}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -97,5 +99,6 @@ case "${1:?run number 2-14}" in
       echo "$tree: $(grep -E '^[0-9]+x' "$OUT/decode_ab_$tree.log" | sed 's/tileattn //; s/: table / /' | tr '\n' ';')"
     done ;;
   14) tests 200 tests/test_kvcache.py tests/test_cache.py; cli; host; host ;;
-  *) echo "runs 2-14" >&2; exit 2 ;;
+  15) ab decode_ab_paged2 --layouts "tileattn paged16" "tileattn paged256" -- "" "ptma=0" "plong=7" "waves=2" ;;
+  *) echo "runs 2-15" >&2; exit 2 ;;
 esac
