@@ -18,6 +18,7 @@ SETTINGS = {
     "pdl": "DECODE_PDL",
     "pwarps": "PAGED_WARPS",
     "pprefetch": "PAGED_PREFETCH_WAVES",
+    "offs64": "OFFS_64_ALWAYS",
     "fstages": "FULL_GRID_STAGES",
     "ftiles": "FULL_GRID_TILES",
 }

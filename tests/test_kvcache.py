@@ -377,12 +377,13 @@ def test_append_kernel_drops_out_of_range_writes():
     assert torch.equal(written, expected), written
 
 
-@pytest.mark.parametrize("page", [4, 16, 32])
+@pytest.mark.parametrize("page", [4, 12, 16, 32])
 def test_attention_kernel_clamps_bad_pages(page):
     """What runs under CUDA graph capture, where the API cannot read the block table: the attention
     kernel reads a page number outside the pool (negative or past it) as the pool's last page, never
-    memory outside it. Pages smaller than, equal to and larger than the interpreter's 16-key tile take
-    the kernel's three lookups. Called directly, bypassing validation."""
+    memory outside it. Pages of 4 (dividing the interpreter's 16-key tile), 12 (neither dividing it nor
+    a multiple of it) and 16 / 32 (whole tiles) take the kernel's three lookups. Called directly,
+    bypassing validation."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
         pytest.skip("needs the Triton kernels (GPU or interpreter)")
     from tileattn.kernels import configs, decode
@@ -410,19 +411,69 @@ def test_attention_kernel_clamps_bad_pages(page):
 
 
 def test_offsets_widen_only_past_int32():
-    """The decode kernel computes cache offsets in int32 unless an offset into a cache could pass 2**31
-    (decode._offsets_past_int32, from shapes and strides: meta tensors, nothing allocated)."""
+    """The decode kernel computes cache offsets in int32 unless one could pass 2**31 (decode.
+    _offsets_past_int32, from shapes and strides: meta tensors, nothing allocated). The kv head's and
+    (contiguous caches) the cache row's starts are int64 in the kernel, so only pages, slots or positions
+    and the head dim count."""
     from tileattn.kernels import decode
 
-    def pool(pages, stride=16384):
-        return torch.empty_strided((pages, 16, 8, 128), (stride, 1024, 128, 1), dtype=F16, device="meta")
+    def cache(shape, strides):
+        return torch.empty_strided(shape, strides, dtype=F16, device="meta")
 
-    assert not decode._offsets_past_int32(pool(131072))  # the last element at 2**31 - 1
-    assert decode._offsets_past_int32(pool(131073))
-    assert decode._offsets_past_int32(pool(2, stride=2**31))
-    # one cache row of 2**31 + 1024 elements
-    rows = torch.empty_strided((1, 2**21 + 1, 8, 128), (0, 1024, 128, 1), dtype=F16, device="meta")
-    assert decode._offsets_past_int32(rows)
+    def pool(pages, stride=16384):
+        return cache((pages, 16, 8, 128), (stride, 1024, 128, 1))
+
+    assert not decode._offsets_past_int32(pool(131072), True)  # the last element at 2**31 - 1
+    assert decode._offsets_past_int32(pool(131073), True)
+    assert decode._offsets_past_int32(pool(2, stride=2**31), True)
+    # kv heads outermost: the head's start does not count
+    assert not decode._offsets_past_int32(cache((131072, 16, 8, 128), (2048, 128, 2**28, 1)), True)
+    assert not decode._offsets_past_int32(cache((0, 16, 8, 128), (16384, 1024, 128, 1)), True)
+    # contiguous caches: one row of 2**31 + 1024 elements, against many rows of fewer
+    assert decode._offsets_past_int32(cache((1, 2**21 + 1, 8, 128), (0, 1024, 128, 1)), False)
+    assert not decode._offsets_past_int32(cache((64, 2**21, 8, 128), (2**31, 1024, 128, 1)), False)
+
+
+@pytest.mark.parametrize("bad", ["split", "general", "prefetch-off", "offsets-64"])
+def test_paged_lookup_branches(backend, bad, monkeypatch):
+    """The attention kernel's page lookups against the reference (``_cache_rows``): pages of 12 and 24
+    (neither dividing the interpreter's 16-key tile nor a multiple of it: the per-row lookup), pages
+    that divide it (4) or hold whole tiles (16, 32); the table read in the same iteration (no lookahead,
+    unmasked reads in unmasked tiles); 64-bit offsets forced on small caches. With leftpad, windows,
+    chunks and splits."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    from tileattn import kvcache
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
+    layouts = {"split": ["page4"], "general": ["page12", "page24"], "prefetch-off": ["page4", "page16"]}
+    layouts["offsets-64"] = ["dense", "page4", "page12", "page16", "page32"]
+    for name, page in (("page12", 12), ("page24", 24), ("page32", 32)):
+        monkeypatch.setitem(LAYOUTS, name, page)
+    if bad == "prefetch-off":
+        monkeypatch.setattr(decode, "PAGED_PREFETCH_WAVES", 0)
+    calls = []
+    planned = _record_plans(monkeypatch)
+    if bad == "offsets-64":  # "no" for each plan's k_cache, "yes" for its v_cache: both caches must count
+        monkeypatch.setattr(decode, "_offsets_past_int32", lambda t, paged: calls.append(t) or len(calls) % 2 == 0)
+    for layout in layouts[bad]:
+        for case, splits in (("window-softcap", 3), ("alibi-leftpad", 1), ("chunk-causal-neox", 3)):
+            test_kvcache_matches_reference(backend, case, layout, splits)
+    assert planned and all(plan[0].constexprs["OFFS_64"] == (bad == "offsets-64") for plan in planned)
+
+
+def test_empty_pool_refused():
+    """A paged cache of no pages cannot serve a block table with columns: refused up front (the kernels
+    clamp table entries to the pool's pages, which needs one)."""
+    q = torch.randn(1, 1, 4, 16, dtype=F16)
+    empty = torch.zeros(0, 16, 2, 16, dtype=F16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no pages"):
+        tileattn.flash_attn_with_kvcache(q, empty, empty, cache_seqlens=0, block_table=table)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no pages"):
+        tileattn.flash_attn_varlen_func(q[0], empty, empty, cu, cu, 1, 1, block_table=table)
 
 
 def test_cache_values_checked_once_per_step(monkeypatch):
@@ -758,22 +809,24 @@ def test_full_grid_two_stage_build(monkeypatch):
         check_close(f"full grid, sequence {b}", two[b : b + 1], ref, low)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="caches of 4 GiB on the GPU")
-@pytest.mark.parametrize("page", [None, 16, 256])
-def test_cache_offsets_past_int32(page, monkeypatch):
-    """Caches of more than 2**31 elements (a pool of pages of 16 or 256 x 8 x 128, or two cache rows of
-    2**20 + 128 tokens): the kernel takes 64-bit offsets, and keys stored past element 2**31 are read
-    where they are. The paged sequences use the pool's last pages; the second contiguous row attends over
-    its last keys (cache_leftpad)."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="caches of 4-6 GiB on the GPU")
+@pytest.mark.parametrize("layout", ["pages16", "pages256", "heads-outer", "pages16-heads-outer"])
+def test_cache_offsets_past_int32(layout, monkeypatch):
+    """Caches of more than 2**31 elements, keys stored past element 2**31 read where they are, against
+    the reference:
+    - a pool of pages of 16 or 256 (x 8 heads x 128) read at its last pages: 64-bit offsets (OFFS_64);
+    - kv heads outermost (a contiguous cache, and a pool of pages of 16): the last kv head starts past
+      2**31 while offsets within a head fit int32, so the head's start is what must be 64-bit."""
     from tileattn.reference import attention_ref
 
     planned = _record_plans(monkeypatch)
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
-    if page is None:  # (the API refuses a sequence of 2**31 elements or more; two of 2**30 + 2**17)
-        capacity = 2**20 + 128
-        kc, vc = (torch.zeros(2, capacity, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    if layout == "heads-outer":
+        capacity = 2**21 + 2**19  # head 7 starts at 7 * capacity * 128 > 2**31
+        kc, vc = (torch.zeros(8, 2, capacity, 128, **bf16).permute(1, 2, 0, 3) for _ in range(2))
         start = torch.tensor([5, capacity - 300], dtype=torch.int32, device=dev)
         seqlens = torch.tensor([400, capacity - 3], dtype=torch.int32, device=dev)
         for c in (kc, vc):
@@ -781,9 +834,15 @@ def test_cache_offsets_past_int32(page, monkeypatch):
             c[1, capacity - 300 :].normal_(generator=gen)
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_leftpad=start)
         keys = [tuple(c[b : b + 1, int(start[b]) : int(seqlens[b])] for c in (kc, vc)) for b in range(2)]
+        widened = False
     else:
-        pages = 2**31 // (page * 1024) + 1
-        kc, vc = (torch.zeros(pages, page, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        page = 256 if layout == "pages256" else 16
+        if layout == "pages16-heads-outer":
+            pages = (2**21 + 2**19) // page
+            kc, vc = (torch.zeros(8, pages, page, 128, **bf16).permute(1, 2, 0, 3) for _ in range(2))
+        else:
+            pages = 2**31 // (page * 1024) + 1
+            kc, vc = (torch.zeros(pages, page, 8, 128, **bf16) for _ in range(2))
         per_seq = 4096 // page
         table = torch.arange(pages - 2 * per_seq, pages, device=dev, dtype=torch.int32).flip(0).view(2, per_seq)
         for c in (kc, vc):
@@ -795,11 +854,12 @@ def test_cache_offsets_past_int32(page, monkeypatch):
             rows = table[b].long()
             n = int(seqlens[b])
             keys.append((kc[rows].reshape(1, -1, 8, 128)[:, :n], vc[rows].reshape(1, -1, 8, 128)[:, :n]))
-    assert planned and all(plan[0].constexprs["OFFS_64"] for plan in planned)
+        widened = layout != "pages16-heads-outer"
+    assert planned and all(plan[0].constexprs["OFFS_64"] == widened for plan in planned)
     for b, (k, v) in enumerate(keys):
         ref = attention_ref(q[b : b + 1], k, v, upcast=torch.float64)[0]
         low = attention_ref(q[b : b + 1], k, v, upcast=False)[0]
-        check_close(f"offsets past int32, page {page}, sequence {b}", out[b : b + 1], ref, low)
+        check_close(f"offsets past int32, {layout}, sequence {b}", out[b : b + 1], ref, low)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA builds run on the GPU")

@@ -110,6 +110,21 @@ def test_decode_builds_as_the_settings_assume():
         assert paged["tile_loop"] <= 1.15 * full["tile_loop"], (paged, full)
 
 
+ONE_PAGE_CASES = """
+from tileattn.kernels import decode
+decode._has_pdl = lambda device: True
+rows += compile_report.compile_decode(1, 256, 256)
+rows += compile_report.compile_decode(1, 16, 16)
+"""
+
+
+def test_decode_compiles_for_a_one_page_pool():
+    """Triton passes an int argument equal to 1 as a constant: a pool of one page (of 256 or of 16 keys)
+    must still compile its clamp of table entries to the pool (decode._pool_page)."""
+    rows = _compiled(ONE_PAGE_CASES)
+    assert [r["kernel"] for r in rows] == ["_attn_fwd_kvcache", "_attn_fwd_kvcache"], rows
+
+
 ROTATE_CASE = """
 import triton
 from triton.backends.compiler import GPUTarget

@@ -37,10 +37,12 @@ def _check_int32(name: str, t: object, shape: tuple[int, ...], layout: str, devi
     return t.contiguous()
 
 
-def _check_table(block_table: object, batch: int, device: torch.device) -> torch.Tensor:
+def _check_table(block_table: object, batch: int, num_pages: int, device: torch.device) -> torch.Tensor:
     if isinstance(block_table, torch.Tensor) and block_table.dim() != 2:
         raise ValueError(f"block_table must be 2-D (batch, max_pages), got shape {tuple(block_table.shape)}")
     max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
+    if num_pages == 0 and max_pages > 0:  # (no entry could be valid; the kernels clamp pages to the pool)
+        raise ValueError(f"k_cache holds no pages (shape[0] == 0) for a block_table of {max_pages} columns")
     return _check_int32("block_table", block_table, (batch, max_pages), "(batch, max_pages)", device)
 
 
@@ -376,7 +378,7 @@ def _check_call(
                 )
 
     if block_table is not None:
-        block_table = _check_table(block_table, batch, device)
+        block_table = _check_table(block_table, batch, k_cache.shape[0], device)
         max_pages = block_table.shape[1]
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps pages)")
@@ -579,7 +581,7 @@ def paged_varlen_fwd(
         raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries, got {cu_seqlens_k.numel()}")
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"cu_seqlens_q describes {batch} sequences; at most {api.MAX_DENSE_BATCH}")
-    block_table = _check_table(block_table, batch, device)
+    block_table = _check_table(block_table, batch, k.shape[0], device)
     if p_options["dropout_p"] != 0.0:
         raise NotImplementedError(
             "flash_attn_varlen_func: dropout with a paged KV cache (block_table) is not supported"

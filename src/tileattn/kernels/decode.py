@@ -62,6 +62,8 @@ class CacheLayout:
 
 @triton.jit
 def _cache_rows(
+    K_base,
+    V_base,
     Table_row,
     offs_n_base,
     k_start,
@@ -79,21 +81,36 @@ def _cache_rows(
     MASK_TABLE: tl.constexpr,
     OFFS_64: tl.constexpr,
 ):
-    """Element offsets in the K and V caches of the key tile at column ``start_n`` (a multiple of
-    BLOCK_N, columns counted from k_start): through the block table when PAGED, pages clamped to the
-    pool so that a bad table never reads outside it, and table reads masked past seqlen_k with
-    MASK_TABLE. A tile inside one page (pages of whole tiles, k_start = 0) takes one lookup; pages that
-    divide the tile split the position into page index and slot, so the slots' offsets stay
-    loop-invariant. In int32 unless OFFS_64 (a cache whose offsets could pass 2**31): the 64-bit products
-    were about a quarter of a paged key tile's instructions (docs/perf.md)."""
+    """``(K_tile, rows_k, V_tile, rows_v)``: the key tile at column ``start_n`` (a multiple of BLOCK_N,
+    columns counted from k_start) is at ``K_tile + rows_k`` (row starts, elements) in the K cache, and
+    likewise in V. Through the block table when PAGED, pages clamped to the pool so that a bad table
+    never reads outside it, and table reads masked past seqlen_k with MASK_TABLE. A tile inside one page
+    (pages of whole tiles, k_start = 0) takes one lookup; pages that divide the tile split the position
+    into page index and slot, so the slots' offsets stay loop-invariant.
+
+    Offsets are int32 unless OFFS_64 (a cache whose offsets from the kv head's start could pass 2**31):
+    64-bit products were about a quarter of a paged key tile's instructions (docs/perf.md). With
+    OFFS_64 a one-lookup tile's page start moves into ``K_tile`` (once per tile) and the per-row
+    products are unsigned wide multiplies (``_wide_product``)."""
     first = k_start + offs_n_base  # loop-invariant
+    K_tile = K_base
+    V_tile = V_base
     if PAGED:
         if PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD:  # the tile lies in one page: one lookup
             if MASK_TABLE:
                 page = tl.load(Table_row + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
             else:
                 page = tl.load(Table_row + start_n // PAGE_SIZE)
+            page = _pool_page(page, num_pages)
             slot = start_n % PAGE_SIZE + offs_n_base
+            if OFFS_64:  # the page's start as a 64-bit pointer, once per tile
+                K_tile = K_base + page.to(tl.int64) * stride_kp
+                V_tile = V_base + page.to(tl.int64) * stride_vp
+                rows_k = _wide_product(slot, stride_kn)
+                rows_v = _wide_product(slot, stride_vn)
+            else:
+                rows_k = page * stride_kp + slot * stride_kn
+                rows_v = page * stride_vp + slot * stride_vn
         else:
             if BLOCK_N % PAGE_SIZE == 0:
                 idx = first // PAGE_SIZE + start_n // PAGE_SIZE
@@ -105,18 +122,38 @@ def _cache_rows(
                 page = tl.load(Table_row + idx, mask=start_n + offs_n_base < seqlen_k, other=0)
             else:
                 page = tl.load(Table_row + idx)
-        # one unsigned minimum: negative entries wrap past the pool and clamp to its last page too
-        page = tl.minimum(page.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32))
-        page = page.to(tl.int32, bitcast=True)
-        if OFFS_64:
-            page = page.to(tl.int64)
-            slot = slot.to(tl.int64)
-        return page * stride_kp + slot * stride_kn, page * stride_vp + slot * stride_vn
+            page = _pool_page(page, num_pages)
+            if OFFS_64:
+                rows_k = _wide_product(page, stride_kp) + _wide_product(slot, stride_kn)
+                rows_v = _wide_product(page, stride_vp) + _wide_product(slot, stride_vn)
+            else:
+                rows_k = page * stride_kp + slot * stride_kn
+                rows_v = page * stride_vp + slot * stride_vn
     else:
         pos = first + start_n
         if OFFS_64:
             pos = pos.to(tl.int64)
-        return pos * stride_kn, pos * stride_vn
+        rows_k = pos * stride_kn
+        rows_v = pos * stride_vn
+    return K_tile, rows_k, V_tile, rows_v
+
+
+@triton.jit
+def _wide_product(index, stride):
+    """``index * stride`` in int64 for a non-negative int32 ``index`` and a non-negative stride: as an
+    unsigned product, which compiles to one wide multiply per element (a signed 64-bit product to
+    several)."""
+    wide = index.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return (wide * stride.to(tl.int64).to(tl.uint64, bitcast=True)).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _pool_page(page, num_pages):
+    """Table entries clamped to the pool's pages with one unsigned minimum: a negative entry wraps past
+    the pool and reads its last page, as an entry past it does. (``num_pages - 1`` through tl.cast:
+    Triton passes an int argument equal to 1 as a constant.)"""
+    last = tl.cast(num_pages - 1, tl.int32).to(tl.uint32)
+    return tl.minimum(page.to(tl.uint32, bitcast=True), last).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -172,7 +209,9 @@ def _kv_tiles(
     over the sequence's keys (rows past seqlen_k read as zeros), for paged ones over the pool's rows of
     this kv head (unmasked tiles only; the page lookup gives the tile's first row). The pointer
     addresses computed for the other tiles are dropped as dead code where unused."""
-    rows_k, rows_v = _cache_rows(
+    K_tile, rows_k, V_tile, rows_v = _cache_rows(
+        K_base,
+        V_base,
         Table_row,
         offs_n_base,
         k_start,
@@ -187,13 +226,15 @@ def _kv_tiles(
         BLOCK_N,
         PAGED,
         HAS_LEFTPAD,
-        MASKED or PREFETCH_TABLE,
+        True,  # (used only with PREFETCH_TABLE; an empty segment's first tile may lie past the table row)
         OFFS_64,
     )
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         if not PREFETCH_TABLE:
-            rows_k, rows_v = _cache_rows(
+            K_tile, rows_k, V_tile, rows_v = _cache_rows(
+                K_base,
+                V_base,
                 Table_row,
                 offs_n_base,
                 k_start,
@@ -216,7 +257,7 @@ def _kv_tiles(
             # masked edge tiles take the pointer loads, which zero the rows past the sequence
             pos = k_start + start_n
             page = tl.load(Table_row + pos // PAGE_SIZE)
-            row = tl.minimum(tl.maximum(page, 0), num_pages - 1) * PAGE_SIZE + pos % PAGE_SIZE
+            row = _pool_page(page, num_pages) * PAGE_SIZE + pos % PAGE_SIZE
             k = k_desc.load([row, 0])  # [BLOCK_N, BLOCK_D]
             v = v_desc.load([row, 0])
         elif USE_TMA and not PAGED:
@@ -224,13 +265,15 @@ def _kv_tiles(
             v = v_desc.load([start_n, 0])
         else:
             k = common.load_tile(
-                K_base + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+                K_tile + rows_k[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
             )  # [BLOCK_N, BLOCK_D]
             v = common.load_tile(
-                V_base + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
+                V_tile + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
             )
         if PREFETCH_TABLE:
-            rows_k, rows_v = _cache_rows(
+            K_tile, rows_k, V_tile, rows_v = _cache_rows(
+                K_base,
+                V_base,
                 Table_row,
                 offs_n_base,
                 k_start,
@@ -371,14 +414,14 @@ def _attn_fwd_kvcache(
         stride_vn = stride_kn
         stride_vh = stride_kh
     if PAGED:
-        K_base = K + hk * stride_kh
-        V_base = V + hk * stride_vh
+        K_base = K + hk.to(tl.int64) * stride_kh
+        V_base = V + hk.to(tl.int64) * stride_vh
     else:
         row = b64
         if HAS_BATCH_IDX:
             row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), num_rows_cache - 1).to(tl.int64)
-        K_base = K + row * stride_kb + hk * stride_kh
-        V_base = V + row * stride_vb + hk * stride_vh
+        K_base = K + row * stride_kb + hk.to(tl.int64) * stride_kh
+        V_base = V + row * stride_vb + hk.to(tl.int64) * stride_vh
     k_desc = K_base
     v_desc = V_base
     if USE_TMA and PAGED:  # every page's rows of this kv head, as one [num_pages · PAGE_SIZE, d] array
@@ -605,7 +648,8 @@ FULL_GRID_TILES = 32
 # pages hold whole key tiles (page size a multiple of BLOCK_N, pages contiguous, no cache_leftpad) in
 # grids under two waves, at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates). It gained
 # 6 % at 1 x 128k and 8 x 32k with pages of 256 over the pointer loads' 64-bit page offsets; since those
-# are int32 (one lookup per tile), the pointer loads read 1-2 % faster there, so off. DECODE_TMA:
+# are int32 (one lookup per tile), the pointer loads read 1-2 % faster at 1 x 128k and under 1 % at
+# 8 x 32k, so off. DECODE_TMA:
 # contiguous caches, 1 % slower than pointer loads in three rows and level in two, so off (docs/perf.md).
 DECODE_TMA = False
 PAGED_TMA = False
@@ -623,6 +667,8 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
+# 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
+OFFS_64_ALWAYS = False
 PAGED_PREFETCH_WAVES = 2
 
 
@@ -682,6 +728,7 @@ _PLAN_INPUTS = (
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
     "PAGED_PREFETCH_WAVES",
+    "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
     "_config_for",
     "_has_pdl",
@@ -812,9 +859,12 @@ def attn_fwd_kvcache(
     return out, lse
 
 
-def _offsets_past_int32(t: torch.Tensor) -> bool:
-    """Whether an element offset into ``t`` (from its start, over all dims) could pass int32."""
-    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31
+def _offsets_past_int32(t: torch.Tensor, paged: bool) -> bool:
+    """Whether an offset the decode kernel computes in int32 could pass 2**31: from its kv head's start
+    (int64), over pages, slots and the head dim of a paged cache, or over positions and the head dim
+    within a cache row (whose start is int64 too)."""
+    dims = (0, 1, 3) if paged else (1, 3)
+    return sum(max(t.shape[i] - 1, 0) * abs(t.stride(i)) for i in dims) >= 2**31
 
 
 def _plan(
@@ -906,7 +956,7 @@ def _plan(
             "BLOCK_N": cfg.block_n,
             "PAGE_SIZE": page_size,
             "PAGED": paged,
-            "OFFS_64": _offsets_past_int32(k_cache) or _offsets_past_int32(v_cache),
+            "OFFS_64": OFFS_64_ALWAYS or _offsets_past_int32(k_cache, paged) or _offsets_past_int32(v_cache, paged),
             "SAME_KV_STRIDES": k_cache.stride() == v_cache.stride(),
             "PREFETCH_TABLE": paged and prefetch_grid and not long_paged and not use_tma,
             "USE_TMA": use_tma,
