@@ -147,6 +147,28 @@ def test_tensors_past_int32_elements(varlen):
     check_attention("last sequence", out[-1:], [g[-1:] for g in grads], *last, dout[-1:], {"causal": True})
 
 
+def test_heads_outermost_past_int32(backend):
+    """q, k, v with heads outermost whose last head starts past 2**31 elements (views into one buffer,
+    allocated lazily on the CPU: only touched pages take memory), forward and backward against the
+    reference on copies: the kernels' head offsets are 64-bit."""
+    ctx, device = on(backend)
+    seqlen, heads, d = 5, 3, 16
+    head_stride, start = 2**30 + 2**29, 2**31 - 3 * seqlen * d  # head 2 starts past 2**31
+    buf = torch.empty(start + 2 * head_stride + 3 * seqlen * d, dtype=torch.float16, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    views = []
+    for i in range(3):  # q, k, v side by side in each head's region
+        t = buf.as_strided((1, seqlen, heads, d), (seqlen * d, d, head_stride, 1), start + i * seqlen * d)
+        t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float16))
+        views.append(t.requires_grad_())
+    dout = torch.randn(1, seqlen, heads, d, generator=gen, device=device, dtype=torch.float16)
+    with ctx:
+        out = tileattn.flash_attn_func(*views, causal=True)
+        grads = torch.autograd.grad(out, views, dout)
+    copies = [t.detach().clone().requires_grad_() for t in views]
+    check_attention("heads outermost", out, grads, *copies, dout, {"causal": True})
+
+
 @needs_gpu
 def test_runs_on_current_stream():
     q = torch.randn(2, 500, 4, 64, device="cuda", dtype=torch.float16)

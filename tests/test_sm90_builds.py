@@ -110,19 +110,37 @@ def test_decode_builds_as_the_settings_assume():
         assert paged["tile_loop"] <= 1.15 * full["tile_loop"], (paged, full)
 
 
-ONE_PAGE_CASES = """
-from tileattn.kernels import decode
+EDGE_CASES = """
+import torch
+from tileattn.kernels import configs, decode
 decode._has_pdl = lambda device: True
 rows += compile_report.compile_decode(1, 256, 256)
 rows += compile_report.compile_decode(1, 16, 16)
+decode.OFFS_64_ALWAYS = True
+rows += compile_report.compile_decode(1, 8192, 256, nheads=4, nheads_k=1, d=1)
+rows += compile_report.compile_decode(1, 8192, 16, nheads=4, nheads_k=1, d=1)
+# a block table of 2**31 keys: capacity becomes an int64 argument (pages of stride 0: nothing allocated)
+pool = torch.empty(256 * 128, dtype=torch.bfloat16).as_strided((2**23, 256, 1, 128), (0, 128, 128, 1))
+for leftpad in (None, torch.zeros(1, dtype=torch.int32)):
+    c = decode.CacheLayout(seqlens_k=torch.full((1,), 4096, dtype=torch.int32), leftpad=leftpad,
+                           block_table=torch.zeros(1, 2**23, dtype=torch.int32), max_seqlen_k=4096)
+    p = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=2**31, headdim=128, softmax_scale=0.1)
+    decode.attn_fwd_kvcache(torch.empty(1, 1, 4, 128, dtype=torch.bfloat16), pool, pool, p, c)
+    rows += [dict(kernel=n, offs_64=kw["OFFS_64"]) for n, _, kw in compile_report._LAUNCHES if "OFFS_64" in kw]
+    compile_report._LAUNCHES.clear()
 """
 
 
-def test_decode_compiles_for_a_one_page_pool():
-    """Triton passes an int argument equal to 1 as a constant: a pool of one page (of 256 or of 16 keys)
-    must still compile its clamp of table entries to the pool (decode._pool_page)."""
-    rows = _compiled(ONE_PAGE_CASES)
-    assert [r["kernel"] for r in rows] == ["_attn_fwd_kvcache", "_attn_fwd_kvcache"], rows
+def test_decode_compiles_at_the_edges():
+    """Triton passes an int argument equal to 1 as a constant, and one of 2**31 or more as int64. The
+    decode kernel must compile for a pool of one page (of 256 or of 16 keys: the clamp of table
+    entries, decode._pool_page), for unit strides in its 64-bit offsets (head dim 1, one kv head:
+    decode._wide_product), and for a block table of 2**31 keys with 64-bit offsets (with and without
+    cache_leftpad)."""
+    rows = _compiled(EDGE_CASES)
+    kernels = [r["kernel"] for r in rows]
+    assert kernels.count("_attn_fwd_kvcache") >= 6 and set(kernels) <= {"_attn_fwd_kvcache", "_combine"}, rows
+    assert [r["offs_64"] for r in rows if "offs_64" in r] == [True, True], rows
 
 
 ROTATE_CASE = """

@@ -48,8 +48,12 @@ def _bwd_preprocess(
     rows = offs_m.to(tl.int64)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DOut + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(
+        Out + b * stride_ob + h.to(tl.int64) * stride_oh + rows * stride_om + offs_d[None, :], mask=mask, other=0.0
+    )
+    do = tl.load(
+        DOut + b * stride_dob + h.to(tl.int64) * stride_doh + rows * stride_dom + offs_d[None, :], mask=mask, other=0.0
+    )
     # o, do: [BLOCK_M, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * stride_db + h * stride_dh + offs_m, delta, mask=offs_m < seqlen)
@@ -286,8 +290,8 @@ def _attn_bwd_dkdv(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
-    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k.to(tl.int64) * stride_vh
     k = common.load_tile(
         K_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, True, PAD_D
     )  # [BLOCK_N, BLOCK_D]
@@ -308,8 +312,8 @@ def _attn_bwd_dkdv(
     )
     for g in range(0, group_size):
         h = h_k * group_size + g
-        Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
-        DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h * stride_doh
+        Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+        DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h.to(tl.int64) * stride_doh
         Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
         Delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
         slope_log2 = 0.0
@@ -320,7 +324,7 @@ def _attn_bwd_dkdv(
             rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
         q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        DQ_base = DQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h * stride_dqh
+        DQ_base = DQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
         dq_desc = common.rows_desc(DQ_base, seqlen_q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D, DQ_ATOMIC == 2)
         for seg in tl.static_range(3):
             seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
@@ -376,8 +380,8 @@ def _attn_bwd_dkdv(
     mask = offs_n[:, None] < seqlen_k
     if PAD_D:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    DK_base = DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dkn + h_k * stride_dkh
-    DV_base = DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvn + h_k * stride_dvh
+    DK_base = DK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dkn + h_k.to(tl.int64) * stride_dkh
+    DV_base = DV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvn + h_k.to(tl.int64) * stride_dvh
     tl.store(DK_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(DV_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
@@ -546,10 +550,10 @@ def _attn_bwd_dq(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
-    DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h * stride_doh
-    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
-    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
+    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+    DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h.to(tl.int64) * stride_doh
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k.to(tl.int64) * stride_vh
     q = common.load_tile(
         Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
     )  # [BLOCK_M, BLOCK_D]
@@ -626,7 +630,7 @@ def _attn_bwd_dq(
     mask = mask_m[:, None]
     if PAD_D:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
-    DQ_base = DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h * stride_dqh
+    DQ_base = DQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
     tl.store(DQ_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
 
 

@@ -140,11 +140,12 @@ def _cache_rows(
 
 @triton.jit
 def _wide_product(index, stride):
-    """``index * stride`` in int64 for a non-negative int32 ``index`` and a non-negative stride: as an
-    unsigned product, which compiles to one wide multiply per element (a signed 64-bit product to
-    several)."""
-    wide = index.to(tl.uint32, bitcast=True).to(tl.uint64)
-    return (wide * stride.to(tl.int64).to(tl.uint64, bitcast=True)).to(tl.int64, bitcast=True)
+    """``index * stride`` in int64 for a non-negative ``index`` below 2**31 and a non-negative stride,
+    with the index zero-extended: a wide multiply and one more multiply-add per element, without the
+    sign handling of a signed 64-bit product. (``tl.cast``: Triton passes a stride equal to 1 as a
+    constant; an index is int64 when the block table spans 2**31 keys.)"""
+    wide = index.to(tl.int32).to(tl.uint32, bitcast=True).to(tl.uint64)  # (int64 when capacity is)
+    return (wide * tl.cast(stride, tl.int64).to(tl.uint64, bitcast=True)).to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -443,7 +444,7 @@ def _attn_fwd_kvcache(
     h = hk * group_size + offs_r % group_size  # query head
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    row_q = b64 * stride_qb + (q_start + i).to(tl.int64) * stride_qm + h * stride_qh
+    row_q = b64 * stride_qb + (q_start + i).to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
     mask_q = mask_r[:, None]
     if PAD_D:
         mask_q = mask_q & (offs_d[None, :] < HEAD_DIM)
@@ -533,7 +534,7 @@ def _attn_fwd_kvcache(
     split64 = split.to(tl.int64)
     lse_ptrs = Lse + split64 * stride_ls + b64 * stride_lb + h * stride_lh + q_start + i
     tl.store(lse_ptrs, lse, mask=mask_r)
-    row_o = split64 * stride_os + b64 * stride_ob + (q_start + i).to(tl.int64) * stride_om + h * stride_oh
+    row_o = split64 * stride_os + b64 * stride_ob + (q_start + i).to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
     tl.store(Out + row_o[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=mask_q)
 
 
@@ -1055,11 +1056,12 @@ def _rotate_rows(
     mask_d = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
     t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
     # (selected, not branched: a stride of 2**31 or more is an int64 argument, the other's may be int32)
     src = tl.where(
         first,
-        Src + b64 * stride_sb + t64 * stride_st + h * stride_sh,
-        Src2 + b64 * stride_s2b + t64 * stride_s2t + h * stride_s2h,
+        Src + b64 * stride_sb + t64 * stride_st + h64 * stride_sh,
+        Src2 + b64 * stride_s2b + t64 * stride_s2t + h64 * stride_s2h,
     )
     dst_base = tl.where(first, Dst, Dst2)
     sdb = tl.where(first, stride_db, stride_d2b)
@@ -1087,7 +1089,7 @@ def _rotate_rows(
         x = tl.where(rot, xf * c + (sign * xp) * s, xf)
     ok = mask_d
     if DST_MODE == 0:
-        dst = dst_base + b64 * sdb + t64 * sdt + h * sdh
+        dst = dst_base + b64 * sdb + t64 * sdt + h64 * sdh
     else:
         in_range = (pos >= 0) & (pos < capacity)
         safe_pos = tl.where(in_range, pos, 0)
@@ -1096,11 +1098,11 @@ def _rotate_rows(
             if HAS_BATCH_IDX:
                 row = tl.load(BatchIdx + b)
             in_range = in_range & (row >= 0) & (row < num_rows)
-            dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h * sdh
+            dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h64 * sdh
         else:
             page = tl.load(Table + b64 * stride_tb + safe_pos // PAGE_SIZE)
             in_range = in_range & (page >= 0) & (page < num_rows)
-            dst = dst_base + page.to(tl.int64) * sdb + (safe_pos % PAGE_SIZE) * sdt + h * sdh
+            dst = dst_base + page.to(tl.int64) * sdb + (safe_pos % PAGE_SIZE).to(tl.int64) * sdt + h64 * sdh
         ok = ok & in_range
     tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=ok)
 

@@ -177,10 +177,10 @@ def _attn_fwd(
         k_start = 0
     h_k = h // group_size
     b64 = b.to(tl.int64)
-    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
-    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k * stride_kh
-    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k * stride_vh
-    O_base = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h * stride_oh
+    Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+    K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k.to(tl.int64) * stride_kh
+    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k.to(tl.int64) * stride_vh
+    O_base = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
     Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
 
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
