@@ -460,6 +460,12 @@ def test_paged_lookup_branches(backend, bad, monkeypatch):
     for layout in layouts[bad]:
         for case, splits in (("window-softcap", 3), ("alibi-leftpad", 1), ("chunk-causal-neox", 3)):
             test_kvcache_matches_reference(backend, case, layout, splits)
+    if bad == "offsets-64":  # v_cache with other strides than k_cache's (no shared row offsets)
+        for page, leftpad in ((None, None), (4, [0, 3]), (12, [2, 0]), (32, None)):
+            problem = dict(batch=2, nheads_k=2, nheads=4, headdim=16, seqlen_q=2, seqlen_new=2, capacity=40)
+            problem.update(page=page, seqlens=[30, 9], leftpad=leftpad, rotary="neox", causal=True)
+            problem.update(window=(-1, -1), softcap=0.0, alibi=False, num_splits=3, v_padded=True)
+            _check_kvcache_problem(backend, problem)
     assert planned and all(plan[0].constexprs["OFFS_64"] == (bad == "offsets-64") for plan in planned)
 
 

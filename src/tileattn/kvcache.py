@@ -41,9 +41,10 @@ def _check_table(block_table: object, batch: int, num_pages: int, device: torch.
     if isinstance(block_table, torch.Tensor) and block_table.dim() != 2:
         raise ValueError(f"block_table must be 2-D (batch, max_pages), got shape {tuple(block_table.shape)}")
     max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
-    if num_pages == 0 and max_pages > 0:  # (no entry could be valid; the kernels clamp pages to the pool)
+    table = _check_int32("block_table", block_table, (batch, max_pages), "(batch, max_pages)", device)
+    if num_pages == 0 and table.numel() > 0:  # (no entry could be valid; the kernels clamp to the pool)
         raise ValueError(f"k_cache holds no pages (shape[0] == 0) for a block_table of {max_pages} columns")
-    return _check_int32("block_table", block_table, (batch, max_pages), "(batch, max_pages)", device)
+    return table
 
 
 def _capturing(device: torch.device) -> bool:
