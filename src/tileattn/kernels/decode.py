@@ -650,8 +650,8 @@ FULL_GRID_TILES = 32
 # grids under two waves, at PAGED_TMA_STAGES (the page lookup feeds the tile's coordinates). It gained
 # 6 % at 1 x 128k and 8 x 32k with pages of 256 over the pointer loads' 64-bit page offsets; since those
 # are int32 (one lookup per tile), the pointer loads read 1-2 % faster at 1 x 128k and under 1 % at
-# 8 x 32k, so off. DECODE_TMA:
-# contiguous caches, 1 % slower than pointer loads in three rows and level in two, so off (docs/perf.md).
+# 8 x 32k, so off. DECODE_TMA: contiguous caches, 1 % slower than pointer loads in three rows and level
+# in two, so off (docs/perf.md).
 DECODE_TMA = False
 PAGED_TMA = False
 PAGED_TMA_STAGES = 5
@@ -668,9 +668,9 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
+PAGED_PREFETCH_WAVES = 2
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
-PAGED_PREFETCH_WAVES = 2
 
 
 @functools.cache
