@@ -7,7 +7,7 @@ Without PyTorch's caching allocator each tensor is its own allocation, so an acc
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
 with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
 kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
-and in-loop variants, paged prefill), with odd head dims and ragged tails."""
+and in-loop variants, paged prefill, TMA and 64-bit offset builds), with odd head dims and ragged tails."""
 
 import torch
 
@@ -98,7 +98,21 @@ for splits in (1, 2):
 decode.DECODE_TMA = False
 kc = torch.randn(3 * 16 + 1, 256, 2, 64, device=dev, dtype=dt)
 table = torch.randperm(3 * 16 + 1, device=dev)[: 3 * 16].view(3, 16).int()
+decode.PAGED_TMA = True  # (off by default since the int32 offsets)
 for splits in (1, 2):
     tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, num_splits=splits)
+decode.PAGED_TMA = False
+# 64-bit offsets (decode.OFFS_64_ALWAYS; pools past 2**31 elements take them): pages of 256 (one lookup per
+# tile), of 16 and of 5 with cache_leftpad (lookups per row), v_cache with other strides than k_cache's
+decode.OFFS_64_ALWAYS = True
+for page in (256, 16, 5):
+    pages = -(-4096 // page)
+    kc = torch.randn(3 * pages + 1, page, 2, 64, device=dev, dtype=dt)
+    vc = torch.randn(3 * pages + 1, page, 2, 72, device=dev, dtype=dt)[..., :64]
+    table = torch.randperm(3 * pages + 1, device=dev)[: 3 * pages].view(3, pages).int()
+    extra = dict(cache_leftpad=torch.tensor([0, 9, 1000], dtype=torch.int32, device=dev)) if page == 5 else {}
+    for splits in (1, 2):
+        tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits, **extra)
+decode.OFFS_64_ALWAYS = False
 torch.cuda.synchronize()
 print("sanitize workload done")
