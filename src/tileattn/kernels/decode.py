@@ -96,39 +96,35 @@ def _cache_rows(
     K_tile = K_base
     V_tile = V_base
     if PAGED:
-        if PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD:  # the tile lies in one page: one lookup
-            if MASK_TABLE:
-                page = tl.load(Table_row + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
-            else:
-                page = tl.load(Table_row + start_n // PAGE_SIZE)
-            page = _pool_page(page, num_pages)
+        ONE_LOOKUP: tl.constexpr = PAGE_SIZE % BLOCK_N == 0 and not HAS_LEFTPAD  # the tile lies in one page
+        if ONE_LOOKUP:
+            idx = start_n // PAGE_SIZE
             slot = start_n % PAGE_SIZE + offs_n_base
-            if OFFS_64:  # the page's start as a 64-bit pointer, once per tile
-                K_tile = K_base + page.to(tl.int64) * stride_kp
-                V_tile = V_base + page.to(tl.int64) * stride_vp
-                rows_k = _wide_product(slot, stride_kn)
-                rows_v = _wide_product(slot, stride_vn)
-            else:
-                rows_k = page * stride_kp + slot * stride_kn
-                rows_v = page * stride_vp + slot * stride_vn
+            valid = start_n < seqlen_k
+        elif BLOCK_N % PAGE_SIZE == 0:
+            idx = first // PAGE_SIZE + start_n // PAGE_SIZE
+            slot = first % PAGE_SIZE
+            valid = start_n + offs_n_base < seqlen_k
         else:
-            if BLOCK_N % PAGE_SIZE == 0:
-                idx = first // PAGE_SIZE + start_n // PAGE_SIZE
-                slot = first % PAGE_SIZE
-            else:
-                idx = (first + start_n) // PAGE_SIZE
-                slot = (first + start_n) % PAGE_SIZE
-            if MASK_TABLE:
-                page = tl.load(Table_row + idx, mask=start_n + offs_n_base < seqlen_k, other=0)
-            else:
-                page = tl.load(Table_row + idx)
-            page = _pool_page(page, num_pages)
-            if OFFS_64:
-                rows_k = _wide_product(page, stride_kp) + _wide_product(slot, stride_kn)
-                rows_v = _wide_product(page, stride_vp) + _wide_product(slot, stride_vn)
-            else:
-                rows_k = page * stride_kp + slot * stride_kn
-                rows_v = page * stride_vp + slot * stride_vn
+            idx = (first + start_n) // PAGE_SIZE
+            slot = (first + start_n) % PAGE_SIZE
+            valid = start_n + offs_n_base < seqlen_k
+        if MASK_TABLE:
+            page = tl.load(Table_row + idx, mask=valid, other=0)
+        else:
+            page = tl.load(Table_row + idx)
+        page = _pool_page(page, num_pages)
+        if OFFS_64 and ONE_LOOKUP:  # the page's start as a 64-bit pointer, once per tile
+            K_tile = K_base + page.to(tl.int64) * stride_kp
+            V_tile = V_base + page.to(tl.int64) * stride_vp
+            rows_k = _wide_product(slot, stride_kn)
+            rows_v = _wide_product(slot, stride_vn)
+        elif OFFS_64:
+            rows_k = _wide_product(page, stride_kp) + _wide_product(slot, stride_kn)
+            rows_v = _wide_product(page, stride_vp) + _wide_product(slot, stride_vn)
+        else:
+            rows_k = page * stride_kp + slot * stride_kn
+            rows_v = page * stride_vp + slot * stride_vn
     else:
         pos = first + start_n
         if OFFS_64:
