@@ -116,12 +116,14 @@ class AttnParams:
         s = t4.stride()  # one call: each Tensor.stride(i) is a separate host round trip
         return (0 if self.is_varlen else s[0]), s[1], s[2]
 
-    def new_lse(self, q4: torch.Tensor) -> torch.Tensor:
-        """fp32 LSE buffer: ``(batch, nheads, seqlen_q)`` dense, ``(nheads, total_q)`` varlen."""
+    def lse_shape(self, q4: torch.Tensor) -> tuple[int, ...]:
+        """The LSE's shape: ``(batch, nheads, seqlen_q)`` dense, ``(nheads, total_q)`` varlen."""
         nheads = q4.shape[2]
-        if self.is_varlen:
-            return torch.empty(nheads, q4.shape[1], device=q4.device, dtype=torch.float32)
-        return torch.empty(self.batch, nheads, self.seqlen_q, device=q4.device, dtype=torch.float32)
+        return (nheads, q4.shape[1]) if self.is_varlen else (self.batch, nheads, self.seqlen_q)
+
+    def new_lse(self, q4: torch.Tensor) -> torch.Tensor:
+        """fp32 LSE buffer of ``lse_shape``."""
+        return torch.empty(self.lse_shape(q4), device=q4.device, dtype=torch.float32)
 
     def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
         """(batch, head) strides of an LSE-shaped buffer; varlen rows are offset by cu_seqlens_q."""

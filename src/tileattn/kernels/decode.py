@@ -793,9 +793,7 @@ def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
     cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
-    nheads = q4.shape[2]
-    lse_shape = (nheads, q4.shape[1]) if p.is_varlen else (p.batch, nheads, p.seqlen_q)
-    return _Base(cfg, programs, lse_shape, _sm_count(q4.device))
+    return _Base(cfg, programs, p.lse_shape(q4), _sm_count(q4.device))
 
 
 def attn_fwd_kvcache(
