@@ -400,11 +400,11 @@ def test_attention_kernel_clamps_bad_pages(page):
     for splits in (1, 2):
         c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=blocks * page, num_splits=splits)
         out, _ = decode.attn_fwd_kvcache(q, kp, vp, p, c)
-        read = torch.where((table >= 0) & (table < num_pages), table, num_pages - 1).long()
+        read = torch.where((table >= 0) & (table < num_pages), table, num_pages - 1)
+        k_all, v_all = (dense_view(pool, read, blocks * page) for pool in (kp, vp))
         for b in range(2):
             n = int(seqlens[b])
-            k = kp[read[b]].reshape(1, -1, 2, 16)[:, :n]
-            v = vp[read[b]].reshape(1, -1, 2, 16)[:, :n]
+            k, v = k_all[b : b + 1, :n], v_all[b : b + 1, :n]
             ref = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=torch.float64)[0]
             low = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=False)[0]
             check_close(f"pages of {page}, splits {splits}, sequence {b}", out[b : b + 1], ref, low)
@@ -882,11 +882,8 @@ def test_cache_offsets_past_int32(layout, monkeypatch):
             c[pages - 2 * per_seq :].normal_(generator=gen)
         seqlens = torch.tensor([4000, 1111], dtype=torch.int32, device=dev)
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
-        keys = []
-        for b in range(2):
-            rows = table[b].long()
-            n = int(seqlens[b])
-            keys.append((kc[rows].reshape(1, -1, 8, 128)[:, :n], vc[rows].reshape(1, -1, 8, 128)[:, :n]))
+        k_all, v_all = (dense_view(pool, table, 4096) for pool in (kc, vc))
+        keys = [(k_all[b : b + 1, : int(seqlens[b])], v_all[b : b + 1, : int(seqlens[b])]) for b in range(2)]
         widened = layout != "pages16-heads-outer"
     assert planned and all(plan[0].constexprs["OFFS_64"] == widened for plan in planned)
     for b, (k, v) in enumerate(keys):

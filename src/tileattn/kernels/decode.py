@@ -1104,7 +1104,7 @@ def _rotate_rows(
 _LAUNCH_ROTATE = Launcher(_rotate_rows)
 
 
-def _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_batch_idx, pair) -> _Launch:
+def _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_batch_idx, pair) -> _Launch:
     batch, seqlen, nheads, headdim = src.shape
     cos = rotary[0] if rotary is not None else None
     src2, dst2 = pair if pair is not None else (src, dst)
@@ -1147,7 +1147,7 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
     launch = plans.get(which) if plans is not None else None
     if launch is None:
         has_idx = batch_idx is not None
-        launch = _rotate_launch(src, dst, seqlens, block_table, rotary, pos_per_token, dst_mode, has_idx, pair)
+        launch = _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_idx, pair)
         if plans is not None:
             _remember(plans, which, launch)
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
