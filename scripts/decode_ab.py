@@ -17,7 +17,10 @@ import torch
 from decode_variants_settings import apply
 from tabulate import tabulate
 
-from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, capture_graph, decode_inputs
+from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, _tileattn, capture_graph, decode_inputs
+
+# layouts for diagnosis, besides the benchmark's: a pool whose pages lie in table order (no shuffle)
+LAYOUTS = {**DECODE_BACKENDS, "tileattn paged16 in order": _tileattn(page=16, shuffle=False)}
 
 
 def replay_ms(graph, calls: int, replays: int) -> float:
@@ -48,7 +51,7 @@ def main():
         inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
         for layout in args.layouts:
             graphs = {}
-            make = DECODE_BACKENDS[layout]
+            make = LAYOUTS[layout]
             calls = [make(q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
             first = None
             for variant in args.variants:

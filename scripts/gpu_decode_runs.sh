@@ -25,6 +25,10 @@
 #     two waves of splits.
 # 16: GPU tests (caches past 2**31 elements, kv heads outermost), then 64-bit offsets forced on every
 #     layout (the build a pool of more than 2**31 elements takes) against the int32 ones.
+# 17 (2026-12-01, third run): GPU tests (decode, cache manager, reliability: kv heads outermost past
+#     2**31 elements), then compute-sanitizer memcheck (with the 64-bit offset and paged TMA builds).
+# 18: pages of 16 with the table in pool order against the shuffled table and contiguous caches, and four
+#     stages, at the rows where pages of 16 trail.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -49,7 +53,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-16}" in
+case "${1:?run number 2-18}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -103,5 +107,14 @@ case "${1:?run number 2-16}" in
   16)
     tests 240 tests/test_kvcache.py tests/test_cache.py
     ab decode_ab_offs64 --rows 1x8192 1x131072 64x4096 -- "" "offs64=1" ;;
-  *) echo "runs 2-16" >&2; exit 2 ;;
+  17)
+    tests 330 tests/test_kvcache.py tests/test_cache.py tests/test_reliability.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log" ;;
+  18)
+    ab decode_ab_order --rows 1x8192 64x4096 64x16384 \
+      --layouts "tileattn paged16" "tileattn paged16 in order" tileattn -- "" "stages=4" ;;
+  *) echo "runs 2-18" >&2; exit 2 ;;
 esac

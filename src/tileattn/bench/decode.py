@@ -89,7 +89,10 @@ def _flex(q, k_cache, v_cache, seqlens):
     return flex_make(q, k_cache, v_cache, False), k_cache, v_cache
 
 
-def _tileattn(num_splits=0, page=None):
+def _tileattn(num_splits=0, page=None, shuffle=True):
+    """tileattn's call; with ``page``, over a pool of pages of that size whose block table is a seeded
+    random permutation of the pool (``shuffle``; pages in order otherwise)."""
+
     def make(q, k_cache, v_cache, seqlens):
         if page is None:
             run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
@@ -101,7 +104,9 @@ def _tileattn(num_splits=0, page=None):
         kp = k_cache.reshape(pages, page, *k_cache.shape[2:])
         vp = v_cache.reshape(pages, page, *v_cache.shape[2:])
         gen = torch.Generator(device=q.device).manual_seed(1)
-        perm = torch.randperm(pages, device=q.device, generator=gen)
+        perm = (
+            torch.randperm(pages, device=q.device, generator=gen) if shuffle else torch.arange(pages, device=q.device)
+        )
         table = perm.view(batch, cache_len // page).to(torch.int32)
         run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
             q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=num_splits
