@@ -29,14 +29,18 @@
 #     2**31 elements), then compute-sanitizer memcheck (with the 64-bit offset and paged TMA builds).
 # 18: pages of 16 with the table in pool order against the shuffled table and contiguous caches, and four
 #     stages, at the rows where pages of 16 trail.
+# 19: the property tests again (fresh examples), then paged caches with 64-key tiles (decode.PAGED_BLOCK_N).
+# 20: the GPU tests of run 17 in one pytest call (tests past 2**31 elements now take turns), then splits
+#     of two key tiles and two blocks per SM for the short programs of 1 x 8k.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
 tests() {  # the decode GPU tests (tests/conftest.py checks every cached launch against Triton's choice)
-  timeout "$1" python3 -m pytest "${@:2}" -q -n 8 -p no:cacheprovider -p no:warnings 2>&1 \
-    | tee "$OUT/pytest_kvcache.log" | tail -3
+  local log=$OUT/pytest_${LOG:-kvcache}.log
+  timeout "$1" python3 -m pytest "${@:2}" -q -n 8 -rf -p no:cacheprovider -p no:warnings > "$log" 2>&1
+  grep -E "^FAILED|passed|failed" "$log" | tail -6
 }
 ab() {  # interleaved A/B: log name, then decode_ab.py's arguments
   local name=$1
@@ -53,7 +57,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-18}" in
+case "${1:?run number 2-20}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -108,7 +112,8 @@ case "${1:?run number 2-18}" in
     tests 240 tests/test_kvcache.py tests/test_cache.py
     ab decode_ab_offs64 --rows 1x8192 1x131072 64x4096 -- "" "offs64=1" ;;
   17)
-    tests 330 tests/test_kvcache.py tests/test_cache.py tests/test_reliability.py
+    tests 250 tests/test_kvcache.py tests/test_cache.py
+    LOG=reliability tests 250 tests/test_reliability.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool memcheck --print-limit 20 \
       python3 scripts/sanitize.py > "$OUT/sanitizer_memcheck.log" 2>&1
     echo "memcheck exit $?"
@@ -116,5 +121,13 @@ case "${1:?run number 2-18}" in
   18)
     ab decode_ab_order --rows 1x8192 64x4096 64x16384 \
       --layouts "tileattn paged16" "tileattn paged16 in order" tileattn -- "" "stages=4" ;;
-  *) echo "runs 2-18" >&2; exit 2 ;;
+  19)
+    LOG=property tests 200 tests/test_reliability.py -k property
+    ab decode_ab_blockn --rows 1x8192 1x131072 64x4096 64x16384 --layouts "tileattn paged16" "tileattn paged256" \
+      -- "" "pblockn=64" "pblockn=64,stages=4" ;;
+  20)
+    LOG=all tests 470 tests/test_kvcache.py tests/test_cache.py tests/test_reliability.py
+    ab decode_ab_short --rounds 5 --rows 1x8192 -- "" "stages=2" "mintiles=2" "mintiles=2,stages=2,waves=2" \
+      "mintiles=2,waves=2" ;;
+  *) echo "runs 2-20" >&2; exit 2 ;;
 esac

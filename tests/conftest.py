@@ -26,3 +26,19 @@ def _seed():
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
+
+
+@pytest.fixture
+def big_gpu_memory(tmp_path_factory):
+    """For tests that hold tens of GiB on the GPU (tensors past 2**31 elements): one at a time across
+    pytest-xdist's workers, which share the GPU (several at once ran it out of memory), and their memory
+    handed back to the device afterwards. Without a GPU, nothing."""
+    if not HAS_CUDA:
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(tmp_path_factory.getbasetemp().parent / "big_gpu_memory.lock"):
+        yield
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

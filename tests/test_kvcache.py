@@ -844,7 +844,7 @@ def test_full_grid_two_stage_build(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="caches of 4-10 GiB on the GPU")
 @pytest.mark.parametrize("layout", ["pages16", "pages256", "heads-outer", "pages16-heads-outer"])
-def test_cache_offsets_past_int32(layout, monkeypatch):
+def test_cache_offsets_past_int32(layout, monkeypatch, big_gpu_memory):
     """Caches of more than 2**31 elements, keys stored past element 2**31 read where they are, against
     the reference:
     - a pool of pages of 16 or 256 (x 8 heads x 128) read at its last pages: 64-bit offsets (OFFS_64);

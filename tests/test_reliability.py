@@ -125,7 +125,7 @@ def test_bitwise_determinism(backend):
 
 @needs_gpu
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_tensors_past_int32_elements(varlen):
+def test_tensors_past_int32_elements(varlen, big_gpu_memory):
     """q, k, v of 1025 x 1024 x 16 x 128 = 2.15e9 elements each (> 2**31): the last sequence, whose
     offsets need 64 bits, matches the reference forward and backward."""
     b, s, h, d = 1025, 1024, 16, 128
@@ -147,7 +147,7 @@ def test_tensors_past_int32_elements(varlen):
     check_attention("last sequence", out[-1:], [g[-1:] for g in grads], *last, dout[-1:], {"causal": True})
 
 
-def test_heads_outermost_past_int32(backend):
+def test_heads_outermost_past_int32(backend, big_gpu_memory):
     """q, k, v with heads outermost whose last head starts past 2**31 elements (views into one buffer,
     allocated lazily on the CPU: only touched pages take memory), forward and backward against the
     reference on copies: the kernels' head offsets are 64-bit."""

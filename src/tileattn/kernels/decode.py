@@ -633,6 +633,7 @@ DECODE_STAGES = 3
 # Waves of programs the split heuristic aims for (one program per SM per wave, as DECODE_STAGES' shared
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
+DECODE_MIN_SPLIT_TILES = 4  # key tiles a split keeps at least (choose_splits)
 # Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
 # have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB,
 # two blocks per SM) shorten the last wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM)
@@ -664,6 +665,7 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
+PAGED_BLOCK_N = 0  # key tile of paged caches (0: the contiguous caches' tile)
 PAGED_PREFETCH_WAVES = 2
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
@@ -706,7 +708,7 @@ def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int)
     if programs >= DECODE_WAVES * sm_count:
         return 1
     tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    return max(1, min(DECODE_WAVES * sm_count // programs, tiles // 4, _MAX_SPLITS))
+    return max(1, min(DECODE_WAVES * sm_count // programs, tiles // DECODE_MIN_SPLIT_TILES, _MAX_SPLITS))
 
 
 # Module names a decode plan depends on besides the call's metadata: the settings above (changed at run
@@ -714,6 +716,7 @@ def choose_splits(programs: int, max_seqlen_k: int, block_n: int, sm_count: int)
 _PLAN_INPUTS = (
     "DECODE_STAGES",
     "DECODE_WAVES",
+    "DECODE_MIN_SPLIT_TILES",
     "FULL_GRID_STAGES",
     "FULL_GRID_TILES",
     "DECODE_TMA",
@@ -724,6 +727,7 @@ _PLAN_INPUTS = (
     "PAGED_LONG_STAGES",
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
+    "PAGED_BLOCK_N",
     "PAGED_PREFETCH_WAVES",
     "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
@@ -789,9 +793,11 @@ class _Base:
         return num_splits, cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), block_n * num_splits)
 
 
-def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
+def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams, paged: bool) -> _Base:
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
     cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
+    if paged and PAGED_BLOCK_N and not interpreting():
+        cfg = dataclasses.replace(cfg, block_n=PAGED_BLOCK_N)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
     return _Base(cfg, programs, p.lse_shape(q4), _sm_count(q4.device))
 
@@ -812,7 +818,7 @@ def attn_fwd_kvcache(
         settings = _plan_inputs(globals())
         base = table.get(settings)
     if base is None:
-        base = _new_base(q4, k_cache, p)
+        base = _new_base(q4, k_cache, p, c.block_table is not None)
         if table is not None:
             _remember(table, settings, base)
     device = q.device
