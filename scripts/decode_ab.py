@@ -20,7 +20,13 @@ from tabulate import tabulate
 from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, _tileattn, capture_graph, decode_inputs
 
 # layouts for diagnosis, besides the benchmark's: a pool whose pages lie in table order (no shuffle)
-LAYOUTS = {**DECODE_BACKENDS, "tileattn paged16 in order": _tileattn(page=16, shuffle=False)}
+LAYOUTS = {
+    **DECODE_BACKENDS,
+    "tileattn paged16 in order": _tileattn(page=16, shuffle=False),
+    # one block table for every input copy (hot in L2 from the second call on), as a model's layers share one
+    "tileattn paged16 shared table": _tileattn(page=16, shared_table=True),
+    "tileattn paged256 shared table": _tileattn(page=256, shared_table=True),
+}
 
 
 def replay_ms(graph, calls: int, replays: int) -> float:

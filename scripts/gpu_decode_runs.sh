@@ -32,6 +32,7 @@
 # 19: the property tests again (fresh examples), then paged caches with 64-key tiles (decode.PAGED_BLOCK_N).
 # 20: the GPU tests of run 17 in one pytest call (tests past 2**31 elements now take turns), then splits
 #     of two key tiles and two blocks per SM for the short programs of 1 x 8k.
+# 21: paged caches whose input copies share one block table (hot in L2) against a table per copy.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -57,7 +58,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-20}" in
+case "${1:?run number 2-21}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -129,5 +130,8 @@ case "${1:?run number 2-20}" in
     LOG=all tests 470 tests/test_kvcache.py tests/test_cache.py tests/test_reliability.py
     ab decode_ab_short --rounds 5 --rows 1x8192 -- "" "stages=2" "mintiles=2" "mintiles=2,stages=2,waves=2" \
       "mintiles=2,waves=2" ;;
-  *) echo "runs 2-20" >&2; exit 2 ;;
+  21)
+    ab decode_ab_table --rows 1x8192 1x131072 64x4096 --layouts "tileattn paged16" "tileattn paged16 shared table" \
+      "tileattn paged256" "tileattn paged256 shared table" tileattn -- "" ;;
+  *) echo "runs 2-21" >&2; exit 2 ;;
 esac

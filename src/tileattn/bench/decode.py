@@ -89,9 +89,12 @@ def _flex(q, k_cache, v_cache, seqlens):
     return flex_make(q, k_cache, v_cache, False), k_cache, v_cache
 
 
-def _tileattn(num_splits=0, page=None, shuffle=True):
+def _tileattn(num_splits=0, page=None, shuffle=True, shared_table=False):
     """tileattn's call; with ``page``, over a pool of pages of that size whose block table is a seeded
-    random permutation of the pool (``shuffle``; pages in order otherwise)."""
+    random permutation of the pool (``shuffle``; pages in order otherwise). Each input copy has its own
+    table, so that, like the caches, it is not in L2 when read; ``shared_table``: one table for all
+    copies (as the layers of a model share one)."""
+    tables = {}
 
     def make(q, k_cache, v_cache, seqlens):
         if page is None:
@@ -108,6 +111,8 @@ def _tileattn(num_splits=0, page=None, shuffle=True):
             torch.randperm(pages, device=q.device, generator=gen) if shuffle else torch.arange(pages, device=q.device)
         )
         table = perm.view(batch, cache_len // page).to(torch.int32)
+        if shared_table:
+            table = tables.setdefault((batch, cache_len), table)
         run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
             q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=num_splits
         )
