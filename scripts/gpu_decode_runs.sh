@@ -33,6 +33,9 @@
 # 20: the GPU tests of run 17 in one pytest call (tests past 2**31 elements now take turns), then splits
 #     of two key tiles and two blocks per SM for the short programs of 1 x 8k.
 # 21: paged caches whose input copies share one block table (hot in L2) against a table per copy.
+# 22: GPU tests (decode, cache manager, errors), the append step's CUDA-graph time with q rotated in the
+#     attention kernel against the tree in $BASE (default ab_base: the source before it), memcheck of the
+#     KV-cache kernels, host time of both trees.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -58,7 +61,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-21}" in
+case "${1:?run number 2-22}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -133,5 +136,22 @@ case "${1:?run number 2-21}" in
   21)
     ab decode_ab_table --rows 1x8192 1x131072 64x4096 --layouts "tileattn paged16" "tileattn paged16 shared table" \
       "tileattn paged256" "tileattn paged256 shared table" tileattn -- "" ;;
-  *) echo "runs 2-21" >&2; exit 2 ;;
+  22)
+    tests 170 tests/test_kvcache.py tests/test_cache.py tests/test_errors.py
+    for tree in new base new base; do
+      src=$PWD/src
+      [ "$tree" = base ] && src=$PWD/${BASE:-ab_base}/src
+      echo "$tree: $(PYTHONPATH=$src timeout 40 python3 scripts/decode_append_bench.py 2>&1 | tr '\n' ';')"
+    done | tee "$OUT/append_bench.log"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 110 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    for tree in new base; do
+      src=$PWD/src
+      [ "$tree" = base ] && src=$PWD/${BASE:-ab_base}/src
+      PYTHONPATH=$src timeout 50 python3 scripts/host_overhead.py --decode 2>&1 | grep -v -i warn > "$OUT/host_$tree.log"
+      echo "$tree host: $(grep -i append "$OUT/host_$tree.log")"
+    done ;;
+  *) echo "runs 2-22" >&2; exit 2 ;;
 esac

@@ -2,12 +2,15 @@
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/sanitize.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
+    (add --kvcache for the KV-cache kernels only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
 with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
 kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
 and in-loop variants, paged prefill, TMA and 64-bit offset builds), with odd head dims and ragged tails."""
+
+import sys
 
 import torch
 
@@ -16,36 +19,39 @@ from tileattn.kernels import decode
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
-CASES = [
-    (1, 113, 203, 4, 2, 59, dict(causal=True)),
-    (2, 203, 113, 3, 1, 111, dict(window_size=(17, 5), softcap=3.0)),
-    (1, 63, 63, 2, 2, 256, dict(dropout_p=0.2, causal=True)),
-    (2, 1, 77, 4, 4, 40, dict(alibi_slopes=torch.rand(2, 4, device=dev))),
-    (1, 129, 65, 2, 1, 96, dict(causal=True)),  # first 64 rows see no key
-    (2, 257, 301, 4, 2, 128, dict(causal=True)),  # dQ by TMA reduce-adds from the dK/dV pass
-    (2, 257, 301, 4, 2, 128, dict(causal=True, deterministic=True)),  # the two-pass backward
-    (2, 203, 331, 4, 2, 64, dict(window_size=(70, 9))),  # head dim 64's window tiles (configs._FWD_WINDOW)
-]
-for b, sq, sk, h, hk, d, kw in CASES:
-    q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
-    out = tileattn.flash_attn_func(q, k, v, **kw)
-    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-lens_q, lens_k = [37, 0, 1, 130], [5, 9, 0, 200]
-q = torch.randn(sum(lens_q), 4, 72, device=dev, dtype=dt, requires_grad=True)
-k = torch.randn(sum(lens_k), 2, 72, device=dev, dtype=dt, requires_grad=True)
-cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-for kw in (dict(causal=True), dict(window_size=(3, 9), dropout_p=0.1)):
-    out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
-    torch.autograd.grad(out, (q, k), torch.randn_like(out))
-# head dim 256's varlen dK/dV tiles (configs._BWD_DKDV_VARLEN: 32 keys), with empty and length-1 sequences
-q = torch.randn(sum(lens_q), 4, 256, device=dev, dtype=dt, requires_grad=True)
-k = torch.randn(sum(lens_k), 2, 256, device=dev, dtype=dt, requires_grad=True)
-for kw in (dict(causal=True), dict()):
-    out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
-    torch.autograd.grad(out, (q, k), torch.randn_like(out))
+KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter run)
+if not KVCACHE_ONLY:
+    CASES = [
+        (1, 113, 203, 4, 2, 59, dict(causal=True)),
+        (2, 203, 113, 3, 1, 111, dict(window_size=(17, 5), softcap=3.0)),
+        (1, 63, 63, 2, 2, 256, dict(dropout_p=0.2, causal=True)),
+        (2, 1, 77, 4, 4, 40, dict(alibi_slopes=torch.rand(2, 4, device=dev))),
+        (1, 129, 65, 2, 1, 96, dict(causal=True)),  # first 64 rows see no key
+        (2, 257, 301, 4, 2, 128, dict(causal=True)),  # dQ by TMA reduce-adds from the dK/dV pass
+        (2, 257, 301, 4, 2, 128, dict(causal=True, deterministic=True)),  # the two-pass backward
+        (2, 203, 331, 4, 2, 64, dict(window_size=(70, 9))),  # head dim 64's window tiles (configs._FWD_WINDOW)
+    ]
+    for b, sq, sk, h, hk, d, kw in CASES:
+        q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
+        out = tileattn.flash_attn_func(q, k, v, **kw)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    lens_q, lens_k = [37, 0, 1, 130], [5, 9, 0, 200]
+    q = torch.randn(sum(lens_q), 4, 72, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 72, device=dev, dtype=dt, requires_grad=True)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    for kw in (dict(causal=True), dict(window_size=(3, 9), dropout_p=0.1)):
+        out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+        torch.autograd.grad(out, (q, k), torch.randn_like(out))
+    # head dim 256's varlen dK/dV tiles (configs._BWD_DKDV_VARLEN: 32 keys), with empty and length-1 sequences
+    q = torch.randn(sum(lens_q), 4, 256, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 256, device=dev, dtype=dt, requires_grad=True)
+    for kw in (dict(causal=True), dict()):
+        out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+        torch.autograd.grad(out, (q, k), torch.randn_like(out))
+
 # KV cache: odd head dims, capacities that are not multiples of the tile, empty and full caches.
 for d, page, kw in ((59, None, dict(causal=True)), (96, 16, dict(window_size=(7, 0))), (40, 5, dict(softcap=2.0))):
     b, hk, h, cap = 3, 2, 6, 301

@@ -321,6 +321,13 @@ KVCACHE_CASES = [
         ["cache_leftpad", "[0, cache_seqlens]"],
     ),
     (
+        "rotary-empty",
+        {"rotary_cos": torch.rand(0, 8).half(), "rotary_sin": torch.rand(0, 8).half()},
+        False,
+        ValueError,
+        ["rotary_cos", "no rows"],
+    ),
+    (
         "rotary-too-short",
         {"rotary_cos": torch.rand(11, 8).half(), "rotary_sin": torch.rand(11, 8).half()},
         False,

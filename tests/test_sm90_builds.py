@@ -149,7 +149,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tileattn.kernels import decode
 fn = decode._rotate_rows
-consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, POS_PER_TOKEN=True, DST_MODE=1)
+consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, PAGED=False)
 consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False)
 sig, constexprs = {}, {}
 for i, name in enumerate(fn.arg_names):

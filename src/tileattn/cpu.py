@@ -230,27 +230,28 @@ def _write_rows(
         cache[rows.unsqueeze(1), positions] = new
 
 
-def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span, plans=None):
-    """Rotates the new keys at their cache positions and writes k, v into the caches in place; returns q
-    rotated at ``seqlens + i`` (``q_span`` > 1) or at ``seqlens`` (q_span 1), or q itself without rotary.
-    ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as ``kernels.decode.kvcache_append``
-    (``plans`` is not used here)."""
-    if k is not None:
-        positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
-        if rotary is not None:
-            k = rotary_at(k, *rotary[:2], positions, rotary[2])
-        _write_rows(k_cache, k, positions, block_table, batch_idx)
-        _write_rows(v_cache, v, positions, block_table, batch_idx)
-    if rotary is None:
-        return q
-    offsets = torch.arange(q_span, device=q.device)
-    return rotary_at(q, *rotary[:2], seqlens.long().unsqueeze(1) + offsets, rotary[2])
+def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None):
+    """Rotates the new keys at their cache positions ``seqlens[b] + t`` and writes k, v into the caches
+    in place. ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as
+    ``kernels.decode.kvcache_append`` (``plans`` is not used here)."""
+    if k is None:
+        return
+    positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
+    if rotary is not None:
+        k = rotary_at(k, *rotary[:2], positions, rotary[2])
+    _write_rows(k_cache, k, positions, block_table, batch_idx)
+    _write_rows(v_cache, v, positions, block_table, batch_idx)
 
 
 def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c):
     """Attention against a KV cache (``kernels.decode.CacheLayout`` ``c``): each sequence's keys are
     gathered from its cache row or pages into a packed batch, which the blockwise forward runs in
-    varlen mode. Same returns as ``kernels.decode.attn_fwd_kvcache``."""
+    varlen mode. Same returns as ``kernels.decode.attn_fwd_kvcache``, q rotated first as
+    ``c.q_rotary`` says."""
+    if c.q_rotary is not None:
+        cos, sin, interleaved, per_token = c.q_rotary
+        positions = c.seqlens_k.long().unsqueeze(1) + torch.arange(q.shape[1] if per_token else 1, device=q.device)
+        q = rotary_at(q, cos, sin, positions, interleaved)
     ends = [n + c.new_tokens for n in c.seqlens_k.tolist()]
     starts = c.leftpad.tolist() if c.leftpad is not None else [0] * p.batch
     ks, vs = [], []

@@ -77,6 +77,8 @@ def _check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> N
         raise ValueError(
             f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)}, {tuple(sin.shape)}"
         )
+    if cos.shape[0] == 0:
+        raise ValueError("rotary_cos and rotary_sin have no rows (seqlen_ro = 0): they need a row per position")
     rotary_dim = 2 * cos.shape[1]
     if not 2 <= rotary_dim <= q.shape[-1]:
         raise ValueError(
@@ -520,7 +522,7 @@ def _fwd_kvcache(
     impl = api._implementation(q)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
     with api._on_device(q):
-        q = impl.kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, q_span, plans)
+        impl.kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, plans)
         c = CacheLayout(
             seqlens_k=seqlens,
             new_tokens=seqlen_new,
@@ -530,6 +532,7 @@ def _fwd_kvcache(
             num_splits=num_splits,
             max_seqlen_k=max_seqlen_k,
             plans=plans,
+            q_rotary=(*rotary, q_span > 1) if rotary is not None else None,
         )
         if q.numel() == 0:
             return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))

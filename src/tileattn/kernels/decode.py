@@ -48,7 +48,8 @@ class CacheLayout:
     max_seqlen_k: the longest key range if known on the host (else the capacity is assumed); plans: a
     dict in which the launches of calls with the same metadata as this one are planned once
     (``attn_fwd_kvcache``; the API keeps one per call signature), or None to plan them for this call
-    only."""
+    only; q_rotary: ``(cos, sin, interleaved, per_token)`` to rotate q at ``seqlens_k[b]`` (plus its token
+    index if per_token) as it is read (dense q only), or None."""
 
     seqlens_k: torch.Tensor
     new_tokens: int = 0
@@ -58,6 +59,7 @@ class CacheLayout:
     num_splits: int = 0
     max_seqlen_k: int | None = None
     plans: dict | None = None
+    q_rotary: tuple | None = None
 
 
 @triton.jit
@@ -325,6 +327,8 @@ def _attn_fwd_kvcache(
     BatchIdx,
     Table,
     CuSeqlensQ,
+    Cos,
+    Sin,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -343,12 +347,15 @@ def _attn_fwd_kvcache(
     stride_lh,
     stride_ab,
     stride_tb,
+    stride_rot,
     nheads_k,
     group_size,
     seqlen_q,
     capacity,
     num_rows_cache,
     new_tokens,
+    rot_half,
+    rot_len,
     sm_scale,
     softcap,
     window_left,
@@ -373,6 +380,9 @@ def _attn_fwd_kvcache(
     SPLIT: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
+    ROTARY_Q: tl.constexpr,
+    ROT_INTERLEAVED: tl.constexpr,
+    ROT_PER_TOKEN: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
@@ -381,7 +391,12 @@ def _attn_fwd_kvcache(
     sequence's keys end at ``SeqlensK[b] + new_tokens`` (the tokens just appended; not specialised on, so
     calls with and without an append share a build). ``capacity`` bounds that end and ``num_rows_cache``
     the pages / cache rows: out-of-range values are clamped so that the kernel never reads outside the
-    cache (the API rejects them beforehand)."""
+    cache (the API rejects them beforehand).
+
+    ROTARY_Q: q is rotated as it is loaded, at position ``SeqlensK[b]`` (plus its token index with
+    ROT_PER_TOKEN) of the ``(rot_len, rot_half)`` tables ``Cos`` / ``Sin`` (row stride ``stride_rot``),
+    as ``_rotate_rows`` rotates the new keys (in fp32, rounded once to q's dtype; here the compiler may
+    fuse a multiply and an add, which it does not there); positions are clamped to the tables."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -400,7 +415,8 @@ def _attn_fwd_kvcache(
     if r_start >= n_rows:
         return
 
-    k_end = tl.minimum(tl.maximum(tl.load(SeqlensK + b) + new_tokens, 0), capacity)
+    cached = tl.load(SeqlensK + b)
+    k_end = tl.minimum(tl.maximum(cached + new_tokens, 0), capacity)
     k_start = 0
     if HAS_LEFTPAD:
         k_start = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), k_end)
@@ -445,6 +461,19 @@ def _attn_fwd_kvcache(
     if PAD_D:
         mask_q = mask_q & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + row_q[:, None] + offs_d[None, :], mask=mask_q, other=0.0)
+    if ROTARY_Q:
+        partner, freq, sign = _rotary_pairs(offs_d, rot_half, ROT_INTERLEAVED)
+        rot = offs_d < 2 * rot_half
+        pos = cached
+        if ROT_PER_TOKEN:
+            pos = cached + i
+        pos = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_rot
+        mask_rot = mask_r[:, None] & rot[None, :]
+        q_partner = tl.load(Q + row_q[:, None] + partner[None, :], mask=mask_rot, other=0.0).to(tl.float32)
+        cos = tl.load(Cos + pos[:, None] + freq[None, :], mask=mask_rot, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + pos[:, None] + freq[None, :], mask=mask_rot, other=0.0).to(tl.float32)
+        q_f32 = q.to(tl.float32)
+        q = tl.where(rot[None, :], q_f32 * cos + (sign[None, :] * q_partner) * sin, q_f32).to(q.dtype)
 
     qk_scale = sm_scale * 1.4426950408889634
     softcap_scale = 0.0
@@ -853,6 +882,7 @@ def attn_fwd_kvcache(
             c.batch_idx if c.batch_idx is not None else seqlens,
             c.block_table if c.block_table is not None else seqlens,
             p.cu_seqlens_q if p.cu_seqlens_q is not None else seqlens,
+            *(c.q_rotary[:2] if c.q_rotary is not None else (seqlens, seqlens)),
         )
     )
     if split:
@@ -889,6 +919,7 @@ def _plan(
     interpret = interpreting()
     cfg = base.cfg
     paged = c.block_table is not None
+    rot_cos = c.q_rotary[0] if c.q_rotary is not None else None
     split = num_splits > 1
     pdl = split and DECODE_PDL and _has_pdl(q4.device)
     if split:
@@ -939,12 +970,15 @@ def _plan(
             *l_strides,
             p.alibi_batch_stride(),
             table_stride,
+            rot_cos.stride(0) if rot_cos is not None else 0,
             nheads_k,
             group,
             p.seqlen_q,
             capacity,
             num_rows,
             c.new_tokens,
+            rot_cos.shape[1] if rot_cos is not None else 0,
+            rot_cos.shape[0] if rot_cos is not None else 0,
             p.softmax_scale,
             p.softcap,
             p.window_left,
@@ -971,6 +1005,9 @@ def _plan(
             "SPLIT": split,
             "LAUNCH_DEPENDENTS": pdl,
             "DEFER_SCALE": p.defer_scale,
+            "ROTARY_Q": rot_cos is not None,
+            "ROT_INTERLEAVED": bool(c.q_rotary[2]) if c.q_rotary is not None else False,
+            "ROT_PER_TOKEN": bool(c.q_rotary[3]) if c.q_rotary is not None else False,
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
@@ -995,6 +1032,23 @@ def _plan(
         **({"launch_pdl": True} if pdl else {}),
     )
     return attn, combine
+
+
+@triton.jit
+def _rotary_pairs(offs_d, rot_half, INTERLEAVED: tl.constexpr):
+    """For each channel of ``offs_d``: the channel it rotates with, its frequency (column of the cos/sin
+    tables) and the sign of the partner's term, GPT-J pairs (0, 1), (2, 3)... if INTERLEAVED, else
+    GPT-NeoX halves. Channels from ``2 * rot_half`` on do not rotate (the caller masks them)."""
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        freq = offs_d // 2
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        lower = offs_d < rot_half
+        partner = tl.where(lower, offs_d + rot_half, offs_d - rot_half)
+        freq = tl.where(lower, offs_d, offs_d - rot_half)
+        sign = tl.where(lower, -1.0, 1.0)
+    return partner, freq, sign
 
 
 @triton.jit
@@ -1025,33 +1079,32 @@ def _rotate_rows(
     seqlen,
     nheads,
     rot_half,
+    rot_len,
     capacity,
     num_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROTARY: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    POS_PER_TOKEN: tl.constexpr,
-    DST_MODE: tl.constexpr,
+    PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
 ):
-    """Copies row (b, t, h) of ``Src`` to its destination, rotated (if ROTARY) at position
-    ``Seqlens[b] + t`` (``Seqlens[b]`` when not POS_PER_TOKEN). DST_MODE 0: ``Dst[b, t, h]``; 1: a
-    contiguous cache, ``Dst[row, pos, h]`` with row = BatchIdx[b] or b; 2: a paged cache through
-    ``Table``. Programs of grid axis 2 index 1 copy ``Src2`` to ``Dst2`` the same way, unrotated (the new
-    values beside the new keys, in one launch). The rotation is computed in fp32 as ``x·cos ∓
-    partner·sin`` and rounded once, like ``tileattn.rotary`` (launched without FMA contraction, so the
-    bits match it). Writes whose position (``< capacity``), cache row or page (``< num_rows``) is out of
-    range are dropped: the API refuses such values, and under CUDA graph capture, where it cannot read
-    them, nothing outside the cache is written."""
+    """Writes row (b, t, h) of ``Src`` into the cache ``Dst`` at position ``pos = Seqlens[b] + t``,
+    rotated (if ROTARY) at that position: ``Dst[row, pos, h]`` of a contiguous cache (row = BatchIdx[b]
+    or b), or of the page ``Table[b, pos // PAGE_SIZE]`` at slot ``pos % PAGE_SIZE`` (PAGED). Programs of
+    grid axis 2 index 1 copy ``Src2`` to ``Dst2`` the same way, unrotated (the new values beside the new
+    keys, in one launch). The rotation is computed in fp32 as ``x·cos ∓ partner·sin`` and rounded once,
+    like ``tileattn.rotary`` (launched without FMA contraction, so the bits match it). Writes whose
+    position (``< capacity``), cache row or page (``< num_rows``) is out of range are dropped, and the
+    rotary position is clamped to the tables' ``rot_len`` rows: the API refuses such values, and under
+    CUDA graph capture, where it cannot read them, nothing outside the cache or the tables is touched."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     first = tl.program_id(2) == 0
     b = pid // seqlen
     t = pid % seqlen
-    base = tl.load(Seqlens + b)
-    pos = base + t
+    pos = tl.load(Seqlens + b) + t
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
@@ -1070,64 +1123,51 @@ def _rotate_rows(
     x = tl.load(src + offs_d, mask=mask_d, other=0.0)
     if ROTARY:
         rot = (offs_d < 2 * rot_half) & first
-        if INTERLEAVED:
-            partner = offs_d ^ 1
-            freq = offs_d // 2
-            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-        else:
-            lower = offs_d < rot_half
-            partner = tl.where(lower, offs_d + rot_half, offs_d - rot_half)
-            freq = tl.where(lower, offs_d, offs_d - rot_half)
-            sign = tl.where(lower, -1.0, 1.0)
-        rot_pos = base
-        if POS_PER_TOKEN:
-            rot_pos = pos
+        partner, freq, sign = _rotary_pairs(offs_d, rot_half, INTERLEAVED)
         xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-        c = tl.load(Cos + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(Sin + rot_pos.to(tl.int64) * stride_c + freq, mask=rot, other=0.0).to(tl.float32)
+        row_c = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_c
+        c = tl.load(Cos + row_c + freq, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(Sin + row_c + freq, mask=rot, other=0.0).to(tl.float32)
         xf = x.to(tl.float32)
         x = tl.where(rot, xf * c + (sign * xp) * s, xf)
-    ok = mask_d
-    if DST_MODE == 0:
-        dst = dst_base + b64 * sdb + t64 * sdt + h64 * sdh
+    in_range = (pos >= 0) & (pos < capacity)
+    safe_pos = tl.where(in_range, pos, 0)
+    if PAGED:
+        page = tl.load(Table + b64 * stride_tb + safe_pos // PAGE_SIZE)
+        in_range = in_range & (page >= 0) & (page < num_rows)
+        dst = dst_base + page.to(tl.int64) * sdb + (safe_pos % PAGE_SIZE).to(tl.int64) * sdt + h64 * sdh
     else:
-        in_range = (pos >= 0) & (pos < capacity)
-        safe_pos = tl.where(in_range, pos, 0)
-        if DST_MODE == 1:
-            row = b
-            if HAS_BATCH_IDX:
-                row = tl.load(BatchIdx + b)
-            in_range = in_range & (row >= 0) & (row < num_rows)
-            dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h64 * sdh
-        else:
-            page = tl.load(Table + b64 * stride_tb + safe_pos // PAGE_SIZE)
-            in_range = in_range & (page >= 0) & (page < num_rows)
-            dst = dst_base + page.to(tl.int64) * sdb + (safe_pos % PAGE_SIZE).to(tl.int64) * sdt + h64 * sdh
-        ok = ok & in_range
-    tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=ok)
+        row = b
+        if HAS_BATCH_IDX:
+            row = tl.load(BatchIdx + b)
+        in_range = in_range & (row >= 0) & (row < num_rows)
+        dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h64 * sdh
+    tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=mask_d & in_range)
 
 
 _LAUNCH_ROTATE = Launcher(_rotate_rows)
 
 
-def _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_batch_idx, pair) -> _Launch:
+def _rotate_launch(src, dst, block_table, rotary, has_batch_idx, pair) -> _Launch:
     batch, seqlen, nheads, headdim = src.shape
+    paged = block_table is not None
     cos = rotary[0] if rotary is not None else None
-    src2, dst2 = pair if pair is not None else (src, dst)
+    src2, dst2 = pair
     return _Launch(
         _LAUNCH_ROTATE,
-        (batch * seqlen, nheads, 2 if pair is not None else 1),
+        (batch * seqlen, nheads, 2),
         (
             *src.stride()[:3],
             *dst.stride()[:3],
             *src2.stride()[:3],
             *dst2.stride()[:3],
-            block_table.stride(0) if block_table is not None else 0,
+            block_table.stride(0) if paged else 0,
             cos.stride(0) if cos is not None else 0,
             seqlen,
             nheads,
             cos.shape[1] if cos is not None else 0,
-            block_table.shape[1] * dst.shape[1] if dst_mode == 2 else dst.shape[1],
+            cos.shape[0] if cos is not None else 0,
+            block_table.shape[1] * dst.shape[1] if paged else dst.shape[1],
             dst.shape[0],
         ),
         {
@@ -1135,9 +1175,8 @@ def _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_b
             "BLOCK_D": padded_headdim(headdim),
             "ROTARY": rotary is not None,
             "INTERLEAVED": bool(rotary[2]) if rotary is not None else False,
-            "POS_PER_TOKEN": pos_per_token,
-            "DST_MODE": dst_mode,
-            "PAGE_SIZE": dst.shape[1] if dst_mode == 2 else 1,
+            "PAGED": paged,
+            "PAGE_SIZE": dst.shape[1] if paged else 1,
             "HAS_BATCH_IDX": has_batch_idx,
         },
         num_warps=1,
@@ -1145,25 +1184,26 @@ def _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_b
     )
 
 
-def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_token, dst_mode, plans, which, pair=None):
-    """``_rotate_rows`` from ``src`` to ``dst`` (and, with ``pair = (src2, dst2)`` of the same shapes,
-    from src2 to dst2 unrotated), planned once per ``which`` in ``plans`` (``CacheLayout.plans``)."""
-    if src.numel() == 0:
+def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None):
+    """The in-place append of ``flash_attn_with_kvcache``: k rotated (``rotary``: ``(cos, sin,
+    interleaved)`` or None) and v written at ``seqlens[b] + t``, in one launch of ``_rotate_rows``
+    (q is rotated by the attention kernel as it reads it, ``CacheLayout.q_rotary``); same interface and
+    results as ``tileattn.cpu.kvcache_append``. ``plans`` as ``CacheLayout.plans``: the launch is
+    planned once per table."""
+    if k is None or k.numel() == 0:
         return
-    launch = plans.get(which) if plans is not None else None
+    launch = plans.get("append") if plans is not None else None
     if launch is None:
-        has_idx = batch_idx is not None
-        launch = _rotate_launch(src, dst, block_table, rotary, pos_per_token, dst_mode, has_idx, pair)
+        launch = _rotate_launch(k, k_cache, block_table, rotary, batch_idx is not None, (v, v_cache))
         if plans is not None:
-            _remember(plans, which, launch)
+            _remember(plans, "append", launch)
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
-    src2, dst2 = pair if pair is not None else (src, dst)
     launch(
         (
-            src,
-            dst,
-            src2,
-            dst2,
+            k,
+            k_cache,
+            v,
+            v_cache,
             seqlens,
             batch_idx if batch_idx is not None else seqlens,
             block_table if block_table is not None else seqlens,
@@ -1171,18 +1211,3 @@ def _launch_rotate(src, dst, seqlens, batch_idx, block_table, rotary, pos_per_to
             sin,
         )
     )
-
-
-def kvcache_append(q, k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, q_span, plans=None):
-    """The in-place append of ``flash_attn_with_kvcache``: the rotated k and v in one launch, and the
-    rotated copy of q in another; same interface and results as ``tileattn.cpu.kvcache_append``.
-    ``plans`` as ``CacheLayout.plans``: the launches are planned once per table."""
-    if k is not None:
-        mode = 2 if block_table is not None else 1
-        args = (seqlens, batch_idx, block_table, rotary, True, mode, plans, ("rotate", "kv"))
-        _launch_rotate(k, k_cache, *args, pair=(v, v_cache))
-    if rotary is None:
-        return q
-    q_rot = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    _launch_rotate(q, q_rot, seqlens, None, None, rotary, q_span > 1, 0, plans, ("rotate", "q"))
-    return q_rot
