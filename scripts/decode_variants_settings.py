@@ -18,7 +18,6 @@ SETTINGS = {
     "tmatiles": "DECODE_TMA_TILES",
     "pdl": "DECODE_PDL",
     "pwarps": "PAGED_WARPS",
-    "pblockn": "PAGED_BLOCK_N",
     "pprefetch": "PAGED_PREFETCH_WAVES",
     "offs64": "OFFS_64_ALWAYS",
     "fstages": "FULL_GRID_STAGES",

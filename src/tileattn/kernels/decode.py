@@ -694,7 +694,6 @@ DECODE_PDL = True
 PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
-PAGED_BLOCK_N = 0  # key tile of paged caches (0: the contiguous caches' tile)
 PAGED_PREFETCH_WAVES = 2
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
@@ -756,7 +755,6 @@ _PLAN_INPUTS = (
     "PAGED_LONG_STAGES",
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
-    "PAGED_BLOCK_N",
     "PAGED_PREFETCH_WAVES",
     "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
@@ -822,11 +820,9 @@ class _Base:
         return num_splits, cdiv(max(c.max_seqlen_k or p.seqlen_k, 1), block_n * num_splits)
 
 
-def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams, paged: bool) -> _Base:
+def _new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams) -> _Base:
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
     cfg = _config_for(rows, p.block_d, interpreting(), DECODE_STAGES, DECODE_TMA or PAGED_TMA)
-    if paged and PAGED_BLOCK_N and not interpreting():
-        cfg = dataclasses.replace(cfg, block_n=PAGED_BLOCK_N)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
     return _Base(cfg, programs, p.lse_shape(q4), _sm_count(q4.device))
 
@@ -847,7 +843,7 @@ def attn_fwd_kvcache(
         settings = _plan_inputs(globals())
         base = table.get(settings)
     if base is None:
-        base = _new_base(q4, k_cache, p, c.block_table is not None)
+        base = _new_base(q4, k_cache, p)
         if table is not None:
             _remember(table, settings, base)
     device = q.device
