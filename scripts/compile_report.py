@@ -117,12 +117,23 @@ DECODE_CASES = [
 ]
 
 
-def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 32, nheads_k: int = 8, d: int = 128):
+def compile_decode(
+    batch: int,
+    cache_len: int,
+    page: int | None,
+    nheads: int = 32,
+    nheads_k: int = 8,
+    d: int = 128,
+    seqlen_q: int = 1,
+    rotary: str | None = None,
+):
     """The builds of one decode step (one query token, GQA 32/8, head dim 128) over a contiguous or
-    paged cache, as in ``bench --decode``, with the launch grids (the split count is the grid's z)."""
+    paged cache, as in ``bench --decode``, with the launch grids (the split count is the grid's z).
+    ``seqlen_q`` query tokens (not causal); ``rotary`` ("interleaved" or "neox", a full rotary dim): q
+    rotated in the kernel (CacheLayout.q_rotary, all tokens at cache_seqlens)."""
     from tileattn.kernels import configs, decode
 
-    q = torch.empty(batch, 1, nheads, d, dtype=torch.bfloat16)  # nothing runs: contents do not matter
+    q = torch.empty(batch, seqlen_q, nheads, d, dtype=torch.bfloat16)  # nothing runs: contents do not matter
     seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
     table = None
     if page:
@@ -131,8 +142,12 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
         table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     else:
         cache = torch.empty(batch, cache_len, nheads_k, d, dtype=torch.bfloat16)
-    p = configs.AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
-    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len)
+    p = configs.AttnParams(batch=batch, seqlen_q=seqlen_q, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
+    q_rotary = None
+    if rotary:
+        cos = torch.empty(cache_len, d // 2, dtype=torch.bfloat16)
+        q_rotary = (cos, cos, rotary == "interleaved", False)
+    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len, q_rotary=q_rotary)
     decode.attn_fwd_kvcache(q, cache, cache, p, c)
     rows = []
     for name, kernel, kw in _LAUNCHES:
@@ -140,7 +155,8 @@ def compile_decode(batch: int, cache_len: int, page: int | None, nheads: int = 3
             cfg = (f"rows {kw['BLOCK_R']}", f"splits/load {kw['CHUNK']}", kw.get("num_warps"))
         else:
             cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"))
-        case = f"{batch}x{cache_len}" + (f" page{page}" if page else "")
+        case = f"{batch}x{cache_len}" + (f" page{page}" if page else "") + (f" q{seqlen_q}" if seqlen_q > 1 else "")
+        case += f" {rotary}" if rotary else ""
         ptx = kernel.asm["ptx"]
         flags = dict(
             tma=bool(kw.get("USE_TMA")),

@@ -1,7 +1,9 @@
 """Seeds every test and, on machines without a GPU, turns on Triton's interpreter before anything
 imports triton, so that the kernels themselves run on CPU tensors."""
 
+import gc
 import os
+import sys
 
 import torch
 
@@ -40,5 +42,10 @@ def big_gpu_memory(tmp_path_factory):
 
     with FileLock(tmp_path_factory.getbasetemp().parent / "big_gpu_memory.lock"):
         yield
+        # a failed test's traceback (kept for post-mortem debugging) holds its frames' tensors
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        if hasattr(sys, "last_exc"):
+            sys.last_exc = None
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -50,7 +50,7 @@ def kvcache_ref(
         cos, sin = rotary
         offsets = torch.tensor(seqlens, device=q.device)
         k = apply_rotary_emb(k, cos, sin, rotary_interleaved, offsets)
-        if causal or tuple(window_size) != (-1, -1):
+        if causal or any(0 <= side < capacity for side in window_size):  # (wider sides: no window)
             q_ro = apply_rotary_emb(q, cos, sin, rotary_interleaved, offsets)
         else:  # every query token at position cache_seqlens
             flat = q.reshape(batch, 1, -1, q.shape[-1])

@@ -23,6 +23,8 @@ CASES = {
     "alibi-leftpad": (2, 2, {"causal": True, "alibi": True, "leftpad": True}),
     "batch-idx": (2, 1, {"batch_idx": True, "causal": True}),
     "q-longer-than-new": (4, 2, {"rotary": "interleaved"}),
+    # window sides at least the capacity (37, or 40 / 48 paged) are no window: q rotates at cache_seqlens
+    "wide-window-rotary": (4, 2, {"window_size": (48, 60), "rotary": "neox-partial"}),
 }
 LAYOUTS = {"dense": None, "page4": 4, "page16": 16}
 
@@ -102,6 +104,22 @@ def test_kvcache_matches_reference(backend, case, layout, num_splits):
     if seqlen_new == 0:
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
     assert lse.shape == (q.shape[0], q.shape[2], seqlen_q) and lse.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the head-dim-128 builds run on the GPU")
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("rotary", ["interleaved", "neox"])
+@pytest.mark.parametrize("layout", ["dense", "page16"])
+def test_rotary_q_builds_at_head_dim_128(layout, rotary, seqlen_q):
+    """The builds that rotate q in the attention kernel at the decode shapes (head dim 128, GQA 32/8,
+    one new token, not causal: q at cache_seqlens), against the reference. The contiguous interleaved
+    build with four query tokens is the one ptxas gives 255 registers (tests/test_sm90_builds.py)."""
+    q, kc, vc, args = _inputs(seqlen_q, 1, {"rotary": rotary}, LAYOUTS[layout], "cuda", h=32, hk=8, d=128, capacity=700)
+    ref, k_ref, _ = kvcache_ref(q, kc, vc, **_ref_args(args))
+    ref_lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(args))
+    out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
+    check_close(f"{layout} {rotary} seqlen_q {seqlen_q}", out, ref, ref_lowp)
+    assert torch.equal(dense_view(kc, args.get("block_table"), k_ref.shape[1]), k_ref.to(F16))
 
 
 def test_rotary_tables_as_strided_views(backend):
@@ -541,7 +559,7 @@ def test_empty_pool_refused():
         tileattn.flash_attn_varlen_func(q[0], empty, empty, cu, cu, 1, 1, block_table=table)
 
 
-def test_append_past_int32_head_offsets():
+def test_append_past_int32_head_offsets(big_gpu_memory):
     """The append kernel writes a new key of a kv head that starts past 2**31 elements (kv heads
     outermost) where it belongs: its head offset is 64-bit. The cache is a view into a larger buffer
     that is allocated lazily (only touched pages take memory), so a wrapped int32 offset would land

@@ -3,13 +3,14 @@ and the paged prefill behind ``flash_attn_varlen_func(..., block_table=...)``.
 
 Order of work in one call: validate everything (shapes, dtypes, devices, then the values of
 cache_seqlens / cache_leftpad / cache_batch_idx / block_table / rotary tables, read on the host in one
-transfer) so that a rejected call leaves the caches untouched; rotate the new keys and the queries;
-write the new keys and values into the cache in place; attend over the updated cache with the decode
-kernel (``kernels.decode``), or the PyTorch path for CPU tensors.
+transfer) so that a rejected call leaves the caches untouched; rotate the new keys and write them
+and the new values into the cache in place; attend over the updated cache with the decode kernel
+(``kernels.decode``, which rotates the queries as it reads them), or the PyTorch path for CPU tensors.
 
 Under CUDA graph capture the value checks are skipped (they would need a device-to-host copy, which
-capture forbids): the kernel still clamps every index so that it never reads outside the caches, but
-out-of-range values then give unspecified results instead of an error.
+capture forbids): the kernels still clamp every index and rotary position so that they never read
+outside the caches and the rotary tables, and drop appends outside the caches, but out-of-range values
+then give unspecified results instead of an error.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _check_values(
     if rotary_len is not None and lowest >= 0 and longest - seqlen_new + rotary_span > rotary_len:
         raise ValueError(
             f"rotary_cos/rotary_sin have {rotary_len} positions but position "
-            f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + new tokens)"
+            f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + the new tokens, or + the "
+            "query tokens when q rotates per token and is longer)"
         )
     return longest
 
@@ -183,8 +185,9 @@ def flash_attn_with_kvcache(
         k, v: optional ``(batch, seqlen_new, nheads_k, headdim)``, written into the caches at positions
             ``cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1`` (in place) before attending.
         rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` tables (needs k and v): k is
-            rotated at its cache positions; q at positions ``cache_seqlens + i`` when causal or windowed,
-            else all of q at ``cache_seqlens``. The first rotary_dim channels rotate.
+            rotated at its cache positions; q at positions ``cache_seqlens + i`` when causal or windowed
+            (a window side narrower than the cache, as in flash_attn), else all of q at
+            ``cache_seqlens``. The first rotary_dim channels rotate.
         cache_seqlens: int or int32 ``(batch,)``: tokens already in each sequence's cache (None: the
             whole capacity, only without k/v). The index tensors (cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table) are read on the host to validate them, once until a torch op
@@ -413,7 +416,8 @@ def _check_call(
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
     _, scale, left, right, softcap = api._check_options(0.0, softmax_scale, causal, window_size, softcap, False, False)
-    local = tuple(window_size) != (-1, -1)
+    # as flash_attn: window sides as wide as the cache are unbounded (q then rotates as without a window)
+    local = any(0 <= side < capacity for side in (left, right))
     api._check_extent(seqlen_q, {"q": q})
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
