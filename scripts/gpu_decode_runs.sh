@@ -37,6 +37,8 @@
 # 22: GPU tests (decode, cache manager, errors), the append step's CUDA-graph time with q rotated in the
 #     attention kernel against the tree in $BASE (default ab_base: the source before it), memcheck of the
 #     KV-cache kernels, host time of both trees.
+# 23: the GPU tests not yet run on the final code of 2026-12-01 (the q-rotating builds at head dim 128,
+#     caches past 2**31 elements), then the benchmark CLI's decode rows and the host time.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -62,7 +64,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-22}" in
+case "${1:?run number 2-23}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -151,5 +153,9 @@ case "${1:?run number 2-22}" in
       PYTHONPATH=$src timeout 50 python3 scripts/host_overhead.py --decode 2>&1 | grep -v -i warn > "$OUT/host_$tree.log"
       echo "$tree host: $(grep -i append "$OUT/host_$tree.log")"
     done ;;
-  *) echo "runs 2-22" >&2; exit 2 ;;
+  23)
+    tests 300 tests/test_kvcache.py tests/test_cache.py tests/test_errors.py
+    cli
+    host ;;
+  *) echo "runs 2-23" >&2; exit 2 ;;
 esac
