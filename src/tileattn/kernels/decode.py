@@ -462,18 +462,22 @@ def _attn_fwd_kvcache(
         mask_q = mask_q & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + row_q[:, None] + offs_d[None, :], mask=mask_q, other=0.0)
     if ROTARY_Q:
-        partner, freq, sign = _rotary_pairs(offs_d, rot_half, ROT_INTERLEAVED)
-        rot = offs_d < 2 * rot_half
         pos = cached
         if ROT_PER_TOKEN:
             pos = cached + i
-        pos = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_rot
-        mask_rot = mask_r[:, None] & rot[None, :]
-        q_partner = tl.load(Q + row_q[:, None] + partner[None, :], mask=mask_rot, other=0.0).to(tl.float32)
-        cos = tl.load(Cos + pos[:, None] + freq[None, :], mask=mask_rot, other=1.0).to(tl.float32)
-        sin = tl.load(Sin + pos[:, None] + freq[None, :], mask=mask_rot, other=0.0).to(tl.float32)
-        q_f32 = q.to(tl.float32)
-        q = tl.where(rot[None, :], q_f32 * cos + (sign[None, :] * q_partner) * sin, q_f32).to(q.dtype)
+        q = _rotated(
+            q,
+            Q + row_q[:, None],
+            Cos,
+            Sin,
+            pos[:, None],
+            rot_len,
+            stride_rot,
+            offs_d,
+            rot_half,
+            mask_r[:, None],
+            ROT_INTERLEAVED,
+        ).to(q.dtype)
 
     qk_scale = sm_scale * 1.4426950408889634
     softcap_scale = 0.0
@@ -1048,6 +1052,23 @@ def _rotary_pairs(offs_d, rot_half, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
+def _rotated(x, X, Cos, Sin, pos, rot_len, stride_c, offs_d, rot_half, enabled, INTERLEAVED: tl.constexpr):
+    """``x`` (read at ``X + offs_d``, channels last) rotated in fp32 at position ``pos`` of the
+    ``(rot_len, rot_half)`` tables ``Cos`` / ``Sin`` (row stride ``stride_c``; the position clamped to
+    their rows) as ``x·cos ∓ partner·sin``, in the channels below ``2 * rot_half`` where ``enabled``;
+    the other channels are x itself. ``X``, ``pos`` and ``enabled`` broadcast against x without its
+    channel axis (scalars for one row, ``[rows, 1]`` for a block)."""
+    partner, freq, sign = _rotary_pairs(offs_d, rot_half, INTERLEAVED)
+    rot = (offs_d < 2 * rot_half) & enabled
+    row_c = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_c
+    xp = tl.load(X + partner, mask=rot, other=0.0).to(tl.float32)
+    c = tl.load(Cos + row_c + freq, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(Sin + row_c + freq, mask=rot, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    return tl.where(rot, xf * c + (sign * xp) * s, xf)
+
+
+@triton.jit
 def _rotate_rows(
     Src,
     Dst,
@@ -1117,15 +1138,8 @@ def _rotate_rows(
     sdt = tl.where(first, stride_dt, stride_d2t)
     sdh = tl.where(first, stride_dh, stride_d2h)
     x = tl.load(src + offs_d, mask=mask_d, other=0.0)
-    if ROTARY:
-        rot = (offs_d < 2 * rot_half) & first
-        partner, freq, sign = _rotary_pairs(offs_d, rot_half, INTERLEAVED)
-        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-        row_c = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_c
-        c = tl.load(Cos + row_c + freq, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(Sin + row_c + freq, mask=rot, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        x = tl.where(rot, xf * c + (sign * xp) * s, xf)
+    if ROTARY:  # (the keys only: the values of grid axis 2 index 1 are copied as they are)
+        x = _rotated(x, src, Cos, Sin, pos, rot_len, stride_c, offs_d, rot_half, first, INTERLEAVED)
     in_range = (pos >= 0) & (pos < capacity)
     safe_pos = tl.where(in_range, pos, 0)
     if PAGED:
