@@ -64,6 +64,14 @@ def _inputs(seqlen_q, seqlen_new, opts, page, device, h=8, hk=2, d=40, capacity=
     return q, kc, vc, args
 
 
+def _kernel_device() -> str:
+    """Where the Triton kernels run when a test calls them directly: the GPU, or the CPU under the
+    interpreter (skipped on a CPU without it)."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
+        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _ref_args(args):
     ref = {key: val for key, val in args.items() if not key.startswith("rotary_")}
     if "rotary_cos" in args:
@@ -376,11 +384,9 @@ def test_append_kernel_drops_out_of_range_writes():
     writes rows whose position, cache row and page are in range and drops the others (nothing outside
     the caches is touched). Called directly, bypassing validation."""
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
-        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    device = _kernel_device()
     from tileattn.kernels import decode
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     pool = torch.zeros(4, 4, 1, 16, dtype=F16, device=device)
     before = pool.clone()
     new = torch.ones(3, 2, 1, 16, dtype=F16, device=device)
@@ -399,12 +405,10 @@ def test_append_kernel_clamps_rotary_positions():
     """Under CUDA graph capture the API cannot check the rotary tables' length against cache_seqlens:
     the append kernel then rotates a key whose position is past the tables at their last row (never
     reading past them), and writes it where the position says. Called directly, bypassing validation."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
-        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    device = _kernel_device()
     from tileattn.kernels import decode
     from tileattn.rotary import rotary_at
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     kc, vc = (torch.zeros(2, 12, 2, 16, dtype=F16, device=device) for _ in range(2))
     new = torch.randn(2, 2, 2, 16, dtype=F16, device=device, generator=gen)
@@ -427,12 +431,10 @@ def test_attention_kernel_clamps_bad_pages(page):
     memory outside it. Pages of 4 (dividing the interpreter's 16-key tile), 12 (neither dividing it nor
     a multiple of it) and 16 / 32 (whole tiles) take the kernel's three lookups. Called directly,
     bypassing validation."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
-        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    device = _kernel_device()
     from tileattn.kernels import configs, decode
     from tileattn.reference import attention_ref
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     blocks, num_pages = 3, 5
     q = torch.randn(2, 1, 4, 16, dtype=F16, device=device, generator=gen)
@@ -460,13 +462,11 @@ def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
     a partial rotary dim and GQA. Positions past the tables, which only a captured CUDA graph can pass
     (the API refuses them otherwise), read the tables' last row. Called directly, bypassing
     validation."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
-        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    device = _kernel_device()
     from tileattn.kernels import configs, decode
     from tileattn.reference import attention_ref
     from tileattn.rotary import rotary_at
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     batch, seqlen_q, cap, rot_len, d = 2, 3, 20, 9, 24
     q = torch.randn(batch, seqlen_q, 4, d, dtype=F16, device=device, generator=gen)
@@ -564,11 +564,9 @@ def test_append_past_int32_head_offsets(big_gpu_memory):
     outermost) where it belongs: its head offset is 64-bit. The cache is a view into a larger buffer
     that is allocated lazily (only touched pages take memory), so a wrapped int32 offset would land
     inside the buffer, at the place checked to stay zero. Called directly."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
-        pytest.skip("needs the Triton kernels (GPU or interpreter)")
+    device = _kernel_device()
     from tileattn.kernels import decode
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     heads, cap, d = 3, 4, 16
     head_stride, start = 2**30 + 2**29, 2**31  # head 2 starts at 2 * head_stride > 2**31
     buf = torch.empty(start + 2 * head_stride + cap * d, dtype=F16, device=device)
