@@ -919,7 +919,7 @@ def _plan(
     interpret = interpreting()
     cfg = base.cfg
     paged = c.block_table is not None
-    rot_cos = c.q_rotary[0] if c.q_rotary is not None else None
+    rot_cos, _, rot_interleaved, rot_per_token = c.q_rotary or (None, None, False, False)
     split = num_splits > 1
     pdl = split and DECODE_PDL and _has_pdl(q4.device)
     if split:
@@ -1006,8 +1006,8 @@ def _plan(
             "LAUNCH_DEPENDENTS": pdl,
             "DEFER_SCALE": p.defer_scale,
             "ROTARY_Q": rot_cos is not None,
-            "ROT_INTERLEAVED": bool(c.q_rotary[2]) if c.q_rotary is not None else False,
-            "ROT_PER_TOKEN": bool(c.q_rotary[3]) if c.q_rotary is not None else False,
+            "ROT_INTERLEAVED": bool(rot_interleaved),
+            "ROT_PER_TOKEN": bool(rot_per_token),
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
