@@ -1,6 +1,7 @@
 """Interleaved A/B timing of decode kernel settings: for each decode row and cache layout, one CUDA graph
-per variant (and cuDNN's, the anchor) over the same inputs, replayed in turn for several rounds, so that
-drift between variants (clocks, memory placement) falls on all of them alike; medians of the rounds.
+per variant (and one per anchor: cuDNN's, or the backends --anchors names) over the same inputs, replayed
+in turn for several rounds, so that drift between variants (clocks, memory placement) falls on all of
+them alike; medians of the rounds.
 
     python scripts/decode_ab.py [--rounds 4] [--out FILE] "" "tma=1" "ptma=0"
 
@@ -48,6 +49,13 @@ def main():
     ap.add_argument("--layouts", nargs="+", default=["tileattn", "tileattn paged16", "tileattn paged256"])
     ap.add_argument("--rows", nargs="+", help="batch x cache length rows to run, as 64x4096 (default: all)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--anchors",
+        nargs="+",
+        default=["sdpa-cudnn"],
+        help="backends of bench --decode timed in each row alongside (sdpa-cudnn is named cuDNN; fa4 needs "
+        "flash_attn.cute, as scripts/gpu_fa4.sh installs it)",
+    )
     ap.add_argument("variants", nargs="+")
     args = ap.parse_args()
     results = []
@@ -69,8 +77,9 @@ def main():
                 else:
                     torch.testing.assert_close(out.float(), first, atol=2e-2, rtol=0)
                 graphs[variant or "table"] = graph
-            ref_calls = [DECODE_BACKENDS["sdpa-cudnn"](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
-            graphs["cuDNN"], _ = capture_graph(ref_calls)
+            for anchor in args.anchors:
+                ref_calls = [DECODE_BACKENDS[anchor](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
+                graphs["cuDNN" if anchor == "sdpa-cudnn" else anchor], _ = capture_graph(ref_calls)
             rounds = {name: [] for name in graphs}
             for _ in range(args.rounds):
                 for name, graph in graphs.items():

@@ -132,3 +132,23 @@ def test_features_variant_changes_the_tables(monkeypatch):
     assert configs._BWD_DKDV_VARLEN[128] == dataclasses.replace(configs._BWD_DKDV[128], block_n=32)
     with pytest.raises(SystemExit):
         variant.apply("fwd:colour=1")
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_decode_pool_reference_follows_the_table(shuffle):
+    """The decode benchmark's paged rows check each backend against ``_pool``'s reference keys: the
+    first sequence's keys in the order its block table gives them. tileattn's paged call (CPU path)
+    must match attention over them, and the shuffled table must not be the identity."""
+    from tileattn.bench.decode import _pool, _tileattn
+    from tileattn.reference import attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    k = torch.randn(2, 64, 2, 16, generator=gen)
+    v = torch.randn(2, 64, 2, 16, generator=gen)
+    _, _, table, _, _ = _pool(q, k, v, 16, shuffle)
+    assert sorted(table.flatten().tolist()) == list(range(8))
+    assert (table.flatten().tolist() == list(range(8))) != shuffle
+    run, ref_k, ref_v = _tileattn(page=16, shuffle=shuffle)(q, k, v, torch.full((2,), 64, dtype=torch.int32))
+    out = run()
+    torch.testing.assert_close(out[:1], attention_ref(q[:1], ref_k, ref_v)[0], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,8 @@ GQA 32/8 heads, head dim 128 by default; the figure of merit is GB/s of K and V 
 CUDA graph of calls over several copies of the inputs, rotated so that together they exceed the L2
 cache (each call reads its cache from HBM, as in serving where the cache is far larger than L2), and
 the graph's replay time divided by the number of calls. The tileattn rows use contiguous caches and
-paged caches of several page sizes (pages shuffled).
+paged caches of several page sizes (pages shuffled); the ``fa4`` rows (FlashAttention-4, where
+``flash_attn.cute`` is installed: ``scripts/gpu_fa4.sh decode``) the same caches and pools.
 
 The rows marked ``do_bench`` time the plain Python call as ``../shared/ANCHORS.md`` did: the median of
 ``triton.testing.do_bench`` (L2 flushed between calls, no graph), so the host's per-call work counts
@@ -26,7 +27,7 @@ from tileattn.testing import check_close
 
 DECODE_CASES = [(1, 8192), (1, 131072), (8, 32768), (64, 4096), (64, 16384)]
 _L2_BYTES = 512 * 2**20  # rotate inputs until at least this much is touched per graph
-DO_BENCH_BACKENDS = ("tileattn", "tileattn paged16", "tileattn paged256", "sdpa-cudnn")
+DO_BENCH_BACKENDS = ("tileattn", "tileattn paged16", "tileattn paged256", "sdpa-cudnn", "fa4")
 
 
 def do_bench_ms(call) -> float:
@@ -89,11 +90,27 @@ def _flex(q, k_cache, v_cache, seqlens):
     return flex_make(q, k_cache, v_cache, False), k_cache, v_cache
 
 
+def _pool(q, k_cache, v_cache, page, shuffle=True):
+    """The caches as a pool of pages of ``page`` keys whose block table is a seeded random permutation
+    of the pool (``shuffle``; pages in order otherwise): ``(k_pages, v_pages, table, ref_k, ref_v)``,
+    the last two the first sequence's keys and values in the order the table gives them."""
+    batch, cache_len = k_cache.shape[:2]
+    pages = batch * cache_len // page
+    kp = k_cache.reshape(pages, page, *k_cache.shape[2:])
+    vp = v_cache.reshape(pages, page, *v_cache.shape[2:])
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    perm = torch.randperm(pages, device=q.device, generator=gen) if shuffle else torch.arange(pages, device=q.device)
+    table = perm.view(batch, cache_len // page).to(torch.int32)
+    first = perm[: cache_len // page].long()
+    ref_k = kp[first].reshape(1, cache_len, *k_cache.shape[2:])
+    ref_v = vp[first].reshape(1, cache_len, *k_cache.shape[2:])
+    return kp, vp, table, ref_k, ref_v
+
+
 def _tileattn(num_splits=0, page=None, shuffle=True, shared_table=False):
-    """tileattn's call; with ``page``, over a pool of pages of that size whose block table is a seeded
-    random permutation of the pool (``shuffle``; pages in order otherwise). Each input copy has its own
-    table, so that, like the caches, it is not in L2 when read; ``shared_table``: one table for all
-    copies (as the layers of a model share one)."""
+    """tileattn's call; with ``page``, over a pool of pages of that size (``_pool``). Each input copy has
+    its own table, so that, like the caches, it is not in L2 when read; ``shared_table``: one table for
+    all copies (as the layers of a model share one)."""
     tables = {}
 
     def make(q, k_cache, v_cache, seqlens):
@@ -102,27 +119,40 @@ def _tileattn(num_splits=0, page=None, shuffle=True, shared_table=False):
                 q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits
             )
             return run, k_cache, v_cache
-        batch, cache_len = k_cache.shape[:2]
-        pages = batch * cache_len // page
-        kp = k_cache.reshape(pages, page, *k_cache.shape[2:])
-        vp = v_cache.reshape(pages, page, *v_cache.shape[2:])
-        gen = torch.Generator(device=q.device).manual_seed(1)
-        perm = (
-            torch.randperm(pages, device=q.device, generator=gen) if shuffle else torch.arange(pages, device=q.device)
-        )
-        table = perm.view(batch, cache_len // page).to(torch.int32)
+        kp, vp, table, ref_k, ref_v = _pool(q, k_cache, v_cache, page, shuffle)
         if shared_table:
-            table = tables.setdefault((batch, cache_len), table)
+            table = tables.setdefault(tuple(k_cache.shape[:2]), table)
         run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
             q, kp, vp, cache_seqlens=seqlens, block_table=table, num_splits=num_splits
         )
-        # the reference attends over the cache as the shuffled table orders it (first sequence only)
-        first = perm[: cache_len // page].long()
-        return (
-            run,
-            kp[first].reshape(1, cache_len, *k_cache.shape[2:]),
-            vp[first].reshape(1, cache_len, *k_cache.shape[2:]),
+        return run, ref_k, ref_v
+
+    return make
+
+
+def _fa4(page=None):
+    """FlashAttention-4 (``flash_attn.cute``, where installed) without splits (ANCHORS.md's "no split":
+    4.0.0b36 has no split-KV on sm90): ``flash_attn_func`` over the whole cache, or with ``page`` its
+    paged path (``flash_attn_varlen_func`` with ``page_table`` and ``seqused_k``) over ``_pool``'s pages."""
+
+    def make(q, k_cache, v_cache, seqlens):
+        from tileattn.bench.backends import Unavailable
+
+        try:
+            from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+        except ImportError as exc:
+            raise Unavailable("flash_attn.cute (FA4) is not installed") from exc
+
+        def first(out):
+            return out[0] if isinstance(out, tuple) else out
+
+        if page is None:
+            return lambda: first(flash_attn_func(q, k_cache, v_cache)), k_cache, v_cache
+        kp, vp, table, ref_k, ref_v = _pool(q, k_cache, v_cache, page)
+        run = lambda: first(  # noqa: E731
+            flash_attn_varlen_func(q, kp, vp, seqused_k=seqlens, page_table=table)
         )
+        return run, ref_k, ref_v
 
     return make
 
@@ -132,6 +162,9 @@ DECODE_BACKENDS = {
     "tileattn nosplit": _tileattn(num_splits=1),
     "tileattn paged16": _tileattn(page=16),
     "tileattn paged256": _tileattn(page=256),
+    "fa4": _fa4(),
+    "fa4 paged16": _fa4(page=16),
+    "fa4 paged256": _fa4(page=256),
     "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
     "sdpa-flash": _sdpa("FLASH_ATTENTION"),
     "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
