@@ -10,6 +10,7 @@ SETTINGS = {
     "stages": "DECODE_STAGES",
     "waves": "DECODE_WAVES",
     "mintiles": "DECODE_MIN_SPLIT_TILES",
+    "interleave": "DECODE_INTERLEAVE",
     "plong": "PAGED_LONG_STAGES",
     "ptiles": "PAGED_LONG_TILES",
     "tma": "DECODE_TMA",

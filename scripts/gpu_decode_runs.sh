@@ -39,8 +39,23 @@
 #     KV-cache kernels, host time of both trees.
 # 23: the GPU tests not yet run on the final code of 2026-12-01 (the q-rotating builds at head dim 128,
 #     caches past 2**31 elements), then the benchmark CLI's decode rows and the host time.
+# 24 (2026-12-01, fourth run): five and seven stages for the short paged programs of 1 x 8k (in the
+#     call that stages FlashAttention-4: STAGE_THEN="bash scripts/gpu_decode_runs.sh 24" bash
+#     scripts/gpu_fa4.sh stage; then `bash scripts/gpu_fa4.sh decode` times the decode rows with FA4).
+# 25: paged caches whose splits read their block-table entries once before the key loop and take each
+#     row's page by tl.gather (decode.PAGED_TABLE_SLOTS, "pslots", since removed; pslots=0 is the lookup
+#     per tile), at every row.
+# 26: FlashAttention-4 and cuDNN in each row of an A/B at the full grids (after the wheels' first call:
+#     THEN="bash scripts/gpu_decode_runs.sh 26" bash scripts/gpu_fa4.sh decode): two stages with two
+#     blocks per SM for every full-grid program, and TMA reads of contiguous caches.
+# 27: splits that take every num_splits-th key tile (decode.DECODE_INTERLEAVE) against runs of
+#     consecutive tiles (interleave=0), at the rows with splits.
+# 28: GPU tests (decode, cache manager) with interleaved splits for pages smaller than a key tile, then
+#     the A/B of run 27 again for paged caches.
+# 29: the final code of 2026-12-01's fourth run: the GPU tests that run 28 failed on their plan
+#     assertion and the split test, memcheck of the KV-cache kernels, the CLI's decode table.
 set -uo pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 
@@ -64,7 +79,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-23}" in
+case "${1:?run number 2-29}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -157,5 +172,33 @@ case "${1:?run number 2-23}" in
     tests 300 tests/test_kvcache.py tests/test_cache.py tests/test_errors.py
     cli
     host ;;
-  *) echo "runs 2-23" >&2; exit 2 ;;
+  24)
+    ab decode_ab_ptiles --rounds 5 --rows 1x8192 --layouts "tileattn paged16" "tileattn paged256" -- "" "ptiles=4" \
+      "ptiles=4,plong=7" ;;
+  25)
+    timeout 450 python3 scripts/decode_ab.py --out "$OUT/decode_ab_slots.jsonl" --layouts "tileattn paged16" \
+      "tileattn paged256" -- "pslots=0" "" "pslots=4096" > "$OUT/decode_ab_slots.log" 2>&1
+    tail -24 "$OUT/decode_ab_slots.log" ;;
+  26)
+    timeout 400 python3 scripts/decode_ab.py --out "$OUT/decode_ab_fa4.jsonl" --rows 64x4096 64x16384 --rounds 5 \
+      --anchors sdpa-cudnn fa4 -- "" "fstages=2,ftiles=1000" "tma=1" > "$OUT/decode_ab_fa4.log" 2>&1
+    tail -24 "$OUT/decode_ab_fa4.log" ;;
+  27)
+    timeout 400 python3 scripts/decode_ab.py --out "$OUT/decode_ab_interleave.jsonl" --rounds 5 \
+      --rows 1x8192 1x131072 8x32768 -- "interleave=0" "" > "$OUT/decode_ab_interleave.log" 2>&1
+    tail -14 "$OUT/decode_ab_interleave.log" ;;
+  28)
+    tests 300 tests/test_kvcache.py tests/test_cache.py
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_interleave2.jsonl" --rounds 5 --rows 1x8192 \
+      1x131072 8x32768 --layouts "tileattn paged16" "tileattn paged16 in order" -- "interleave=0" "" \
+      > "$OUT/decode_ab_interleave2.log" 2>&1
+    tail -7 "$OUT/decode_ab_interleave2.log" ;;
+  29)
+    tests 200 tests/test_kvcache.py -k "lookup_branches or split_decoding or matches_reference"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 130 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    cli ;;
+  *) echo "runs 2-29" >&2; exit 2 ;;
 esac

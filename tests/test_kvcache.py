@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import tileattn
 from helpers import PROPERTY_SHARDS, on, run_property
 from kvcache_ref import dense_view, kvcache_ref
+from tileattn.kernels.configs import interpreting
 from tileattn.testing import check_close
 
 F16 = torch.float16
@@ -544,6 +545,10 @@ def test_paged_lookup_branches(backend, bad, monkeypatch):
             problem.update(window=(-1, -1), softcap=0.0, alibi=False, num_splits=3, v_padded=True)
             _check_kvcache_problem(backend, problem)
     assert planned and all(plan[0].constexprs["OFFS_64"] == (bad == "offsets-64") for plan in planned)
+    # splits over pages smaller than a key tile take every num_splits-th tile; the others consecutive ones
+    kernels = [plan[0].constexprs for plan in planned]
+    assert all(c["INTERLEAVE"] == (c["SPLIT"] and c["PAGED"] and c["PAGE_SIZE"] < c["BLOCK_N"]) for c in kernels)
+    assert any(c["INTERLEAVE"] for c in kernels) or not interpreting()  # (the GPU's 128-key tiles: one split)
 
 
 def test_empty_pool_refused():
@@ -720,8 +725,8 @@ def test_combine_tiles_stay_small(monkeypatch):
 def test_split_decoding_under_graphs_streams_and_pages():
     """Split decoding at sizes that split on the GPU: split counts that change from call to call, a
     CUDA graph of split calls replayed on new queries, two streams decoding at once, and paged caches
-    (pages of 16 and 256, the five-stage build for long programs included) all match the unsplit call
-    on the contiguous cache."""
+    (pages of 16 and 256, the five-stage build for long programs and interleaved splits included) all
+    match the unsplit call on the contiguous cache."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(4, 1, 16, 64, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -744,7 +749,7 @@ def test_split_decoding_under_graphs_streams_and_pages():
         table = perm.view(4, -1).int()
         kp, vp = (torch.empty_like(x).view(-1, page, 4, 64) for x in (kc, vc))
         kp[perm], vp[perm] = kc.reshape(-1, page, 4, 64), vc.reshape(-1, page, 4, 64)
-        for splits in (1, 2, 0):
+        for splits in (1, 2, 7, 23, 0):  # (pages of 16: every num_splits-th key tile)
             close(call(q, splits, caches=(kp, vp), block_table=table), want)
 
     qs = [torch.randn_like(q) for _ in range(3)]

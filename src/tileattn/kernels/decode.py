@@ -5,11 +5,12 @@ d)`` or paged ``(num_pages, PAGE_SIZE, nheads_k, d)`` through a block table, and
 *packed* query rows: row r of a block is token ``r // group`` of query head ``hk * group + r % group``,
 so the GQA group's query heads share every K/V tile they read (one read of the cache per kv head, the
 bandwidth that decoding is bound by). Split-KV (Flash-Decoding): the third grid axis cuts each
-sequence's key range into ``num_splits`` parts that write partial outputs and LSEs; ``_combine`` merges
-them (on sm90+ as a programmatic dependent launch, ``DECODE_PDL``). Masks, softcap and ALiBi go through
-the same helpers as the training kernels (``kernels.common``); each sequence's keys are ``[leftpad,
-seqlens_k)`` of its cache row, counted from leftpad, with masks aligned to the bottom-right corner as
-everywhere else. K/V tiles come through pointer loads, or TMA descriptors where the settings below allow
+sequence's key range into ``num_splits`` parts (runs of key tiles, or every num_splits-th tile for small
+pages: ``DECODE_INTERLEAVE``) that write partial outputs and LSEs; ``_combine`` merges them (on sm90+
+as a programmatic dependent launch, ``DECODE_PDL``). Masks, softcap and ALiBi go through the same
+helpers as the training kernels (``kernels.common``); each sequence's keys are ``[leftpad, seqlens_k)``
+of its cache row, counted from leftpad, with masks aligned to the bottom-right corner as everywhere
+else. K/V tiles come through pointer loads, or TMA descriptors where the settings below allow
 (long programs; pages that hold whole key tiles). Launches go through ``kernels.launch.Launcher``.
 """
 
@@ -70,7 +71,7 @@ def _cache_rows(
     offs_n_base,
     k_start,
     start_n,
-    seqlen_k,
+    table_pages,
     num_pages,
     stride_kn,
     stride_vn,
@@ -86,7 +87,8 @@ def _cache_rows(
     """``(K_tile, rows_k, V_tile, rows_v)``: the key tile at column ``start_n`` (a multiple of BLOCK_N,
     columns counted from k_start) is at ``K_tile + rows_k`` (row starts, elements) in the K cache, and
     likewise in V. Through the block table when PAGED, pages clamped to the pool so that a bad table
-    never reads outside it, and table reads masked past seqlen_k with MASK_TABLE. A tile inside one page
+    never reads outside it, and table reads masked past the table's ``table_pages`` entries with
+    MASK_TABLE (entries past the sequence are read but feed only masked rows). A tile inside one page
     (pages of whole tiles, k_start = 0) takes one lookup; pages that divide the tile split the position
     into page index and slot, so the slots' offsets stay loop-invariant.
 
@@ -102,17 +104,14 @@ def _cache_rows(
         if ONE_LOOKUP:
             idx = start_n // PAGE_SIZE
             slot = start_n % PAGE_SIZE + offs_n_base
-            valid = start_n < seqlen_k
         elif BLOCK_N % PAGE_SIZE == 0:
             idx = first // PAGE_SIZE + start_n // PAGE_SIZE
             slot = first % PAGE_SIZE
-            valid = start_n + offs_n_base < seqlen_k
         else:
             idx = (first + start_n) // PAGE_SIZE
             slot = (first + start_n) % PAGE_SIZE
-            valid = start_n + offs_n_base < seqlen_k
         if MASK_TABLE:
-            page = tl.load(Table_row + idx, mask=valid, other=0)
+            page = tl.load(Table_row + idx, mask=idx < table_pages, other=0)
         else:
             page = tl.load(Table_row + idx)
         page = _pool_page(page, num_pages)
@@ -177,6 +176,8 @@ def _kv_tiles(
     offs_d,
     lo,
     hi,
+    step,
+    table_pages,
     seqlen_q,
     seqlen_k,
     qk_scale,
@@ -201,7 +202,8 @@ def _kv_tiles(
     MASK_RIGHT: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi) (columns counted from k_start). With PREFETCH_TABLE the
+    """Online softmax over the key tiles at lo, lo + step, ... below hi (columns counted from k_start;
+    step is BLOCK_N, or a multiple with interleaved splits). With PREFETCH_TABLE the
     block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
     faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md).
     With USE_TMA the tiles come through the descriptors ``k_desc`` / ``v_desc``: for contiguous caches
@@ -215,7 +217,7 @@ def _kv_tiles(
         offs_n_base,
         k_start,
         lo,
-        seqlen_k,
+        table_pages,
         num_pages,
         stride_kn,
         stride_vn,
@@ -228,7 +230,7 @@ def _kv_tiles(
         True,  # (used only with PREFETCH_TABLE; an empty segment's first tile may lie past the table row)
         OFFS_64,
     )
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(lo, hi, step):
         offs_n = start_n + offs_n_base
         if not PREFETCH_TABLE:
             K_tile, rows_k, V_tile, rows_v = _cache_rows(
@@ -238,7 +240,7 @@ def _kv_tiles(
                 offs_n_base,
                 k_start,
                 start_n,
-                seqlen_k,
+                table_pages,
                 num_pages,
                 stride_kn,
                 stride_vn,
@@ -276,8 +278,8 @@ def _kv_tiles(
                 Table_row,
                 offs_n_base,
                 k_start,
-                start_n + BLOCK_N,
-                seqlen_k,
+                start_n + step,
+                table_pages,
                 num_pages,
                 stride_kn,
                 stride_vn,
@@ -378,6 +380,7 @@ def _attn_fwd_kvcache(
     HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SPLIT: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
     ROTARY_Q: tl.constexpr,
@@ -385,7 +388,9 @@ def _attn_fwd_kvcache(
     ROT_PER_TOKEN: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
-    LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``.
+    LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
+    of consecutive key tiles, or with INTERLEAVE over the tiles ``split``, ``split + num_splits``, ...
+    of each mask segment (so that its first tile does not depend on the sequence's length).
 
     ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise. A
     sequence's keys end at ``SeqlensK[b] + new_tokens`` (the tokens just appended; not specialised on, so
@@ -489,23 +494,33 @@ def _attn_fwd_kvcache(
     if HAS_ALIBI:
         slope_log2 = (tl.load(Alibi + b * stride_ab + h, mask=mask_r, other=0.0) * 1.4426950408889634)[:, None]
 
-    # Key tiles of this block's tokens, then this split's share of them (whole tiles).
+    # Key tiles of this block's tokens, then this split's share of them (whole tiles): every
+    # num_splits-th tile from the split's own with INTERLEAVE, else a run of consecutive tiles.
     m_first = r_start // group_size
     m_last = (tl.minimum(r_start + BLOCK_M, n_rows) - 1) // group_size
     lo, full_lo, full_hi, hi = common.key_bounds(
         m_first, m_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
-    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
-    s_lo = tl.minimum(lo + split * per_split, hi)
-    s_hi = tl.minimum(s_lo + per_split, hi)
-    full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
+    if INTERLEAVE:
+        step = num_splits * BLOCK_N
+        s_lo = lo
+        s_hi = hi
+    else:
+        step = BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+        s_lo = tl.minimum(lo + split * per_split, hi)
+        s_hi = tl.minimum(s_lo + per_split, hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
+    table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for seg in tl.static_range(3):
         a, z = common.segment(seg, s_lo, full_lo, full_hi, s_hi)
+        if INTERLEAVE:  # the segment's tiles go round the splits, from its first
+            a += split * BLOCK_N
         acc, l_i, m_i = _kv_tiles(
             acc,
             l_i,
@@ -527,6 +542,8 @@ def _attn_fwd_kvcache(
             offs_d,
             a,
             z,
+            step,
+            table_pages,
             seqlen_q,
             seqlen_k,
             qk_scale,
@@ -667,6 +684,12 @@ DECODE_STAGES = 3
 # memory allows): 1 is the measured table; a second wave trades more partial writes for finer splits.
 DECODE_WAVES = 1
 DECODE_MIN_SPLIT_TILES = 4  # key tiles a split keeps at least (choose_splits)
+# Splits of paged caches whose pages are smaller than a key tile take every num_splits-th tile (split s:
+# tiles s, s + num_splits, ...) instead of a run of consecutive tiles: a split's first table entries are
+# then known before the sequence's length is read, so the two reads overlap instead of following each
+# other. Pages of 16 at 1 x 8k +6 %; contiguous caches lost 4 % there and pages of 256 1 %, so they keep
+# consecutive tiles (docs/perf.md).
+DECODE_INTERLEAVE = True
 # Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
 # have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB,
 # two blocks per SM) shorten the last wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM)
@@ -749,6 +772,7 @@ _PLAN_INPUTS = (
     "DECODE_STAGES",
     "DECODE_WAVES",
     "DECODE_MIN_SPLIT_TILES",
+    "DECODE_INTERLEAVE",
     "FULL_GRID_STAGES",
     "FULL_GRID_TILES",
     "DECODE_TMA",
@@ -1003,6 +1027,7 @@ def _plan(
             "HAS_ALIBI": p.alibi_slopes is not None,
             "IS_VARLEN": p.is_varlen,
             "SPLIT": split,
+            "INTERLEAVE": split and DECODE_INTERLEAVE and paged and page_size < cfg.block_n,
             "LAUNCH_DEPENDENTS": pdl,
             "DEFER_SCALE": p.defer_scale,
             "ROTARY_Q": rot_cos is not None,
