@@ -54,6 +54,8 @@
 #     the A/B of run 27 again for paged caches.
 # 29: the final code of 2026-12-01's fourth run: the GPU tests that run 28 failed on their plan
 #     assertion and the split test, memcheck of the KV-cache kernels, the CLI's decode table.
+# 30: interleaved splits at 1 x 8k again, each setting twice under two names (the CLI's pages of 16 read
+#     1971 after them against 1997-2005 before, in calls on other machines).
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -79,7 +81,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-29}" in
+case "${1:?run number 2-30}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -200,5 +202,10 @@ case "${1:?run number 2-29}" in
     echo "memcheck exit $?"
     grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
     cli ;;
-  *) echo "runs 2-29" >&2; exit 2 ;;
+  30)
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_interleave3.jsonl" --rounds 8 --rows 1x8192 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "" "interleave=0" "interleave=1" "interleave=0,mintiles=4" \
+      > "$OUT/decode_ab_interleave3.log" 2>&1
+    tail -12 "$OUT/decode_ab_interleave3.log" ;;
+  *) echo "runs 2-30" >&2; exit 2 ;;
 esac
