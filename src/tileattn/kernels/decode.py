@@ -390,7 +390,8 @@ def _attn_fwd_kvcache(
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
     of consecutive key tiles, or with INTERLEAVE over the tiles ``split``, ``split + num_splits``, ...
-    of each mask segment (so that its first tile does not depend on the sequence's length).
+    (so that without leftpad or a left window its first tile does not depend on the sequence's length,
+    and the table read ahead of the loop goes out with the length's read).
 
     ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise. A
     sequence's keys end at ``SeqlensK[b] + new_tokens`` (the tokens just appended; not specialised on, so
@@ -519,8 +520,8 @@ def _attn_fwd_kvcache(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for seg in tl.static_range(3):
         a, z = common.segment(seg, s_lo, full_lo, full_hi, s_hi)
-        if INTERLEAVE:  # the segment's tiles go round the splits, from its first
-            a += split * BLOCK_N
+        if INTERLEAVE:  # tile t of any segment is split (t mod num_splits)'s (t counted from column 0)
+            a += (split + num_splits - a // BLOCK_N % num_splits) % num_splits * BLOCK_N
         acc, l_i, m_i = _kv_tiles(
             acc,
             l_i,
@@ -686,9 +687,10 @@ DECODE_WAVES = 1
 DECODE_MIN_SPLIT_TILES = 4  # key tiles a split keeps at least (choose_splits)
 # Splits of paged caches whose pages are smaller than a key tile take every num_splits-th tile (split s:
 # tiles s, s + num_splits, ...) instead of a run of consecutive tiles: a split's first table entries are
-# then known before the sequence's length is read, so the two reads overlap instead of following each
-# other. Pages of 16 at 1 x 8k +6 %; contiguous caches lost 4 % there and pages of 256 1 %, so they keep
-# consecutive tiles (docs/perf.md).
+# then known before the sequence's length is read (without leftpad or a left window), so the two reads
+# overlap instead of following each other (the table's read ahead of the loop, PREFETCH_TABLE). Pages of
+# 16 at 1 x 8k +2-6 %; contiguous caches lost 4 % there and pages of 256 1 %, so they keep consecutive
+# tiles (docs/perf.md).
 DECODE_INTERLEAVE = True
 # Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
 # have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB,
