@@ -56,6 +56,8 @@
 #     assertion and the split test, memcheck of the KV-cache kernels, the CLI's decode table.
 # 30: interleaved splits at 1 x 8k again, each setting twice under two names (the CLI's pages of 16 read
 #     1971 after them against 1997-2005 before, in calls on other machines).
+# 31: GPU tests (decode, cache manager, errors) and memcheck of the KV-cache kernels with masked
+#     segments' tiles dealt by tile index (after run 30), then the CLI's decode table.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -81,7 +83,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-30}" in
+case "${1:?run number 2-31}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -207,5 +209,12 @@ case "${1:?run number 2-30}" in
       --layouts "tileattn paged16" "tileattn paged256" -- "" "interleave=0" "interleave=1" "interleave=0,mintiles=4" \
       > "$OUT/decode_ab_interleave3.log" 2>&1
     tail -12 "$OUT/decode_ab_interleave3.log" ;;
-  *) echo "runs 2-30" >&2; exit 2 ;;
+  31)
+    tests 330 tests/test_kvcache.py tests/test_cache.py tests/test_errors.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 130 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    cli ;;
+  *) echo "runs 2-31" >&2; exit 2 ;;
 esac
