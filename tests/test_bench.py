@@ -152,3 +152,23 @@ def test_decode_pool_reference_follows_the_table(shuffle):
     run, ref_k, ref_v = _tileattn(page=16, shuffle=shuffle)(q, k, v, torch.full((2,), 64, dtype=torch.int32))
     out = run()
     torch.testing.assert_close(out[:1], attention_ref(q[:1], ref_k, ref_v)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_fa4_rows_need_flash_attn_cute():
+    """Without FlashAttention-4 installed its decode rows raise Unavailable (run_decode then leaves them
+    out of the table instead of printing error rows)."""
+    import importlib.util
+
+    from tileattn.bench.backends import Unavailable
+    from tileattn.bench.decode import DECODE_BACKENDS
+
+    try:
+        installed = importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        installed = False
+    if installed:
+        pytest.skip("flash_attn.cute is installed here")
+    q, k = torch.zeros(1, 1, 4, 16), torch.zeros(1, 32, 2, 16)
+    for name in ("fa4", "fa4 paged16"):
+        with pytest.raises(Unavailable, match="not installed"):
+            DECODE_BACKENDS[name](q, k, k, torch.full((1,), 32, dtype=torch.int32))

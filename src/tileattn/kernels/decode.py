@@ -495,8 +495,8 @@ def _attn_fwd_kvcache(
     if HAS_ALIBI:
         slope_log2 = (tl.load(Alibi + b * stride_ab + h, mask=mask_r, other=0.0) * 1.4426950408889634)[:, None]
 
-    # Key tiles of this block's tokens, then this split's share of them (whole tiles): every
-    # num_splits-th tile from the split's own with INTERLEAVE, else a run of consecutive tiles.
+    # Key tiles of this block's tokens, then this split's share of them (whole tiles): with INTERLEAVE
+    # the tiles t with t mod num_splits = split, else a run of consecutive tiles.
     m_first = r_start // group_size
     m_last = (tl.minimum(r_start + BLOCK_M, n_rows) - 1) // group_size
     lo, full_lo, full_hi, hi = common.key_bounds(
