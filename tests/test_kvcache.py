@@ -552,18 +552,18 @@ def test_paged_lookup_branches(backend, bad, monkeypatch):
 
 
 @pytest.mark.parametrize("page", [4, 12])
-def test_interleaved_splits_partition_the_keys(backend, page):
+def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
     """Splits over pages smaller than a key tile take every num_splits-th tile: against the reference
     and against one split's LSE (a tile read by two splits, or by none, moves it), with several tiles per
     split in each mask segment: left and two-sided windows, causal over several query tokens, leftpad,
     an empty sequence, split counts that do not divide the tiles."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    from tileattn.kernels import decode
+    from tileattn import kvcache
 
     device = on(backend)[1]
-    planned = []
-    original = decode._plan
+    monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
+    planned = _record_plans(monkeypatch)
     block_n = 16 if interpreting() else 128
     b, h, hk, d, cap = 3, 4, 2, 16, 12 * block_n + 8
     pages = -(-cap // page)
@@ -579,22 +579,18 @@ def test_interleaved_splits_partition_the_keys(backend, page):
         ((9 * block_n, -1), True, False, 1, 5),
         ((-1, -1), False, False, 1, 7),
     ]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
-        for window, causal, pad, sq, splits in cases:
-            q = torch.randn(b, sq, h, d, dtype=F16, device=device)
-            args = dict(cache_seqlens=seqlens, block_table=table, causal=causal, window_size=window)
-            if pad:
-                args["cache_leftpad"] = leftpad
-            ref, _, _ = kvcache_ref(q, kc, vc, **args)
-            with on(backend)[0]:
-                _, lse1 = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True, **args)
-                out, lse = tileattn.flash_attn_with_kvcache(
-                    q, kc, vc, num_splits=splits, return_softmax_lse=True, **args
-                )
-            assert planned[-1][0].constexprs["INTERLEAVE"]
-            torch.testing.assert_close(out.float(), ref.float().nan_to_num(0), atol=2e-2, rtol=0)
-            torch.testing.assert_close(lse, lse1, atol=1e-3, rtol=1e-3)
+    for window, causal, pad, sq, splits in cases:
+        q = torch.randn(b, sq, h, d, dtype=F16, device=device)
+        args = dict(cache_seqlens=seqlens, block_table=table, causal=causal, window_size=window)
+        if pad:
+            args["cache_leftpad"] = leftpad
+        ref, _, _ = kvcache_ref(q, kc, vc, **args)
+        with on(backend)[0]:
+            _, lse1 = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True, **args)
+            out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=splits, return_softmax_lse=True, **args)
+        assert planned[-1][0].constexprs["INTERLEAVE"]
+        torch.testing.assert_close(out.float(), ref.float().nan_to_num(0), atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse, lse1, atol=1e-3, rtol=1e-3)
 
 
 def test_empty_pool_refused():
