@@ -82,6 +82,11 @@ rows += compile_report.compile_decode(1, 131072, 256)
 rows += compile_report.compile_decode(64, 4096, None)
 rows += compile_report.compile_decode(64, 4096, 16)
 rows += compile_report.compile_decode(64, 4096, 256)
+rows += compile_report.compile_decode(1, 8192, None)
+rows += compile_report.compile_decode(1, 8192, 16)
+rows += compile_report.compile_decode(1, 8192, 256)
+rows += compile_report.compile_decode(1, 16384, None)
+rows += compile_report.compile_decode(1, 16384, 16)
 """
 
 
@@ -92,8 +97,11 @@ def test_decode_builds_as_the_settings_assume():
     per SM. The paged pointer-load builds' key loop (unmasked tiles) issues at most 15 % more instructions
     than the contiguous build's in the same grid: its page lookup adds int32 arithmetic for each row a
     thread loads (one lookup per tile for pages of whole tiles), where 64-bit offsets doubled the loop
-    (docs/perf.md)."""
-    split, combine, paged16, _, paged256, _, full, full16, full256 = _compiled(DECODE_CASES)
+    (docs/perf.md). 1 x 8k's short programs take 64-key tiles; paged builds in grids under two waves prefetch their
+    table sectors into L2."""
+    rows = _compiled(DECODE_CASES)
+    split, combine, paged16, _, paged256, _, full, full16, full256 = rows[:9]
+    short, _, short16, _, short256, _, eight, _, eight16, _ = rows[9:]
     assert split["config"][3] == 3 and split["gdc_signal"] and not split["tma"] and split["stack"] == 0, split
     # launched as a dependent, the combine must wait for the split kernel's partials in its code
     assert combine["kernel"] == "_combine" and combine["pdl_launch"] and combine["gdc_wait"], combine
@@ -108,6 +116,14 @@ def test_decode_builds_as_the_settings_assume():
     for paged in (full16, full256):
         assert not paged["tma"] and paged["blocks_per_sm"] == 2, paged
         assert paged["tile_loop"] <= 1.15 * full["tile_loop"], (paged, full)
+    # 1 x 8k: one wave of programs of four 128-key tiles, built with 64-key tiles (decode.SHORT_BLOCK_N)
+    # at three stages; the paged builds prefetch their table sectors into L2 and read the table ahead
+    for build in (short, short16, short256):
+        assert build["config"][1:] == [64, 4, 3] and build["grid"] == [1, 8, 16] and build["stack"] == 0, build
+    assert not short["table_to_l2"] and short16["table_to_l2"] and short256["table_to_l2"], (short, short16)
+    # 1 x 16k: eight tiles per program; pages smaller than a tile keep 128-key tiles there (SHORT_SMALL_PAGE_TILES)
+    assert eight["config"][1] == 64 and eight16["config"][1] == 128 and eight16["grid"] == [1, 8, 16], (eight, eight16)
+    assert paged16["table_to_l2"] and not full16["table_to_l2"], (paged16, full16)  # (grids under two waves)
 
 
 EDGE_CASES = """

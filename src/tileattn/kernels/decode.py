@@ -136,6 +136,37 @@ def _cache_rows(
 
 
 @triton.jit
+def _table_to_l2(
+    Table_row,
+    table_pages,
+    k_start,
+    split,
+    num_splits,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
+    """Prefetches (``prefetch.global.L2``, nothing waits on it) the block-table sectors a program reads:
+    with INTERLEAVE the first entry of each of its key tiles (up to 128 tiles; a tile's entries share a
+    32-byte sector), else the row's first 128 sectors (1024 entries), since a run of consecutive tiles
+    starts where the sequence's length puts it. The table's loads in the key loop then hit L2: Triton
+    issues each right before the K/V copies that take its pages."""
+    j = tl.arange(0, 128)
+    if INTERLEAVE:
+        idx = (k_start + (split + j * num_splits) * BLOCK_N) // PAGE_SIZE
+    else:
+        idx = j * 8
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r",
+        [Table_row + idx, (idx < table_pages).to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _wide_product(index, stride):
     """``index * stride`` in int64 for a non-negative ``index`` below 2**31 and a non-negative stride,
     with the index zero-extended: a wide multiply and one more multiply-add per element, without the
@@ -386,6 +417,7 @@ def _attn_fwd_kvcache(
     ROTARY_Q: tl.constexpr,
     ROT_INTERLEAVED: tl.constexpr,
     ROT_PER_TOKEN: tl.constexpr,
+    TABLE_TO_L2: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -454,6 +486,9 @@ def _attn_fwd_kvcache(
         k_desc = common.rows_desc(K_base + k_start * stride_kn, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
         v_desc = common.rows_desc(V_base + k_start * stride_vn, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
     Table_row = Table + b64 * stride_tb
+    table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
+    if TABLE_TO_L2:  # the table entries this program will read, fetched into L2 ahead of their loads
+        _table_to_l2(Table_row, table_pages, k_start, split, num_splits, BLOCK_N, PAGE_SIZE, INTERLEAVE)
 
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     offs_r = r_start + tl.arange(0, BLOCK_M)
@@ -513,7 +548,6 @@ def _attn_fwd_kvcache(
         s_hi = tl.minimum(s_lo + per_split, hi)
         full_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
         full_hi = tl.minimum(tl.maximum(full_hi, full_lo), s_hi)
-    table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -724,6 +758,20 @@ PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
 PAGED_PREFETCH_WAVES = 2
+# Paged caches in grids under PAGED_PREFETCH_WAVES waves: each program first prefetches the block-table
+# sectors it will read into L2 (``_table_to_l2``), so that the lookups in its key loop, which Triton issues
+# right before the K/V copies they address (whatever the hand-written read-ahead), wait on L2 instead of
+# DRAM. Pages of 16 at 1 x 8k with 64-key tiles: +4.6 %; pages of 256 and the long rows level.
+PAGED_TABLE_L2 = True
+# One-wave grids whose programs have at most SHORT_TILES key tiles of the config's size (1 x 8k: four of
+# 128; SHORT_SMALL_PAGE_TILES for pages smaller than such a tile) take tiles of SHORT_BLOCK_N keys (0:
+# the config's) at the same stages: half the bytes in flight per stage, but the first tile lands and
+# the last one's work ends sooner. Four tiles (1 x 8k, 2 x 4k): +2-4 % in every layout. Eight (1 x 16k,
+# 2 x 8k, 4 x 4k): contiguous and pages of 256 +0.4-3.8 %, pages of 16 -2 %. 32-key tiles, and 64-key
+# tiles at two, four or five stages, lost (docs/perf.md).
+SHORT_BLOCK_N = 64
+SHORT_TILES = 8
+SHORT_SMALL_PAGE_TILES = 4
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
 
@@ -786,6 +834,10 @@ _PLAN_INPUTS = (
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
     "PAGED_PREFETCH_WAVES",
+    "PAGED_TABLE_L2",
+    "SHORT_BLOCK_N",
+    "SHORT_TILES",
+    "SHORT_SMALL_PAGE_TILES",
     "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
     "_config_for",
@@ -962,6 +1014,9 @@ def _plan(
         page_size, num_rows, capacity = 1, k_cache.shape[0], k_cache.shape[1]
         table_stride = c.seqlens_k.stride(0)
     small_grid = base.programs * num_splits < 2 * base.sm_count
+    short = SHORT_SMALL_PAGE_TILES if paged and page_size < cfg.block_n else SHORT_TILES
+    if SHORT_BLOCK_N and base.programs * num_splits <= base.sm_count and tiles <= short and not interpret:
+        cfg = dataclasses.replace(cfg, block_n=SHORT_BLOCK_N)
     prefetch_grid = base.programs * num_splits < PAGED_PREFETCH_WAVES * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
     if paged:
@@ -1035,6 +1090,7 @@ def _plan(
             "ROTARY_Q": rot_cos is not None,
             "ROT_INTERLEAVED": bool(rot_interleaved),
             "ROT_PER_TOKEN": bool(rot_per_token),
+            "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret,
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
