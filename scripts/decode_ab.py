@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--layouts", nargs="+", default=["tileattn", "tileattn paged16", "tileattn paged256"])
-    ap.add_argument("--rows", nargs="+", help="batch x cache length rows to run, as 64x4096 (default: all)")
+    ap.add_argument("--rows", nargs="+", help="batch x cache length rows to run, as 64x4096 (default: the benchmark's)")
     ap.add_argument("--out", type=Path)
     ap.add_argument(
         "--anchors",
@@ -59,9 +59,8 @@ def main():
     ap.add_argument("variants", nargs="+")
     args = ap.parse_args()
     results = []
-    for batch, cache_len in DECODE_CASES:
-        if args.rows and f"{batch}x{cache_len}" not in args.rows:
-            continue
+    rows = [tuple(int(n) for n in row.split("x")) for row in args.rows] if args.rows else DECODE_CASES
+    for batch, cache_len in rows:
         inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
         for layout in args.layouts:
             graphs = {}

@@ -23,6 +23,8 @@ SETTINGS = {
     "offs64": "OFFS_64_ALWAYS",
     "fstages": "FULL_GRID_STAGES",
     "ftiles": "FULL_GRID_TILES",
+    "tl2": "PAGED_TABLE_L2",
+    "sbn": "SHORT_BLOCK_N",
 }
 
 

@@ -56,8 +56,22 @@
 #     assertion and the split test, memcheck of the KV-cache kernels, the CLI's decode table.
 # 30: interleaved splits at 1 x 8k again, each setting twice under two names (the CLI's pages of 16 read
 #     1971 after them against 1997-2005 before, in calls on other machines).
-# 31: GPU tests (decode, cache manager, errors) and memcheck of the KV-cache kernels with masked
-#     segments' tiles dealt by tile index (after run 30), then the CLI's decode table.
+# 31 (2026-12-01, fifth run): GPU tests (decode, cache manager, errors) and memcheck of the KV-cache
+#     kernels with masked segments' tiles dealt by tile index (after run 30).
+# 32: block-table sectors prefetched into L2 at a program's start (tl2), and short programs' later K/V
+#     tiles prefetched into L2 (kvl2: programs of up to that many tiles; kvskip: tiles left to the
+#     pipeline; both since removed), at 1 x 8k; then tl2 at the long rows of paged caches.
+# 33: key tiles of 64 columns for 1 x 8k's short programs (sbn), at three to five stages; tl2 again.
+# 34: key tiles of 32 and 64 columns for 1 x 8k, 64 at two stages, and tl2 with them.
+# 35: 64-column tiles for 1 x 8k with paged programs built as long ones (ptiles=1: five stages, the
+#     table's reads pipelined by Triton instead of read ahead by hand), seven stages, tl2.
+# 36: GPU tests (decode, cache manager) with 64-key tiles for short programs and the table prefetched
+#     into L2 as defaults, then both against the builds before them at rows of two to eight tiles per
+#     program (rows outside the benchmark's).
+# 37: the final code: GPU error tests, memcheck of the KV-cache kernels (their small caches take the
+#     64-key tiles and the table prefetch), the CLI's decode table.
+# 38: Nsight Compute of 1 x 8k's paged split kernels on the final code, then pages of 16 there without
+#     the hand-written table read-ahead, and with two or eight warps.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -83,7 +97,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-31}" in
+case "${1:?run number 2-38}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -214,7 +228,44 @@ case "${1:?run number 2-31}" in
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 130 compute-sanitizer --tool memcheck --print-limit 20 \
       python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
     echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log" ;;
+  32)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_l2.jsonl" --rounds 6 --rows 1x8192 \
+      -- "tl2=0" "" "kvl2=8" "kvl2=8,kvskip=0" > "$OUT/decode_ab_l2.log" 2>&1
+    tail -12 "$OUT/decode_ab_l2.log"
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_l2long.jsonl" --rounds 4 --rows 1x131072 8x32768 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "tl2=0" "" > "$OUT/decode_ab_l2long.log" 2>&1
+    tail -8 "$OUT/decode_ab_l2long.log" ;;
+  33)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short.jsonl" --rounds 6 --rows 1x8192 \
+      -- "" "tl2=0" "sbn=64" "sbn=64,stages=4" "sbn=64,stages=5" > "$OUT/decode_ab_short.log" 2>&1
+    tail -19 "$OUT/decode_ab_short.log" ;;
+  34)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short2.jsonl" --rounds 8 --rows 1x8192 \
+      -- "sbn=64" "sbn=64,tl2=0" "sbn=32" "sbn=64,stages=2" "" > "$OUT/decode_ab_short2.log" 2>&1
+    tail -19 "$OUT/decode_ab_short2.log" ;;
+  35)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short3.jsonl" --rounds 8 --rows 1x8192 \
+      -- "sbn=64" "sbn=64,ptiles=1" "sbn=64,ptiles=1,plong=7" "sbn=64,ptiles=1,tl2=0" "" \
+      > "$OUT/decode_ab_short3.log" 2>&1
+    tail -19 "$OUT/decode_ab_short3.log" ;;
+  36)
+    tests 300 tests/test_kvcache.py tests/test_cache.py
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short4.jsonl" --rounds 5 \
+      --rows 1x8192 1x16384 2x8192 4x4096 2x4096 -- "" "sbn=0" "sbn=0,tl2=0" > "$OUT/decode_ab_short4.log" 2>&1
+    tail -22 "$OUT/decode_ab_short4.log" ;;
+  37)
+    LOG=errors tests 150 tests/test_errors.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
     grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
     cli ;;
-  *) echo "runs 2-31" >&2; exit 2 ;;
+  38)
+    bash scripts/ncu_decode.sh 1 8192 "tileattn paged16" "tileattn paged256" | grep -E "ncu exit|Duration|DRAM Thr"
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short5.jsonl" --rounds 8 --rows 1x8192 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "" "pprefetch=0" "pwarps=8" "pwarps=2" \
+      > "$OUT/decode_ab_short5.log" 2>&1
+    tail -12 "$OUT/decode_ab_short5.log" ;;
+  *) echo "runs 2-38" >&2; exit 2 ;;
 esac
