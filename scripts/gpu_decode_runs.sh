@@ -72,6 +72,8 @@
 #     64-key tiles and the table prefetch), the CLI's decode table.
 # 38: Nsight Compute of 1 x 8k's paged split kernels on the final code, then pages of 16 there without
 #     the hand-written table read-ahead, and with two or eight warps.
+# 39: pages of 16 with 64-key tiles in runs of consecutive tiles (interleave=0: two tiles' entries share a
+#     sector, and the table prefetch covers the row) against interleaved ones.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -97,7 +99,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-38}" in
+case "${1:?run number 2-39}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -267,5 +269,9 @@ case "${1:?run number 2-38}" in
       --layouts "tileattn paged16" "tileattn paged256" -- "" "pprefetch=0" "pwarps=8" "pwarps=2" \
       > "$OUT/decode_ab_short5.log" 2>&1
     tail -12 "$OUT/decode_ab_short5.log" ;;
-  *) echo "runs 2-38" >&2; exit 2 ;;
+  39)
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short6.jsonl" --rounds 8 --rows 1x8192 2x4096 \
+      --layouts "tileattn paged16" "tileattn" -- "" "interleave=0" > "$OUT/decode_ab_short6.log" 2>&1
+    tail -8 "$OUT/decode_ab_short6.log" ;;
+  *) echo "runs 2-39" >&2; exit 2 ;;
 esac
