@@ -164,7 +164,7 @@ def compile_decode(
             pdl_launch=bool(kw.get("launch_pdl")),  # launched as a programmatic dependent
             gdc_wait="griddepcontrol.wait" in ptx,
             gdc_signal="griddepcontrol.launch_dependents" in ptx,
-            table_to_l2="prefetch.global.L2" in ptx,
+            table_to_l2="@p prefetch.global.L2" in ptx,
         )
         loop = dict(tile_loop=tile_loop(kernel)) if name != "_combine" else {}
         rows.append(

@@ -74,6 +74,8 @@
 #     the hand-written table read-ahead, and with two or eight warps.
 # 39: pages of 16 with 64-key tiles in runs of consecutive tiles (interleave=0: two tiles' entries share a
 #     sector, and the table prefetch covers the row) against interleaved ones.
+# 40: after a review: the table prefetch's interleaved indices in int64 and masked below 0; GPU decode
+#     tests (with the planning test of short programs) and the prefetch's A/B at 1 x 8k again.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -99,7 +101,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-39}" in
+case "${1:?run number 2-40}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -273,5 +275,10 @@ case "${1:?run number 2-39}" in
     timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_short6.jsonl" --rounds 8 --rows 1x8192 2x4096 \
       --layouts "tileattn paged16" "tileattn" -- "" "interleave=0" > "$OUT/decode_ab_short6.log" 2>&1
     tail -8 "$OUT/decode_ab_short6.log" ;;
-  *) echo "runs 2-39" >&2; exit 2 ;;
+  40)
+    tests 250 tests/test_kvcache.py
+    timeout 150 python3 scripts/decode_ab.py --out "$OUT/decode_ab_l2b.jsonl" --rounds 6 --rows 1x8192 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "" "tl2=0" > "$OUT/decode_ab_l2b.log" 2>&1
+    tail -8 "$OUT/decode_ab_l2b.log" ;;
+  *) echo "runs 2-40" >&2; exit 2 ;;
 esac

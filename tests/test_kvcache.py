@@ -564,7 +564,7 @@ def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
     device = on(backend)[1]
     monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
     planned = _record_plans(monkeypatch)
-    block_n = 16 if interpreting() else 128
+    block_n = 16 if interpreting() else 128  # (the GPU's 5 and 7 splits take 64-key tiles: more per split)
     b, h, hk, d, cap = 3, 4, 2, 16, 12 * block_n + 8
     pages = -(-cap // page)
     kc = torch.randn(b * pages + 2, page, hk, d, dtype=F16, device=device)
@@ -591,6 +591,62 @@ def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
         assert planned[-1][0].constexprs["INTERLEAVE"]
         torch.testing.assert_close(out.float(), ref.float().nan_to_num(0), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, lse1, atol=1e-3, rtol=1e-3)
+
+
+def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0):
+    """The split kernel's constexprs and grid as ``kernels.decode`` plans a decode step (GQA 32/8, one
+    query token, bf16, full caches) for an H200-like GPU of 132 SMs: CPU tensors, nothing launched."""
+    from tileattn.kernels import configs, decode
+
+    nheads, nheads_k = 32, 8
+    q = torch.empty(batch, 1, nheads, headdim, dtype=torch.bfloat16)
+    table = None
+    if page:
+        cache = torch.empty(batch * cache_len // page, page, nheads_k, headdim, dtype=torch.bfloat16)
+        table = torch.arange(batch * cache_len // page, dtype=torch.int32).view(batch, -1)
+    else:
+        cache = torch.empty(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
+    p = configs.AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=headdim, softmax_scale=0.1)
+    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, num_splits=num_splits, max_seqlen_k=cache_len)
+    base = decode._new_base(q, cache, p)
+    splits, tiles = base.splits(p, c)
+    lse = torch.empty(base.lse_shape)
+    attn, _ = decode._plan(base, q, cache, cache, torch.empty_like(q), lse, p, c, splits, tiles)
+    return attn.constexprs, attn.grid
+
+
+def test_gpu_plans_of_short_programs(monkeypatch):
+    """On the GPU (planned here on the CPU, as for 132 SMs), one wave of programs with at most four
+    128-key tiles (eight unless the pages are smaller than such a tile) takes 64-key tiles
+    (decode.SHORT_BLOCK_N), and paged programs in grids under two waves prefetch their table sectors
+    into L2 (decode.PAGED_TABLE_L2); the interpreter takes neither (its tests run 16-key tiles)."""
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    cases = [  # (batch, cache length, page, head dim, num_splits): block_n, interleave, table to L2, grid
+        ((1, 8192, None, 128, 0), (64, False, False, (1, 8, 16))),  # four tiles per program
+        ((1, 8192, 16, 128, 0), (64, True, True, (1, 8, 16))),
+        ((1, 8192, 64, 128, 0), (64, False, True, (1, 8, 16))),  # pages of 64: whole 64-key tiles
+        ((1, 8192, 256, 128, 0), (64, False, True, (1, 8, 16))),
+        ((1, 16384, None, 128, 0), (64, False, False, (1, 8, 16))),  # eight tiles
+        ((1, 16384, 16, 128, 0), (128, True, True, (1, 8, 16))),  # small pages: four at most
+        ((1, 16384, 256, 128, 0), (64, False, True, (1, 8, 16))),
+        ((1, 32768, None, 128, 0), (128, False, False, (1, 8, 16))),  # sixteen tiles
+        ((1, 8192, None, 128, 16), (64, False, False, (1, 8, 16))),  # 128 programs: one wave
+        ((1, 8192, None, 128, 17), (128, False, False, (1, 8, 17))),  # 136: more than one wave
+        ((1, 8192, 16, 256, 0), (64, True, True, (1, 8, 16))),  # head dim 256's tiles are 64 keys anyway
+        ((64, 4096, 16, 128, 0), (128, False, False, (1, 512, 1))),  # full grid: no split, no prefetch
+    ]
+    for (batch, length, page, d, splits), (block_n, interleave, to_l2, grid) in cases:
+        constexprs, got_grid = _gpu_plan(batch, length, page, d, splits)
+        got = (constexprs["BLOCK_N"], constexprs["INTERLEAVE"], constexprs["TABLE_TO_L2"], got_grid)
+        assert got == (block_n, interleave, to_l2, grid), (batch, length, page, d, splits)
+    monkeypatch.setattr(decode, "SHORT_BLOCK_N", 0)
+    monkeypatch.setattr(decode, "PAGED_TABLE_L2", False)
+    constexprs, _ = _gpu_plan(1, 8192, 16)
+    assert (constexprs["BLOCK_N"], constexprs["INTERLEAVE"], constexprs["TABLE_TO_L2"]) == (128, True, False)
 
 
 def test_empty_pool_refused():

@@ -117,7 +117,7 @@ def test_decode_builds_as_the_settings_assume():
         assert not paged["tma"] and paged["blocks_per_sm"] == 2, paged
         assert paged["tile_loop"] <= 1.15 * full["tile_loop"], (paged, full)
     # 1 x 8k: one wave of programs of four 128-key tiles, built with 64-key tiles (decode.SHORT_BLOCK_N)
-    # at three stages; the paged builds prefetch their table sectors into L2 and read the table ahead
+    # at three stages; the paged builds prefetch their table sectors into L2 (a predicated prefetch)
     for build in (short, short16, short256):
         assert build["config"][1:] == [64, 4, 3] and build["grid"] == [1, 8, 16] and build["stack"] == 0, build
     assert not short["table_to_l2"] and short16["table_to_l2"] and short256["table_to_l2"], (short, short16)

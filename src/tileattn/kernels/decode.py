@@ -146,20 +146,22 @@ def _table_to_l2(
     PAGE_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
 ):
-    """Prefetches (``prefetch.global.L2``, nothing waits on it) the block-table sectors a program reads:
-    with INTERLEAVE the first entry of each of its key tiles (up to 128 tiles; a tile's entries share a
-    32-byte sector), else the row's first 128 sectors (1024 entries), since a run of consecutive tiles
-    starts where the sequence's length puts it. The table's loads in the key loop then hit L2: Triton
-    issues each right before the K/V copies that take its pages."""
+    """Prefetches into L2 (``prefetch.global.L2``, nothing waits on it) block-table sectors of this row
+    that the program will read: with INTERLEAVE the sector of the first entry of each of its first 128
+    key tiles (all of a tile's entries when they fit in that sector: 64-key tiles over pages of 16),
+    else the row's first 128 sectors (1024 entries) whatever range the split reads, since a run of
+    consecutive tiles starts where the sequence's length puts it. Entries outside ``[0, table_pages)``
+    are not prefetched. The table's loads in the key loop then wait on L2, not DRAM: Triton issues each
+    right before the K/V copies that take its pages."""
     j = tl.arange(0, 128)
     if INTERLEAVE:
-        idx = (k_start + (split + j * num_splits) * BLOCK_N) // PAGE_SIZE
+        idx = (k_start + (split + j * num_splits).to(tl.int64) * BLOCK_N) // PAGE_SIZE
     else:
         idx = j * 8
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
         "=r,l,r",
-        [Table_row + idx, (idx < table_pages).to(tl.int32)],
+        [Table_row + idx, ((idx >= 0) & (idx < table_pages)).to(tl.int32)],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -758,14 +760,15 @@ PAGED_LONG_STAGES = 5
 PAGED_LONG_TILES = 16  # key tiles per program from which a program counts as long
 PAGED_WARPS = 4  # warps of the paged pointer-load builds
 PAGED_PREFETCH_WAVES = 2
-# Paged caches in grids under PAGED_PREFETCH_WAVES waves: each program first prefetches the block-table
-# sectors it will read into L2 (``_table_to_l2``), so that the lookups in its key loop, which Triton issues
-# right before the K/V copies they address (whatever the hand-written read-ahead), wait on L2 instead of
-# DRAM. Pages of 16 at 1 x 8k with 64-key tiles: +4.6 %; pages of 256 and the long rows level.
+# Paged caches in grids under PAGED_PREFETCH_WAVES waves (the setting also gates the read-ahead above;
+# NVIDIA only: inline PTX): each program first prefetches the block-table sectors it will read into L2
+# (``_table_to_l2``), so that the lookups in its key loop, which Triton issues right before the K/V
+# copies they address (whatever the hand-written read-ahead), wait on L2 instead of DRAM. Pages of 16 at
+# 1 x 8k with 64-key tiles: +4.6 %; pages of 256 and the long rows level.
 PAGED_TABLE_L2 = True
 # One-wave grids whose programs have at most SHORT_TILES key tiles of the config's size (1 x 8k: four of
 # 128; SHORT_SMALL_PAGE_TILES for pages smaller than such a tile) take tiles of SHORT_BLOCK_N keys (0:
-# the config's) at the same stages: half the bytes in flight per stage, but the first tile lands and
+# the config's; never more than it) at the same stages (pages of 64 then no longer interleave): half the bytes in flight per stage, but the first tile lands and
 # the last one's work ends sooner. Four tiles (1 x 8k, 2 x 4k): +2-4 % in every layout. Eight (1 x 16k,
 # 2 x 8k, 4 x 4k): contiguous and pages of 256 +0.4-3.8 %, pages of 16 -2 %. 32-key tiles, and 64-key
 # tiles at two, four or five stages, lost (docs/perf.md).
@@ -1016,7 +1019,7 @@ def _plan(
     small_grid = base.programs * num_splits < 2 * base.sm_count
     short = SHORT_SMALL_PAGE_TILES if paged and page_size < cfg.block_n else SHORT_TILES
     if SHORT_BLOCK_N and base.programs * num_splits <= base.sm_count and tiles <= short and not interpret:
-        cfg = dataclasses.replace(cfg, block_n=SHORT_BLOCK_N)
+        cfg = dataclasses.replace(cfg, block_n=min(SHORT_BLOCK_N, cfg.block_n))
     prefetch_grid = base.programs * num_splits < PAGED_PREFETCH_WAVES * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
     if paged:
@@ -1090,7 +1093,7 @@ def _plan(
             "ROTARY_Q": rot_cos is not None,
             "ROT_INTERLEAVED": bool(rot_interleaved),
             "ROT_PER_TOKEN": bool(rot_per_token),
-            "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret,
+            "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret and not torch.version.hip,
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
