@@ -768,10 +768,11 @@ PAGED_PREFETCH_WAVES = 2
 PAGED_TABLE_L2 = True
 # One-wave grids whose programs have at most SHORT_TILES key tiles of the config's size (1 x 8k: four of
 # 128; SHORT_SMALL_PAGE_TILES for pages smaller than such a tile) take tiles of SHORT_BLOCK_N keys (0:
-# the config's; never more than it) at the same stages (pages of 64 then no longer interleave): half the bytes in flight per stage, but the first tile lands and
-# the last one's work ends sooner. Four tiles (1 x 8k, 2 x 4k): +2-4 % in every layout. Eight (1 x 16k,
-# 2 x 8k, 4 x 4k): contiguous and pages of 256 +0.4-3.8 %, pages of 16 -2 %. 32-key tiles, and 64-key
-# tiles at two, four or five stages, lost (docs/perf.md).
+# the config's; never more than it) at the same stages: half the bytes in flight per stage, but the
+# first tile lands and the last one's work ends sooner (pages of 64 then no longer interleave). Four
+# tiles (1 x 8k, 2 x 4k): +2-4 % in every layout. Eight (1 x 16k, 2 x 8k, 4 x 4k): contiguous and pages
+# of 256 +0.4-3.8 %, pages of 16 -2 %. 32-key tiles, and 64-key tiles at two, four or five stages, lost
+# (docs/perf.md).
 SHORT_BLOCK_N = 64
 SHORT_TILES = 8
 SHORT_SMALL_PAGE_TILES = 4
