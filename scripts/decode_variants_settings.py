@@ -11,6 +11,7 @@ SETTINGS = {
     "waves": "DECODE_WAVES",
     "mintiles": "DECODE_MIN_SPLIT_TILES",
     "interleave": "DECODE_INTERLEAVE",
+    "unit": "DECODE_INTERLEAVE_UNIT",
     "plong": "PAGED_LONG_STAGES",
     "ptiles": "PAGED_LONG_TILES",
     "tma": "DECODE_TMA",

@@ -76,6 +76,12 @@
 #     sector, and the table prefetch covers the row) against interleaved ones.
 # 40: after a review: the table prefetch's interleaved indices in int64 and masked below 0; GPU decode
 #     tests (with the planning test of short programs) and the prefetch's A/B at 1 x 8k again.
+# 41: interleaved splits in runs of two or four consecutive tiles (unit): with 64-key tiles over pages of
+#     16 a split's first two tiles then share a table sector; the partition tests on the GPU first.
+# 42: runs of two tiles at the long rows of pages of 16 (128-key tiles, interleaved) and at 1 x 8k again.
+# 43: GPU tests (decode, cache manager) with runs of two tiles as the default (two property examples
+#     failed: an empty segment clamped inside a tile was counted as one tile).
+# 44: after that fix: the property tests and the empty-segment test on the GPU.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -101,7 +107,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-40}" in
+case "${1:?run number 2-44}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -280,5 +286,16 @@ case "${1:?run number 2-40}" in
     timeout 150 python3 scripts/decode_ab.py --out "$OUT/decode_ab_l2b.jsonl" --rounds 6 --rows 1x8192 \
       --layouts "tileattn paged16" "tileattn paged256" -- "" "tl2=0" > "$OUT/decode_ab_l2b.log" 2>&1
     tail -8 "$OUT/decode_ab_l2b.log" ;;
-  *) echo "runs 2-40" >&2; exit 2 ;;
+  41)
+    tests 120 tests/test_kvcache.py -k "partition or gpu_plans or lookup_branches"
+    timeout 150 python3 scripts/decode_ab.py --out "$OUT/decode_ab_unit.jsonl" --rounds 8 --rows 1x8192 2x4096 \
+      --layouts "tileattn paged16" -- "" "unit=2" "unit=4" > "$OUT/decode_ab_unit.log" 2>&1
+    tail -6 "$OUT/decode_ab_unit.log" ;;
+  42)
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_unit2.jsonl" --rounds 4 \
+      --rows 1x8192 1x131072 8x32768 --layouts "tileattn paged16" -- "" "unit=2" > "$OUT/decode_ab_unit2.log" 2>&1
+    tail -5 "$OUT/decode_ab_unit2.log" ;;
+  43) tests 200 tests/test_kvcache.py tests/test_cache.py ;;
+  44) tests 75 tests/test_kvcache.py -k "property_random_kvcache or skip_empty or partition" ;;
+  *) echo "runs 2-44" >&2; exit 2 ;;
 esac

@@ -551,17 +551,20 @@ def test_paged_lookup_branches(backend, bad, monkeypatch):
     assert any(c["INTERLEAVE"] for c in kernels) or not interpreting()  # (the GPU's 128-key tiles: one split)
 
 
-@pytest.mark.parametrize("page", [4, 12])
-def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
-    """Splits over pages smaller than a key tile take every num_splits-th tile: against the reference
-    and against one split's LSE (a tile read by two splits, or by none, moves it), with several tiles per
-    split in each mask segment: left and two-sided windows, causal over several query tokens, leftpad,
-    an empty sequence, split counts that do not divide the tiles."""
+@pytest.mark.parametrize("page, unit", [(4, 1), (12, 1), (4, 2), (12, 3)])
+def test_interleaved_splits_partition_the_keys(backend, page, unit, monkeypatch):
+    """Splits over pages smaller than a key tile take every num_splits-th tile (or, with
+    decode.DECODE_INTERLEAVE_UNIT, runs of that many tiles in turn): against the reference and against
+    one split's LSE (a tile read by two splits, or by none, moves it), with several tiles per split in
+    each mask segment: left and two-sided windows, causal over several query tokens, leftpad, an empty
+    sequence, split counts that do not divide the tiles."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     from tileattn import kvcache
+    from tileattn.kernels import decode
 
     device = on(backend)[1]
+    monkeypatch.setattr(decode, "DECODE_INTERLEAVE_UNIT", unit)
     monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
     planned = _record_plans(monkeypatch)
     block_n = 16 if interpreting() else 128  # (the GPU's 5 and 7 splits take 64-key tiles: more per split)
@@ -578,6 +581,7 @@ def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
         ((-1, -1), True, True, 5, 3),
         ((9 * block_n, -1), True, False, 1, 5),
         ((-1, -1), False, False, 1, 7),
+        ((cap - 6, -1), False, False, 1, 2),  # the last sequence's unmasked tiles start at tile 1 (mid-run)
     ]
     for window, causal, pad, sq, splits in cases:
         q = torch.randn(b, sq, h, d, dtype=F16, device=device)
@@ -588,7 +592,7 @@ def test_interleaved_splits_partition_the_keys(backend, page, monkeypatch):
         with on(backend)[0]:
             _, lse1 = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True, **args)
             out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=splits, return_softmax_lse=True, **args)
-        assert planned[-1][0].constexprs["INTERLEAVE"]
+        assert planned[-1][0].constexprs["INTERLEAVE"] and planned[-1][0].constexprs["UNIT"] == unit
         torch.testing.assert_close(out.float(), ref.float().nan_to_num(0), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, lse1, atol=1e-3, rtol=1e-3)
 
@@ -647,6 +651,23 @@ def test_gpu_plans_of_short_programs(monkeypatch):
     monkeypatch.setattr(decode, "PAGED_TABLE_L2", False)
     constexprs, _ = _gpu_plan(1, 8192, 16)
     assert (constexprs["BLOCK_N"], constexprs["INTERLEAVE"], constexprs["TABLE_TO_L2"]) == (128, True, False)
+
+
+@pytest.mark.parametrize("unit", [1, 2])
+def test_interleaved_splits_skip_empty_segments(backend, unit, monkeypatch):
+    """A mask segment clamped to the end of a sequence's keys starts inside a tile and is empty: no
+    split may read that tile again (found on the GPU by the property test, with runs of two tiles:
+    window (0, 0), two keys, pages of 1)."""
+    from tileattn import kvcache
+    from tileattn.kernels import decode
+
+    monkeypatch.setattr(decode, "DECODE_INTERLEAVE_UNIT", unit)
+    monkeypatch.setattr(kvcache, "_CALLS", {})
+    problem = dict(batch=3, nheads_k=1, nheads=1, headdim=16, seqlen_q=1, seqlen_new=1, capacity=129, page=1)
+    problem.update(seqlens=[0, 0, 1], leftpad=[0, 0, 0], rotary=None, causal=False, window=(0, 0), softcap=0.0)
+    for splits in (2, 3):
+        problem.update(alibi=False, num_splits=splits, v_padded=False)
+        _check_kvcache_problem(backend, problem)
 
 
 def test_empty_pool_refused():

@@ -145,6 +145,7 @@ def _table_to_l2(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
     """Prefetches into L2 (``prefetch.global.L2``, nothing waits on it) block-table sectors of this row
     that the program will read: with INTERLEAVE the sector of the first entry of each of its first 128
@@ -155,7 +156,7 @@ def _table_to_l2(
     right before the K/V copies that take its pages."""
     j = tl.arange(0, 128)
     if INTERLEAVE:
-        idx = (k_start + (split + j * num_splits).to(tl.int64) * BLOCK_N) // PAGE_SIZE
+        idx = (k_start + (split + j * num_splits).to(tl.int64) * (UNIT * BLOCK_N)) // PAGE_SIZE
     else:
         idx = j * 8
     tl.inline_asm_elementwise(
@@ -188,6 +189,21 @@ def _pool_page(page, num_pages):
 
 
 @triton.jit
+def _unit_tile(unit_lo, j, r0, gap, UNIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column of a split's j-th tile when splits take runs of UNIT consecutive tiles in turn: from its
+    first tile (column unit_lo, r0 tiles into its run), each run's end skips the ``gap`` tiles of the
+    other splits."""
+    return unit_lo + (j + (j + r0) // UNIT * gap) * BLOCK_N
+
+
+@triton.jit
+def _unit_share(t, split, num_splits, UNIT: tl.constexpr):
+    """Tiles below tile t that split owns when splits take runs of UNIT tiles in turn."""
+    cycle = UNIT * num_splits
+    return t // cycle * UNIT + tl.minimum(tl.maximum(t % cycle - split * UNIT, 0), UNIT)
+
+
+@triton.jit
 def _kv_tiles(
     acc,
     l_i,
@@ -210,6 +226,9 @@ def _kv_tiles(
     lo,
     hi,
     step,
+    unit_lo,
+    unit_r0,
+    unit_gap,
     table_pages,
     seqlen_q,
     seqlen_k,
@@ -234,22 +253,28 @@ def _kv_tiles(
     MASK_LEFT: tl.constexpr,
     MASK_RIGHT: tl.constexpr,
     DEFER_SCALE: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
     """Online softmax over the key tiles at lo, lo + step, ... below hi (columns counted from k_start;
-    step is BLOCK_N, or a multiple with interleaved splits). With PREFETCH_TABLE the
+    step is BLOCK_N, or a multiple with interleaved splits). With UNIT > 1 (splits interleaved in runs
+    of UNIT tiles) the loop counts tiles instead, j in range(lo, hi, step) = range(0, count, 1), and
+    tile j starts at column ``_unit_tile(unit_lo, j, unit_r0, unit_gap)``. With PREFETCH_TABLE the
     block table is read one tile ahead, so that a tile's K/V loads do not wait on its page lookup:
     faster when few programs run (latency-bound), slower at full occupancy (measured, docs/perf.md).
     With USE_TMA the tiles come through the descriptors ``k_desc`` / ``v_desc``: for contiguous caches
     over the sequence's keys (rows past seqlen_k read as zeros), for paged ones over the pool's rows of
     this kv head (unmasked tiles only; the page lookup gives the tile's first row). The pointer
     addresses computed for the other tiles are dropped as dead code where unused."""
+    first = lo
+    if UNIT > 1:
+        first = unit_lo
     K_tile, rows_k, V_tile, rows_v = _cache_rows(
         K_base,
         V_base,
         Table_row,
         offs_n_base,
         k_start,
-        lo,
+        first,
         table_pages,
         num_pages,
         stride_kn,
@@ -263,7 +288,12 @@ def _kv_tiles(
         True,  # (used only with PREFETCH_TABLE; an empty segment's first tile may lie past the table row)
         OFFS_64,
     )
-    for start_n in range(lo, hi, step):
+    for j in range(lo, hi, step):
+        start_n = j
+        next_n = j + step
+        if UNIT > 1:
+            start_n = _unit_tile(unit_lo, j, unit_r0, unit_gap, UNIT, BLOCK_N)
+            next_n = _unit_tile(unit_lo, j + 1, unit_r0, unit_gap, UNIT, BLOCK_N)
         offs_n = start_n + offs_n_base
         if not PREFETCH_TABLE:
             K_tile, rows_k, V_tile, rows_v = _cache_rows(
@@ -311,7 +341,7 @@ def _kv_tiles(
                 Table_row,
                 offs_n_base,
                 k_start,
-                start_n + step,
+                next_n,
                 table_pages,
                 num_pages,
                 stride_kn,
@@ -420,6 +450,7 @@ def _attn_fwd_kvcache(
     ROT_INTERLEAVED: tl.constexpr,
     ROT_PER_TOKEN: tl.constexpr,
     TABLE_TO_L2: tl.constexpr,
+    UNIT: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -490,7 +521,7 @@ def _attn_fwd_kvcache(
     Table_row = Table + b64 * stride_tb
     table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
     if TABLE_TO_L2:  # the table entries this program will read, fetched into L2 ahead of their loads
-        _table_to_l2(Table_row, table_pages, k_start, split, num_splits, BLOCK_N, PAGE_SIZE, INTERLEAVE)
+        _table_to_l2(Table_row, table_pages, k_start, split, num_splits, BLOCK_N, PAGE_SIZE, INTERLEAVE, UNIT)
 
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     offs_r = r_start + tl.arange(0, BLOCK_M)
@@ -541,6 +572,8 @@ def _attn_fwd_kvcache(
     )
     if INTERLEAVE:
         step = num_splits * BLOCK_N
+        if UNIT > 1:
+            step = 1  # (the loop counts tiles: _kv_tiles)
         s_lo = lo
         s_hi = hi
     else:
@@ -556,7 +589,19 @@ def _attn_fwd_kvcache(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for seg in tl.static_range(3):
         a, z = common.segment(seg, s_lo, full_lo, full_hi, s_hi)
-        if INTERLEAVE:  # tile t of any segment is split (t mod num_splits)'s (t counted from column 0)
+        unit_lo = a
+        unit_r0 = 0
+        unit_gap = 0
+        if INTERLEAVE and UNIT > 1:  # runs of UNIT tiles in turn: loop over this split's count of tiles
+            ta = tl.cdiv(a, BLOCK_N)  # (a segment's start is a tile's unless it is empty, clamped to hi)
+            t0 = ta // (UNIT * num_splits) * (UNIT * num_splits) + split * UNIT  # its run in ta's cycle
+            t0 = tl.where(ta >= t0 + UNIT, t0 + UNIT * num_splits, tl.maximum(t0, ta))
+            unit_lo = t0 * BLOCK_N
+            unit_r0 = t0 % UNIT
+            unit_gap = (num_splits - 1) * UNIT
+            z = _unit_share(tl.cdiv(z, BLOCK_N), split, num_splits, UNIT) - _unit_share(ta, split, num_splits, UNIT)
+            a = 0
+        elif INTERLEAVE:  # tile t of any segment is split (t mod num_splits)'s (t counted from column 0)
             a += (split + num_splits - a // BLOCK_N % num_splits) % num_splits * BLOCK_N
         acc, l_i, m_i = _kv_tiles(
             acc,
@@ -580,6 +625,9 @@ def _attn_fwd_kvcache(
             a,
             z,
             step,
+            unit_lo,
+            unit_r0,
+            unit_gap,
             table_pages,
             seqlen_q,
             seqlen_k,
@@ -604,6 +652,7 @@ def _attn_fwd_kvcache(
             MASK_LEFT,
             MASK_RIGHT,
             DEFER_SCALE,
+            UNIT if INTERLEAVE else 1,
         )
 
     seen = l_i > 0.0
@@ -728,6 +777,12 @@ DECODE_MIN_SPLIT_TILES = 4  # key tiles a split keeps at least (choose_splits)
 # 16 at 1 x 8k +2-6 %; contiguous caches lost 4 % there and pages of 256 1 %, so they keep consecutive
 # tiles (docs/perf.md).
 DECODE_INTERLEAVE = True
+# Interleaved splits take runs of DECODE_INTERLEAVE_UNIT consecutive tiles in turn (split s: runs s,
+# s + num_splits, ...): with 64-key tiles over pages of 16 a run's two tiles share one table sector, so
+# the second lookup (the prologue's too) finds it read. Two against one, pages of 16: +1.3 % at 1 x 8k,
+# +2.0 % at 2 x 4k, level at 1 x 128k (+0.3-1.2 % at those rows and 8 x 32k in an earlier run; pages of 256
+# and contiguous caches do not interleave) (docs/perf.md).
+DECODE_INTERLEAVE_UNIT = 2
 # Contiguous caches at head dim 128 (where it was measured) in grids of two waves or more whose programs
 # have at most FULL_GRID_TILES key tiles: FULL_GRID_STAGES stages (0: DECODE_STAGES). Two stages (72 KiB,
 # two blocks per SM) shorten the last wave's tail: 64 x 4k (512 programs, 3.9 waves of one block per SM)
@@ -827,6 +882,7 @@ _PLAN_INPUTS = (
     "DECODE_WAVES",
     "DECODE_MIN_SPLIT_TILES",
     "DECODE_INTERLEAVE",
+    "DECODE_INTERLEAVE_UNIT",
     "FULL_GRID_STAGES",
     "FULL_GRID_TILES",
     "DECODE_TMA",
@@ -1094,6 +1150,7 @@ def _plan(
             "ROTARY_Q": rot_cos is not None,
             "ROT_INTERLEAVED": bool(rot_interleaved),
             "ROT_PER_TOKEN": bool(rot_per_token),
+            "UNIT": DECODE_INTERLEAVE_UNIT,
             "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret and not torch.version.hip,
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
