@@ -7,6 +7,8 @@ from tileattn.kernels import decode
 
 SETTINGS = {
     "combine": "COMBINE_SPLITS_PER_LOAD",
+    "crows": "COMBINE_MAX_ROWS",
+    "cvals": "COMBINE_MAX_VALUES",
     "stages": "DECODE_STAGES",
     "waves": "DECODE_WAVES",
     "mintiles": "DECODE_MIN_SPLIT_TILES",

@@ -82,6 +82,18 @@
 # 43: GPU tests (decode, cache manager) with runs of two tiles as the default (two property examples
 #     failed: an empty segment clamped inside a tile was counted as one tile).
 # 44: after that fix: the property tests and the empty-segment test on the GPU.
+# 45: GPU tests (decode, cache manager) with runs of two tiles; runs of one against two and the combine's
+#     rows per program (crows: 16 / 2 / 1) at the one-wave rows; the CLI's decode table.
+# 46: the combine in fewer programs (cvals: values per load 16384 / 32768; cwarps), and short 64-key
+#     tiles at two programs per SM (32 splits at 1 x 8k: waves=2,mintiles=2,swaves=2; the cwarps and
+#     swaves settings are removed since).
+# 47: full grids of paged caches with 64-key tiles and more stages (pfbn, pfstages), the one-wave rows
+#     without the hand-written table read-ahead (pra=0; the L2 prefetch kept).
+# 48: the block table's sectors prefetched into L1 (tl1=1: prefetch.global.L1) instead of L2, with and
+#     without the read-ahead. (The settings of runs 47-48, pfbn, pfstages, pra and tl1, are removed since.)
+# 49: on the final code (runs of two tiles, the combine at 16384 values per load): GPU tests (decode,
+#     cache manager), the CLI's decode table.
+# 50: test_errors, memcheck of the KV-cache kernels, the five rows' A/B against the combine's old loads.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -107,7 +119,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-44}" in
+case "${1:?run number 2-50}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -297,5 +309,41 @@ case "${1:?run number 2-44}" in
     tail -5 "$OUT/decode_ab_unit2.log" ;;
   43) tests 200 tests/test_kvcache.py tests/test_cache.py ;;
   44) tests 75 tests/test_kvcache.py -k "property_random_kvcache or skip_empty or partition" ;;
-  *) echo "runs 2-44" >&2; exit 2 ;;
+  45)
+    tests 220 tests/test_kvcache.py tests/test_cache.py
+    timeout 180 python3 scripts/decode_ab.py --out "$OUT/decode_ab_crows.jsonl" --rounds 6 \
+      --rows 1x8192 2x4096 1x131072 -- "" "unit=1" "crows=2" "crows=1" > "$OUT/decode_ab_crows.log" 2>&1
+    tail -16 "$OUT/decode_ab_crows.log"
+    cli ;;
+  46)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_cvals.jsonl" --rounds 6 \
+      --rows 1x8192 2x4096 1x131072 -- "" "cvals=16384" "cvals=32768" "cvals=16384,cwarps=8" \
+      "waves=2,mintiles=2,swaves=2" > "$OUT/decode_ab_cvals.log" 2>&1
+    tail -19 "$OUT/decode_ab_cvals.log" ;;
+  47)
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_pfull.jsonl" --rounds 5 --rows 64x4096 64x16384 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "" "pfbn=64" "pfbn=64,pfstages=5" "pfbn=64,pfstages=4" \
+      "pfstages=4" > "$OUT/decode_ab_pfull.log" 2>&1
+    tail -13 "$OUT/decode_ab_pfull.log"
+    timeout 150 python3 scripts/decode_ab.py --out "$OUT/decode_ab_pra.jsonl" --rounds 6 --rows 1x8192 2x4096 \
+      --layouts "tileattn paged16" "tileattn paged256" -- "" "pra=0" > "$OUT/decode_ab_pra.log" 2>&1
+    tail -7 "$OUT/decode_ab_pra.log" ;;
+  48)
+    timeout 250 python3 scripts/decode_ab.py --out "$OUT/decode_ab_tl1.jsonl" --rounds 6 \
+      --rows 1x8192 2x4096 1x131072 8x32768 --layouts "tileattn paged16" "tileattn paged256" \
+      -- "" "tl1=1" "tl1=1,pra=0" > "$OUT/decode_ab_tl1.log" 2>&1
+    tail -10 "$OUT/decode_ab_tl1.log" ;;
+  49)
+    tests 240 tests/test_kvcache.py tests/test_cache.py
+    cli ;;
+  50)
+    LOG=errors tests 150 tests/test_errors.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final.jsonl" --rounds 5 \
+      -- "" "cvals=8192" > "$OUT/decode_ab_final.log" 2>&1
+    tail -9 "$OUT/decode_ab_final.log" ;;
+  *) echo "runs 2-50" >&2; exit 2 ;;
 esac

@@ -738,24 +738,31 @@ _LAUNCH_COMBINE = Launcher(_combine)
 
 
 # Splits the combine reads per load (one [rows, splits, head dim] tile; rounded up to a power of two, at
-# most 8192 values per load). 16 loads a [rows, splits, head dim] tile at once from more programs (fewer
-# rows each): +25 % at 1 x 8k (two programs merged 16 splits one at a time), +2-4 % at 1 x 128k, the
-# other decode rows unchanged (docs/perf.md, "decode combine"). 1 is the earlier layout (rows of 16 / 8,
-# one split at a time).
+# most COMBINE_MAX_VALUES values per load). 16 loads a [rows, splits, head dim] tile at once from more
+# programs (fewer rows each): +25 % at 1 x 8k (two programs merged 16 splits one at a time), +2-4 % at
+# 1 x 128k, the other decode rows unchanged (docs/perf.md, "decode combine"). 1 is the earlier layout
+# (rows of 16 / 8, one split at a time).
 COMBINE_SPLITS_PER_LOAD = 16
+# Rows (query head · token) a combine program merges at most (a power of two), and fp32 values per
+# [rows, splits, head dim] load at most (168 registers, no spills at 16384, head dim 128). 1 x 8k (32
+# rows, 16 splits) takes four programs of eight rows: against eight of four (8192 values), pages of 16
+# and 256 +0.9 % at 1 x 8k and +0.3-1.2 % at 1 x 128k, contiguous caches level; two programs (32768)
+# -9 %, more programs of fewer rows -4 % to -7 %, eight warps -3 % to -6 % (docs/perf.md).
+COMBINE_MAX_ROWS = 16
+COMBINE_MAX_VALUES = 16384
 
 
 def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
-    """(rows per program, splits per load) of ``_combine``, both powers of two: at most 8192 fp32
-    partial values per load."""
+    """(rows per program, splits per load) of ``_combine``, both powers of two: at most
+    COMBINE_MAX_VALUES fp32 partial values per load, at most COMBINE_MAX_ROWS rows."""
     chunk = min(
         next_power_of_2(max(1, COMBINE_SPLITS_PER_LOAD)),
         next_power_of_2(max(1, num_splits)),
-        max(1, 8192 // block_d),
+        max(1, COMBINE_MAX_VALUES // block_d),
     )
     if chunk == 1:
         return (16 if block_d <= 128 else 8), 1
-    return max(1, min(16, 8192 // (chunk * block_d))), chunk
+    return max(1, min(COMBINE_MAX_ROWS, COMBINE_MAX_VALUES // (chunk * block_d))), chunk
 
 
 _INTERPRET = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -900,6 +907,8 @@ _PLAN_INPUTS = (
     "SHORT_SMALL_PAGE_TILES",
     "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
+    "COMBINE_MAX_ROWS",
+    "COMBINE_MAX_VALUES",
     "_config_for",
     "_has_pdl",
     "_sm_count",
