@@ -94,6 +94,8 @@
 # 49: on the final code (runs of two tiles, the combine at 16384 values per load): GPU tests (decode,
 #     cache manager), the CLI's decode table.
 # 50: test_errors, memcheck of the KV-cache kernels, the five rows' A/B against the combine's old loads.
+# 51: the eager call's host time, this tree against the one in $BASE (default ab_base: `git archive
+#     d11acd4 src | tar x -C ab_base`, carried), alternating twice.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -119,7 +121,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-50}" in
+case "${1:?run number 2-51}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -345,5 +347,10 @@ case "${1:?run number 2-50}" in
     timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final.jsonl" --rounds 5 \
       -- "" "cvals=8192" > "$OUT/decode_ab_final.log" 2>&1
     tail -9 "$OUT/decode_ab_final.log" ;;
-  *) echo "runs 2-50" >&2; exit 2 ;;
+  51)
+    for t in "${BASE:-ab_base}/src" src "${BASE:-ab_base}/src" src; do
+      echo "== $t"
+      PYTHONPATH=$PWD/$t timeout 100 python3 scripts/host_overhead.py --decode 2>&1 | grep "decode 1x8k"
+    done ;;
+  *) echo "runs 2-51" >&2; exit 2 ;;
 esac
