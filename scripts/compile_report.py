@@ -164,6 +164,8 @@ def compile_decode(
             pdl_launch=bool(kw.get("launch_pdl")),  # launched as a programmatic dependent
             gdc_wait="griddepcontrol.wait" in ptx,
             gdc_signal="griddepcontrol.launch_dependents" in ptx,
+            # global loads and async copies the PTX issues before its griddepcontrol.wait (None: no wait)
+            loads_before_wait=loads_before_wait(ptx),
             table_to_l2="@p prefetch.global.L2" in ptx,
         )
         loop = dict(tile_loop=tile_loop(kernel)) if name != "_combine" else {}
@@ -172,6 +174,15 @@ def compile_decode(
         )
     _LAUNCHES.clear()
     return rows
+
+
+def loads_before_wait(ptx: str) -> int | None:
+    """Global loads (``ld.global``, ``cp.async``, TMA copies) ahead of the first ``griddepcontrol.wait``
+    in the PTX's order, or None without one: a programmatic dependent must read nothing before it."""
+    at = ptx.find("griddepcontrol.wait")
+    if at < 0:
+        return None
+    return len(re.findall(r"\b(?:ld\.global|cp\.async|cp\.reduce\.async\.bulk|ld\.volatile\.global)", ptx[:at]))
 
 
 def blocks_per_sm(regs: int, shared: int, warps: int) -> int:

@@ -18,11 +18,56 @@ import torch
 from decode_variants_settings import apply
 from tabulate import tabulate
 
-from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, _tileattn, capture_graph, decode_inputs
+import tileattn
+from tileattn.bench.decode import DECODE_BACKENDS, DECODE_CASES, _pool, _tileattn, capture_graph, decode_inputs
+
+
+def _after_kernel(make):
+    """The call with a one-element torch kernel launched before it, so that the kernel ahead of the call
+    in the stream is not a decode kernel (a chain of programmatic dependent launches is broken there)."""
+
+    def made(q, k_cache, v_cache, seqlens):
+        run, ref_k, ref_v = make(q, k_cache, v_cache, seqlens)
+        bump = torch.zeros(1, device=q.device)
+
+        def call():
+            bump.add_(1)
+            return run()
+
+        return call, ref_k, ref_v
+
+    return made
+
+
+def _append(page=None):
+    """A decode step with its append: one new token's k and v rotated and written at cache_seqlens =
+    the cache's length - 1 (the same slot every call), then attention over the cache (causal, q rotated)."""
+
+    def make(q, k_cache, v_cache, seqlens):
+        kc, vc, table, ref_k, ref_v = (k_cache, v_cache, None, k_cache, v_cache)
+        if page is not None:
+            kc, vc, table, ref_k, ref_v = _pool(q, k_cache, v_cache, page)
+        gen = torch.Generator(device=q.device).manual_seed(2)
+        k = torch.randn(q.shape[0], 1, *k_cache.shape[2:], device=q.device, dtype=q.dtype, generator=gen)
+        v = torch.randn_like(k)
+        angle = torch.rand(k_cache.shape[1], k_cache.shape[3] // 2, device=q.device, generator=gen)
+        cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
+        before = seqlens - 1
+        run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
+            q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=before, block_table=table, causal=True
+        )
+        return run, ref_k, ref_v
+
+    return make
+
 
 # layouts for diagnosis, besides the benchmark's: a pool whose pages lie in table order (no shuffle)
 LAYOUTS = {
     **DECODE_BACKENDS,
+    "tileattn after a kernel": _after_kernel(_tileattn()),
+    "tileattn paged16 after a kernel": _after_kernel(_tileattn(page=16)),
+    "tileattn append": _append(),
+    "tileattn paged16 append": _append(page=16),
     "tileattn paged16 in order": _tileattn(page=16, shuffle=False),
     # one block table for every input copy (hot in L2 from the second call on), as a model's layers share one
     "tileattn paged16 shared table": _tileattn(page=16, shared_table=True),

@@ -21,6 +21,7 @@ SETTINGS = {
     "ptstages": "PAGED_TMA_STAGES",
     "tmatiles": "DECODE_TMA_TILES",
     "pdl": "DECODE_PDL",
+    "pdlattn": "DECODE_PDL_ATTN",
     "pwarps": "PAGED_WARPS",
     "pprefetch": "PAGED_PREFETCH_WAVES",
     "offs64": "OFFS_64_ALWAYS",

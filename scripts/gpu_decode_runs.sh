@@ -96,6 +96,14 @@
 # 50: test_errors, memcheck of the KV-cache kernels, the five rows' A/B against the combine's old loads.
 # 51: the eager call's host time, this tree against the one in $BASE (default ab_base: `git archive
 #     d11acd4 src | tar x -C ab_base`, carried), alternating twice.
+# 52: every decode launch as a programmatic dependent of the kernel ahead (chain=1), back to back, after
+#     a torch kernel (the chain broken before each call) and with the append, in the five rows.
+# 53: the attention kernel alone as a programmatic dependent (chain=1 after run 52: the combine no longer
+#     lets the next call launch, the append is not a dependent), the same layouts at 1 x 8k, 1 x 128k,
+#     64 x 4k. (The setting is decode.DECODE_PDL_ATTN since, short name pdlattn, on by default.)
+# 54: with it on: GPU tests (decode, cache manager, the compiled decode ops, errors), memcheck of the
+#     KV-cache kernels, the CLI's decode table.
+# 55: the five rows' A/B of the final code against the attention kernel launched plainly (pdlattn=0).
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -121,7 +129,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-51}" in
+case "${1:?run number 2-55}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -352,5 +360,28 @@ case "${1:?run number 2-51}" in
       echo "== $t"
       PYTHONPATH=$PWD/$t timeout 100 python3 scripts/host_overhead.py --decode 2>&1 | grep "decode 1x8k"
     done ;;
-  *) echo "runs 2-51" >&2; exit 2 ;;
+  52)
+    timeout 400 python3 scripts/decode_ab.py --out "$OUT/decode_ab_chain.jsonl" --rounds 5 --layouts tileattn \
+      "tileattn paged16" "tileattn paged256" "tileattn after a kernel" "tileattn paged16 after a kernel" \
+      "tileattn append" "tileattn paged16 append" -- "" "chain=1" > "$OUT/decode_ab_chain.log" 2>&1
+    tail -23 "$OUT/decode_ab_chain.log" ;;
+  53)
+    timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_chain2.jsonl" --rounds 6 --layouts tileattn \
+      "tileattn paged16" "tileattn paged256" "tileattn after a kernel" "tileattn paged16 after a kernel" \
+      "tileattn append" "tileattn paged16 append" --rows 1x8192 1x131072 64x4096 -- "" "chain=1" \
+      > "$OUT/decode_ab_chain2.log" 2>&1
+    tail -23 "$OUT/decode_ab_chain2.log" ;;
+  54)
+    tests 240 tests/test_kvcache.py tests/test_cache.py tests/test_compile.py -k "not graph_break"
+    LOG=errors tests 100 tests/test_errors.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    cli ;;
+  55)
+    timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final2.jsonl" --rounds 5 -- "" "pdlattn=0" \
+      > "$OUT/decode_ab_final2.log" 2>&1
+    tail -10 "$OUT/decode_ab_final2.log" ;;
+  *) echo "runs 2-55" >&2; exit 2 ;;
 esac

@@ -98,7 +98,8 @@ def test_decode_builds_as_the_settings_assume():
     than the contiguous build's in the same grid: its page lookup adds int32 arithmetic for each row a
     thread loads (one lookup per tile for pages of whole tiles), where 64-bit offsets doubled the loop
     (docs/perf.md). 1 x 8k's short programs take 64-key tiles; paged builds in grids under two waves prefetch their
-    table sectors into L2."""
+    table sectors into L2. Every attention build is launched as a programmatic dependent and loads nothing
+    before its griddepcontrol.wait."""
     rows = _compiled(DECODE_CASES)
     split, combine, paged16, _, paged256, _, full, full16, full256 = rows[:9]
     short, _, short16, _, short256, _, eight, _, eight16, _ = rows[9:]
@@ -124,6 +125,12 @@ def test_decode_builds_as_the_settings_assume():
     # 1 x 16k: eight tiles per program; pages smaller than a tile keep 128-key tiles there (SHORT_SMALL_PAGE_TILES)
     assert eight["config"][1] == 64 and eight16["config"][1] == 128 and eight16["grid"] == [1, 8, 16], (eight, eight16)
     assert paged16["table_to_l2"] and not full16["table_to_l2"], (paged16, full16)  # (grids under two waves)
+    # every attention build is a programmatic dependent of the kernel ahead (decode.DECODE_PDL_ATTN), which
+    # may still be writing its inputs: no global load or async copy before its griddepcontrol.wait
+    for build in (split, paged16, paged256, full, full16, full256, short, short16, short256, eight, eight16):
+        assert build["kernel"] == "_attn_fwd_kvcache" and build["pdl_launch"] and build["gdc_wait"], build
+        assert build["loads_before_wait"] == 0, build
+    assert combine["loads_before_wait"] == 0, combine
 
 
 EDGE_CASES = """

@@ -11,7 +11,9 @@ as a programmatic dependent launch, ``DECODE_PDL``). Masks, softcap and ALiBi go
 helpers as the training kernels (``kernels.common``); each sequence's keys are ``[leftpad, seqlens_k)``
 of its cache row, counted from leftpad, with masks aligned to the bottom-right corner as everywhere
 else. K/V tiles come through pointer loads, or TMA descriptors where the settings below allow
-(long programs; pages that hold whole key tiles). Launches go through ``kernels.launch.Launcher``.
+(long programs; pages that hold whole key tiles). On sm90+ the split kernel is itself a programmatic
+dependent of the kernel ahead of it in the stream (``DECODE_PDL_ATTN``: it waits for it before reading
+anything). Launches go through ``kernels.launch.Launcher``.
 """
 
 from __future__ import annotations
@@ -451,6 +453,7 @@ def _attn_fwd_kvcache(
     ROT_PER_TOKEN: tl.constexpr,
     TABLE_TO_L2: tl.constexpr,
     UNIT: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -467,7 +470,11 @@ def _attn_fwd_kvcache(
     ROTARY_Q: q is rotated as it is loaded, at position ``SeqlensK[b]`` (plus its token index with
     ROT_PER_TOKEN) of the ``(rot_len, rot_half)`` tables ``Cos`` / ``Sin`` (row stride ``stride_rot``),
     as ``_rotate_rows`` rotates the new keys (in fp32, rounded once to q's dtype; here the compiler may
-    fuse a multiply and an add, which it does not there); positions are clamped to the tables."""
+    fuse a multiply and an add, which it does not there); positions are clamped to the tables.
+
+    WAIT_PRIOR: launched as a programmatic dependent of the kernel ahead (``DECODE_PDL_ATTN``), which may
+    still be writing any of the inputs: before ``griddepcontrol.wait`` only prefetches of the table's
+    sectors go out (without leftpad, whose start is a load), no load."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -476,6 +483,14 @@ def _attn_fwd_kvcache(
     num_splits = tl.num_programs(2)
     b = bh // nheads_k
     hk = bh % nheads_k
+    b64 = b.to(tl.int64)
+    Table_row = Table + b64 * stride_tb
+    table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
+    EARLY_TABLE_TO_L2: tl.constexpr = WAIT_PRIOR and TABLE_TO_L2 and not HAS_LEFTPAD
+    if WAIT_PRIOR:  # launched as a programmatic dependent: nothing is read before the kernel ahead ends
+        if EARLY_TABLE_TO_L2:  # (a prefetch reads nothing: the table may still be written ahead of us)
+            _table_to_l2(Table_row, table_pages, 0, split, num_splits, BLOCK_N, PAGE_SIZE, INTERLEAVE, UNIT)
+        tl.extra.cuda.gdc_wait()
     if IS_VARLEN:
         q_start = tl.load(CuSeqlensQ + b)
         seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
@@ -492,7 +507,6 @@ def _attn_fwd_kvcache(
     if HAS_LEFTPAD:
         k_start = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), k_end)
     seqlen_k = k_end - k_start
-    b64 = b.to(tl.int64)
     if SAME_KV_STRIDES:  # (one set of row offsets serves both caches)
         stride_vb = stride_kb
         stride_vn = stride_kn
@@ -518,9 +532,7 @@ def _attn_fwd_kvcache(
     elif USE_TMA:  # the keys of this sequence and kv head: rows [k_start, k_end) of its cache row
         k_desc = common.rows_desc(K_base + k_start * stride_kn, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
         v_desc = common.rows_desc(V_base + k_start * stride_vn, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, True)
-    Table_row = Table + b64 * stride_tb
-    table_pages = capacity // PAGE_SIZE  # (paged: the block table's width)
-    if TABLE_TO_L2:  # the table entries this program will read, fetched into L2 ahead of their loads
+    if TABLE_TO_L2 and not EARLY_TABLE_TO_L2:  # the table entries this program will read, into L2 first
         _table_to_l2(Table_row, table_pages, k_start, split, num_splits, BLOCK_N, PAGE_SIZE, INTERLEAVE, UNIT)
 
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -812,6 +824,14 @@ DECODE_TMA_TILES = 16
 # Programmatic dependent launch of the split combine (sm90+): its programs start while the split kernel
 # runs and wait (griddepcontrol.wait) until its partials are written, instead of launching after it.
 DECODE_PDL = True
+# The attention kernel as a programmatic dependent launch of the kernel before it in the stream (sm90+):
+# it starts as that kernel ends, without the launch gap between them, prefetches its block-table sectors
+# into L2 (prefetches read nothing) and waits (griddepcontrol.wait) before it reads anything, since that
+# kernel may be writing q, the caches or the table. 1 x 8k +0.6-2.6 % in every layout, whether the kernel
+# ahead is the last call's combine, a torch kernel or the append; 1 x 128k and 64 x 4k level (docs/perf.md).
+# (The combine and the append as dependents too, each letting the next kernel launch early: +5-8 % for
+# calls back to back, but -15-17 % with the append, so neither is.)
+DECODE_PDL_ATTN = True
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
 # with (stages - 1) // 2 iterations of distance for each, so at three stages K/V get one buffer and the
 # table lookup waits in every iteration. Long programs in a small grid take PAGED_LONG_STAGES (five: two
@@ -897,6 +917,7 @@ _PLAN_INPUTS = (
     "PAGED_TMA_STAGES",
     "DECODE_TMA_TILES",
     "DECODE_PDL",
+    "DECODE_PDL_ATTN",
     "PAGED_LONG_STAGES",
     "PAGED_LONG_TILES",
     "PAGED_WARPS",
@@ -1069,6 +1090,7 @@ def _plan(
     rot_cos, _, rot_interleaved, rot_per_token = c.q_rotary or (None, None, False, False)
     split = num_splits > 1
     pdl = split and DECODE_PDL and _has_pdl(q4.device)
+    pdl_attn = DECODE_PDL_ATTN and _has_pdl(q4.device)
     if split:
         o_strides = (o4.numel(), *p.strides(o4))
         l_strides = (lse.numel(), *p.lse_strides(lse))
@@ -1160,10 +1182,12 @@ def _plan(
             "ROT_INTERLEAVED": bool(rot_interleaved),
             "ROT_PER_TOKEN": bool(rot_per_token),
             "UNIT": DECODE_INTERLEAVE_UNIT,
+            "WAIT_PRIOR": pdl_attn,
             "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret and not torch.version.hip,
         },
         num_warps=PAGED_WARPS if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
+        **({"launch_pdl": True} if pdl_attn else {}),
     )
     if not split:
         return attn, None
