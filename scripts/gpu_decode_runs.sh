@@ -123,6 +123,12 @@ ab() {  # interleaved A/B: log name, then decode_ab.py's arguments
 host() {
   timeout 60 python3 scripts/host_overhead.py --decode 2>&1 | grep -v -i warn | tee "$OUT/host_decode.log"
 }
+memcheck() {  # compute-sanitizer memcheck of the KV-cache kernels (scripts/sanitize.py --kvcache)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$1" compute-sanitizer --tool memcheck --print-limit 20 \
+    python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
+  echo "memcheck exit $?"
+  grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+}
 cli() {
   timeout 150 python3 -m tileattn.bench --decode --out "$OUT/bench_decode.jsonl" > "$OUT/bench_decode.log" 2>&1
   grep -E "^\| [0-9]" "$OUT/bench_decode.log" | grep -E "tileattn( paged16| paged256)?( do_bench)? |cudnn|copy" \
@@ -288,10 +294,7 @@ case "${1:?run number 2-55}" in
     tail -22 "$OUT/decode_ab_short4.log" ;;
   37)
     LOG=errors tests 150 tests/test_errors.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
-      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
-    echo "memcheck exit $?"
-    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    memcheck 150
     cli ;;
   38)
     bash scripts/ncu_decode.sh 1 8192 "tileattn paged16" "tileattn paged256" | grep -E "ncu exit|Duration|DRAM Thr"
@@ -348,10 +351,7 @@ case "${1:?run number 2-55}" in
     cli ;;
   50)
     LOG=errors tests 150 tests/test_errors.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
-      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
-    echo "memcheck exit $?"
-    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    memcheck 150
     timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final.jsonl" --rounds 5 \
       -- "" "cvals=8192" > "$OUT/decode_ab_final.log" 2>&1
     tail -9 "$OUT/decode_ab_final.log" ;;
@@ -374,10 +374,7 @@ case "${1:?run number 2-55}" in
   54)
     tests 240 tests/test_kvcache.py tests/test_cache.py tests/test_compile.py -k "not graph_break"
     LOG=errors tests 100 tests/test_errors.py
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 20 \
-      python3 scripts/sanitize.py --kvcache > "$OUT/sanitizer_memcheck.log" 2>&1
-    echo "memcheck exit $?"
-    grep -E "ERROR SUMMARY|workload done" "$OUT/sanitizer_memcheck.log"
+    memcheck 120
     cli ;;
   55)
     timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final2.jsonl" --rounds 5 -- "" "pdlattn=0" \
