@@ -100,7 +100,8 @@
 #     a torch kernel (the chain broken before each call) and with the append, in the five rows.
 # 53: the attention kernel alone as a programmatic dependent (chain=1 after run 52: the combine no longer
 #     lets the next call launch, the append is not a dependent), the same layouts at 1 x 8k, 1 x 128k,
-#     64 x 4k. (The setting is decode.DECODE_PDL_ATTN since, short name pdlattn, on by default.)
+#     64 x 4k. (The setting is decode.DECODE_PDL_ATTN since, short name pdlattn, on by default; run 52's
+#     chained combine and append are removed.)
 # 54: with it on: GPU tests (decode, cache manager, the compiled decode ops, errors), memcheck of the
 #     KV-cache kernels, the CLI's decode table.
 # 55: the five rows' A/B of the final code against the attention kernel launched plainly (pdlattn=0).
@@ -368,7 +369,7 @@ case "${1:?run number 2-55}" in
   53)
     timeout 300 python3 scripts/decode_ab.py --out "$OUT/decode_ab_chain2.jsonl" --rounds 6 --layouts tileattn \
       "tileattn paged16" "tileattn paged256" "tileattn after a kernel" "tileattn paged16 after a kernel" \
-      "tileattn append" "tileattn paged16 append" --rows 1x8192 1x131072 64x4096 -- "" "chain=1" \
+      "tileattn append" "tileattn paged16 append" --rows 1x8192 1x131072 64x4096 -- "" "pdlattn=1" \
       > "$OUT/decode_ab_chain2.log" 2>&1
     tail -23 "$OUT/decode_ab_chain2.log" ;;
   54)
