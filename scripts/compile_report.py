@@ -177,12 +177,16 @@ def compile_decode(
 
 
 def loads_before_wait(ptx: str) -> int | None:
-    """Global loads (``ld.global``, ``cp.async``, TMA copies) ahead of the first ``griddepcontrol.wait``
-    in the PTX's order, or None without one: a programmatic dependent must read nothing before it."""
+    """Instructions that may read global memory (loads of any ordering, ``ldu``, atomics and reductions,
+    async and TMA copies; not loads of parameters, shared, local or constant memory) ahead of the first
+    ``griddepcontrol.wait`` in the PTX's order, or None without one: a programmatic dependent must read
+    nothing before it (the wait sits in the entry block, before any branch)."""
     at = ptx.find("griddepcontrol.wait")
     if at < 0:
         return None
-    return len(re.findall(r"\b(?:ld\.global|cp\.async|cp\.reduce\.async\.bulk|ld\.volatile\.global)", ptx[:at]))
+    ops = re.findall(r"^\s*(?:@!?%\w+\s+)?((?:ldu?|atom|red|cp\.async|cp\.reduce)\b(?:\.[\w:]+)*)", ptx[:at], re.M)
+    # (an async copy reads global memory whatever its destination; the others name the space they read)
+    return sum(op.startswith("cp.") or not re.search(r"\.(?:param|shared|local|const)\b", op) for op in ops)
 
 
 def blocks_per_sm(regs: int, shared: int, warps: int) -> int:

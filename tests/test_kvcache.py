@@ -825,14 +825,15 @@ def test_paged_prefill_values_checked_once(monkeypatch):
         tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)
 
 
-@pytest.mark.parametrize("max_values", [8192, 16384])
-def test_combine_tiles_stay_small(monkeypatch, max_values):
+@pytest.mark.parametrize("max_values, max_rows", [(8192, 16), (16384, 16), (16384, 4)])
+def test_combine_tiles_stay_small(monkeypatch, max_values, max_rows):
     """_combine's [rows, splits, head dim] loads hold at most decode.COMBINE_MAX_VALUES values, in powers
     of two, for any setting of decode.COMBINE_SPLITS_PER_LOAD and split count (up to the 128 splits
     allowed), and at most decode.COMBINE_MAX_ROWS rows."""
     from tileattn.kernels import decode
 
     monkeypatch.setattr(decode, "COMBINE_MAX_VALUES", max_values)
+    monkeypatch.setattr(decode, "COMBINE_MAX_ROWS", max_rows)
     for per_load in (1, 3, 16, 128, 1000):
         monkeypatch.setattr(decode, "COMBINE_SPLITS_PER_LOAD", per_load)
         for splits in (2, 5, 16, 128):
@@ -842,7 +843,8 @@ def test_combine_tiles_stay_small(monkeypatch, max_values):
                 assert chunk == 1 or rows * chunk * block_d <= max_values, (per_load, splits, block_d, rows, chunk)
                 assert chunk <= max(per_load, 1) * 2 and chunk <= 2 * splits
                 assert rows <= decode.COMBINE_MAX_ROWS
-    assert decode._combine_tiles(16, 128) == ((8, 16) if max_values == 16384 else (4, 16))  # (1 x 8k's)
+    if max_rows == 16:
+        assert decode._combine_tiles(16, 128) == ((8, 16) if max_values == 16384 else (4, 16))  # (1 x 8k's)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and streams run on the GPU")

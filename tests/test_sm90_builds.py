@@ -149,7 +149,8 @@ for leftpad in (None, torch.zeros(1, dtype=torch.int32)):
                            block_table=torch.zeros(1, 2**23, dtype=torch.int32), max_seqlen_k=4096)
     p = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=2**31, headdim=128, softmax_scale=0.1)
     decode.attn_fwd_kvcache(torch.empty(1, 1, 4, 128, dtype=torch.bfloat16), pool, pool, p, c)
-    rows += [dict(kernel=n, offs_64=kw["OFFS_64"]) for n, _, kw in compile_report._LAUNCHES if "OFFS_64" in kw]
+    rows += [dict(kernel=n, offs_64=kw["OFFS_64"], loads_before_wait=compile_report.loads_before_wait(k.asm["ptx"]))
+             for n, k, kw in compile_report._LAUNCHES if "OFFS_64" in kw]
     compile_report._LAUNCHES.clear()
 """
 
@@ -159,11 +160,13 @@ def test_decode_compiles_at_the_edges():
     decode kernel must compile for a pool of one page (of 256 or of 16 keys: the clamp of table
     entries, decode._pool_page), for unit strides in its 64-bit offsets (head dim 1, one kv head:
     decode._wide_product), and for a block table of 2**31 keys with 64-bit offsets (with and without
-    cache_leftpad)."""
+    cache_leftpad), loading nothing before its griddepcontrol.wait in either."""
     rows = _compiled(EDGE_CASES)
     kernels = [r["kernel"] for r in rows]
     assert kernels.count("_attn_fwd_kvcache") >= 6 and set(kernels) <= {"_attn_fwd_kvcache", "_combine"}, rows
     assert [r["offs_64"] for r in rows if "offs_64" in r] == [True, True], rows
+    # (as programmatic dependents, the builds with and without leftpad load nothing before the wait)
+    assert [r["loads_before_wait"] for r in rows if "offs_64" in r] == [0, 0], rows
 
 
 ROTARY_Q_CASES = """
@@ -184,6 +187,7 @@ def test_decode_builds_that_rotate_q():
     interleaved build with four query tokens all 255 registers, spill-free; docs/perf.md.)"""
     rows = _compiled(ROTARY_Q_CASES)
     assert len(rows) == 12, rows
+    assert all(row["loads_before_wait"] == 0 for row in rows), rows  # (q and its tables read after the wait)
     for plain, *rotating in (rows[i : i + 3] for i in range(0, 12, 3)):
         for row in rotating:
             assert row["stack"] == 0 and row["tile_loop"] <= 1.02 * plain["tile_loop"], (plain, row)

@@ -773,7 +773,7 @@ def _combine_tiles(num_splits: int, block_d: int) -> tuple[int, int]:
         max(1, COMBINE_MAX_VALUES // block_d),
     )
     if chunk == 1:
-        return (16 if block_d <= 128 else 8), 1
+        return min(COMBINE_MAX_ROWS, 16 if block_d <= 128 else 8), 1
     return max(1, min(COMBINE_MAX_ROWS, COMBINE_MAX_VALUES // (chunk * block_d))), chunk
 
 
