@@ -105,6 +105,8 @@
 # 54: with it on: GPU tests (decode, cache manager, the compiled decode ops, errors), memcheck of the
 #     KV-cache kernels, the CLI's decode table.
 # 55: the five rows' A/B of the final code against the attention kernel launched plainly (pdlattn=0).
+# 56: (owed) the test of inputs rewritten by the kernels right before each call in a CUDA graph, the decode
+#     tests again, memcheck.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -136,7 +138,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-55}" in
+case "${1:?run number 2-56}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -381,5 +383,9 @@ case "${1:?run number 2-55}" in
     timeout 200 python3 scripts/decode_ab.py --out "$OUT/decode_ab_final2.jsonl" --rounds 5 -- "" "pdlattn=0" \
       > "$OUT/decode_ab_final2.log" 2>&1
     tail -10 "$OUT/decode_ab_final2.log" ;;
-  *) echo "runs 2-55" >&2; exit 2 ;;
+  56)
+    tests 60 tests/test_kvcache.py -k inputs_written
+    tests 240 tests/test_kvcache.py tests/test_cache.py
+    memcheck 120 ;;
+  *) echo "runs 2-56" >&2; exit 2 ;;
 esac

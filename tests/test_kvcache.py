@@ -847,6 +847,58 @@ def test_combine_tiles_stay_small(monkeypatch, max_values, max_rows):
         assert decode._combine_tiles(16, 128) == ((8, 16) if max_values == 16384 else (4, 16))  # (1 x 8k's)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launches run on the GPU")
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_attention_reads_inputs_written_just_before(leftpad):
+    """In a CUDA graph (no host checks, no syncs) each call comes right after torch kernels that rewrite
+    its q, cache_seqlens, cache_leftpad and block table in place. The attention kernel, a programmatic
+    dependent launch of the last of them on sm90+ (decode.DECODE_PDL_ATTN: it may start before they end),
+    must read the new values: every output equals an eager one-split call on the same inputs. Pages of
+    16 at 1 x 8k: the short, interleaved build whose table prefetch goes out before the wait."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    batch, pages_per_seq, page, steps = 2, 512, 16, 8
+    pages = batch * pages_per_seq
+    kc = torch.randn(pages, page, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    qs = torch.randn(steps, batch, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
+    tables = torch.stack([torch.randperm(pages, device=dev, generator=gen).int().view(batch, -1) for _ in range(steps)])
+    lens = torch.randint(1, pages_per_seq * page + 1, (steps, batch), device=dev, dtype=torch.int32, generator=gen)
+    pads = (torch.rand(steps, batch, device=dev, generator=gen) * lens * 0.5).int()
+    q, table, seqlens, pad = qs[0].clone(), tables[0].clone(), lens[0].clone(), pads[0].clone()
+
+    def step(i):
+        q.copy_(qs[i])
+        seqlens.copy_(lens[i])
+        pad.copy_(pads[i])
+        table.copy_(tables[i])  # (the kernel right before the attention kernel)
+        return tileattn.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table, cache_leftpad=pad if leftpad else None
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [step(i) for i in range(steps)]
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        want = tileattn.flash_attn_with_kvcache(
+            qs[i],
+            kc,
+            vc,
+            cache_seqlens=lens[i],
+            block_table=tables[i],
+            cache_leftpad=pads[i] if leftpad else None,
+            num_splits=1,
+        )
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=0, msg=f"step {i}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and streams run on the GPU")
 def test_split_decoding_under_graphs_streams_and_pages():
     """Split decoding at sizes that split on the GPU: split counts that change from call to call, a
