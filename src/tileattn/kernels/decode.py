@@ -459,7 +459,8 @@ def _attn_fwd_kvcache(
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
     of consecutive key tiles, or with INTERLEAVE over the tiles ``split``, ``split + num_splits``, ...
     (so that without leftpad or a left window its first tile does not depend on the sequence's length,
-    and the table read ahead of the loop goes out with the length's read).
+    and the table read ahead of the loop goes out with the length's read); UNIT > 1 (INTERLEAVE builds
+    only) deals runs of UNIT consecutive tiles in turn instead of single tiles.
 
     ``stride_kb``/``stride_vb`` are the page strides when PAGED, the cache-row strides otherwise. A
     sequence's keys end at ``SeqlensK[b] + new_tokens`` (the tokens just appended; not specialised on, so
@@ -604,7 +605,7 @@ def _attn_fwd_kvcache(
         unit_lo = a
         unit_r0 = 0
         unit_gap = 0
-        if INTERLEAVE and UNIT > 1:  # runs of UNIT tiles in turn: loop over this split's count of tiles
+        if UNIT > 1:  # runs of UNIT tiles in turn: loop over this split's count of tiles
             ta = tl.cdiv(a, BLOCK_N)  # (a segment's start is a tile's unless it is empty, clamped to hi)
             t0 = ta // (UNIT * num_splits) * (UNIT * num_splits) + split * UNIT  # its run in ta's cycle
             t0 = tl.where(ta >= t0 + UNIT, t0 + UNIT * num_splits, tl.maximum(t0, ta))
@@ -664,7 +665,7 @@ def _attn_fwd_kvcache(
             MASK_LEFT,
             MASK_RIGHT,
             DEFER_SCALE,
-            UNIT if INTERLEAVE else 1,
+            UNIT,
         )
 
     seen = l_i > 0.0
@@ -827,8 +828,8 @@ DECODE_PDL = True
 # The attention kernel as a programmatic dependent launch of the kernel before it in the stream (sm90+):
 # it starts as that kernel ends, without the launch gap between them, prefetches its block-table sectors
 # into L2 (prefetches read nothing) and waits (griddepcontrol.wait) before it reads anything, since that
-# kernel may be writing q, the caches or the table. 1 x 8k +0.6-2.6 % in every layout, whether the kernel
-# ahead is the last call's combine, a torch kernel or the append; 1 x 128k and 64 x 4k level (docs/perf.md).
+# kernel may be writing q, the caches or the table. 1 x 8k +0.6-2.8 % in every layout, whether the kernel
+# ahead is the last call's combine, a torch kernel or the append; the other rows level (docs/perf.md).
 # (The combine and the append as dependents too, each letting the next kernel launch early: +5-8 % for
 # calls back to back, but -15-17 % with the append, so neither is.)
 DECODE_PDL_ATTN = True
@@ -1126,6 +1127,7 @@ def _plan(
         use_tma = DECODE_TMA and tiles >= DECODE_TMA_TILES and common.use_tma(cfg, k_cache, v_cache)
         full_short = FULL_GRID_STAGES > 0 and p.block_d == 128 and not small_grid and tiles <= FULL_GRID_TILES
         stages = FULL_GRID_STAGES if full_short else cfg.num_stages
+    interleave = split and DECODE_INTERLEAVE and paged and page_size < cfg.block_n
     m_blocks = base.programs // (p.batch * nheads_k)
     attn = _Launch(
         _LAUNCH_KVCACHE,
@@ -1175,13 +1177,13 @@ def _plan(
             "HAS_ALIBI": p.alibi_slopes is not None,
             "IS_VARLEN": p.is_varlen,
             "SPLIT": split,
-            "INTERLEAVE": split and DECODE_INTERLEAVE and paged and page_size < cfg.block_n,
+            "INTERLEAVE": interleave,
             "LAUNCH_DEPENDENTS": pdl,
             "DEFER_SCALE": p.defer_scale,
             "ROTARY_Q": rot_cos is not None,
             "ROT_INTERLEAVED": bool(rot_interleaved),
             "ROT_PER_TOKEN": bool(rot_per_token),
-            "UNIT": DECODE_INTERLEAVE_UNIT,
+            "UNIT": DECODE_INTERLEAVE_UNIT if interleave else 1,
             "WAIT_PRIOR": pdl_attn,
             "TABLE_TO_L2": paged and prefetch_grid and PAGED_TABLE_L2 and not interpret and not torch.version.hip,
         },
