@@ -760,7 +760,7 @@ COMBINE_SPLITS_PER_LOAD = 16
 # [rows, splits, head dim] load at most (168 registers, no spills at 16384, head dim 128). 1 x 8k (32
 # rows, 16 splits) takes four programs of eight rows: against eight of four (8192 values), pages of 16
 # and 256 +0.9 % at 1 x 8k and +0.3-1.2 % at 1 x 128k, contiguous caches level; two programs (32768)
-# -9 %, more programs of fewer rows -4 % to -7 %, eight warps -3 % to -6 % (docs/perf.md).
+# -9 %, more programs of fewer rows -3 % to -8 %, eight warps -4 % to -6 % (docs/perf.md).
 COMBINE_MAX_ROWS = 16
 COMBINE_MAX_VALUES = 16384
 
@@ -830,7 +830,7 @@ DECODE_PDL = True
 # into L2 (prefetches read nothing) and waits (griddepcontrol.wait) before it reads anything, since that
 # kernel may be writing q, the caches or the table. 1 x 8k +0.6-2.8 % in every layout, whether the kernel
 # ahead is the last call's combine, a torch kernel or the append; the other rows level (docs/perf.md).
-# (The combine and the append as dependents too, each letting the next kernel launch early: +5-8 % for
+# (The combine and the append as dependents too, each letting the next kernel launch early: +2-8 % for
 # calls back to back, but -15-17 % with the append, so neither is.)
 DECODE_PDL_ATTN = True
 # Paged caches: Triton pipelines a load that feeds another load's address (the block table, then K/V)
