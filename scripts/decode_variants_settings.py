@@ -30,15 +30,20 @@ SETTINGS = {
     "tl2": "PAGED_TABLE_L2",
     "sbn": "SHORT_BLOCK_N",
 }
+SM_COUNT = "sms"  # the SM count the split heuristic plans for (decode._sm_count), e.g. sms=120
 
 
 @contextlib.contextmanager
 def apply(variant: str):
     saved = {attr: getattr(decode, attr) for attr in SETTINGS.values() if hasattr(decode, attr)}  # (older trees)
+    saved["_sm_count"] = decode._sm_count
     try:
         for change in filter(None, variant.split(",")):
             name, _, value = change.partition("=")
-            setattr(decode, SETTINGS[name], int(value))
+            if name == SM_COUNT:
+                decode._sm_count = lambda device, sms=int(value): sms
+            else:
+                setattr(decode, SETTINGS[name], int(value))
         yield
     finally:
         for attr, value in saved.items():

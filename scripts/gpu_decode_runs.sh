@@ -138,7 +138,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-56}" in
+case "${1:?run number 2-57}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -387,5 +387,9 @@ case "${1:?run number 2-56}" in
     tests 60 tests/test_kvcache.py -k inputs_written
     tests 240 tests/test_kvcache.py tests/test_cache.py
     memcheck 120 ;;
-  *) echo "runs 2-56" >&2; exit 2 ;;
+  57)  # does a one-wave grid's speed follow its program count? (16 splits: 128 programs at 1 x 128k)
+    tests 60 tests/test_kvcache.py -k inputs_written
+    ab sms --rounds 5 --layouts tileattn "tileattn paged16" --rows 1x8192 1x131072 -- "" "sms=120" "sms=112" \
+      "sms=136" ;;
+  *) echo "runs 2-57" >&2; exit 2 ;;
 esac
