@@ -29,6 +29,7 @@ SETTINGS = {
     "ftiles": "FULL_GRID_TILES",
     "tl2": "PAGED_TABLE_L2",
     "sbn": "SHORT_BLOCK_N",
+    "fbn": "FULL_GRID_BLOCK_N",
 }
 SM_COUNT = "sms"  # the SM count the split heuristic plans for (decode._sm_count), e.g. sms=120
 

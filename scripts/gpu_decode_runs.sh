@@ -138,7 +138,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-57}" in
+case "${1:?run number 2-58}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -391,5 +391,8 @@ case "${1:?run number 2-57}" in
     tests 60 tests/test_kvcache.py -k inputs_written
     ab sms --rounds 5 --layouts tileattn "tileattn paged16" --rows 1x8192 1x131072 -- "" "sms=120" "sms=112" \
       "sms=136" ;;
-  *) echo "runs 2-57" >&2; exit 2 ;;
+  58)  # 64-key tiles at full grids: three blocks per SM, two tiles in flight each (paged: the table read ahead)
+    ab fullbn --rounds 5 --rows 64x4096 64x16384 -- "" "fbn=64,pprefetch=100,fstages=3" \
+      "fbn=64,pprefetch=100,fstages=4,stages=4" ;;
+  *) echo "runs 2-58" >&2; exit 2 ;;
 esac
