@@ -29,6 +29,8 @@ SETTINGS = {
     "ftiles": "FULL_GRID_TILES",
     "tl2": "PAGED_TABLE_L2",
     "sbn": "SHORT_BLOCK_N",
+    "stiles": "SHORT_TILES",
+    "spt": "SHORT_SMALL_PAGE_TILES",
     "fbn": "FULL_GRID_BLOCK_N",
 }
 SM_COUNT = "sms"  # the SM count the split heuristic plans for (decode._sm_count), e.g. sms=120

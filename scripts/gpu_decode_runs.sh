@@ -391,8 +391,12 @@ case "${1:?run number 2-58}" in
     tests 60 tests/test_kvcache.py -k inputs_written
     ab sms --rounds 5 --layouts tileattn "tileattn paged16" --rows 1x8192 1x131072 -- "" "sms=120" "sms=112" \
       "sms=136" ;;
-  58)  # 64-key tiles at full grids: three blocks per SM, two tiles in flight each (paged: the table read ahead)
+  58)  # 64-key tiles in more blocks per SM: 192 KiB in flight per SM where the builds now keep 128 KiB
+    # full grids: three blocks per SM, two tiles in flight each (paged: the table read ahead), or two of three
     ab fullbn --rounds 5 --rows 64x4096 64x16384 -- "" "fbn=64,pprefetch=100,fstages=3" \
-      "fbn=64,pprefetch=100,fstages=4,stages=4" ;;
+      "fbn=64,pprefetch=100,fstages=4,stages=4"
+    # one-wave grids: splits for three (two) resident blocks per SM of 64-key tiles, the table read ahead
+    ab smallbn --rounds 5 --rows 1x131072 8x32768 -- "" "sms=396,plong=0,spt=1000,stiles=1000" \
+      "sms=264,plong=0,spt=1000,stiles=1000" "sms=264,plong=0,spt=1000,stiles=1000,stages=4" ;;
   *) echo "runs 2-58" >&2; exit 2 ;;
 esac

@@ -859,6 +859,9 @@ PAGED_TABLE_L2 = True
 SHORT_BLOCK_N = 64
 SHORT_TILES = 8
 SHORT_SMALL_PAGE_TILES = 4
+# Key tiles of grids of two waves or more (0: the config's; never more than it). 64-key tiles there
+# compile to 152-158 registers and 72 KiB at three stages: three blocks per SM, two tiles in flight each
+# (192 KiB per SM against the 128 KiB of two 128-key blocks); not yet timed (gpu_decode_runs.sh 58).
 FULL_GRID_BLOCK_N = 0
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
