@@ -138,7 +138,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-58}" in
+case "${1:?run number 2-59}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -398,5 +398,9 @@ case "${1:?run number 2-58}" in
     # one-wave grids: splits for three (two) resident blocks per SM of 64-key tiles, the table read ahead
     ab smallbn --rounds 5 --rows 1x131072 8x32768 -- "" "sms=396,plong=0,spt=1000,stiles=1000" \
       "sms=264,plong=0,spt=1000,stiles=1000" "sms=264,plong=0,spt=1000,stiles=1000,stages=4" ;;
-  *) echo "runs 2-58" >&2; exit 2 ;;
+  59)  # a probe of the grid's shape: a plain K/V stream, its programs' end times (scripts/decode_tail.py)
+    timeout 240 python3 scripts/decode_tail.py --rows 1x131072 8x32768 --splits 0 48 --block-n 128 64 \
+      --out "$OUT/tail.jsonl" > "$OUT/tail.log" 2>&1
+    tail -14 "$OUT/tail.log" ;;
+  *) echo "runs 2-59" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 the feature harness on the CPU path."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -172,3 +173,40 @@ def test_decode_fa4_rows_need_flash_attn_cute():
     for name in ("fa4", "fa4 paged16"):
         with pytest.raises(Unavailable, match="not installed"):
             DECODE_BACKENDS[name](q, k, k, torch.full((1,), 32, dtype=torch.int32))
+
+
+def _script(name):
+    import importlib.util
+    import pathlib
+    import sys
+
+    scripts = pathlib.Path(__file__).parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))  # (the scripts import their neighbours)
+    try:
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+    return module
+
+
+def test_decode_variant_settings_restore_the_sm_count():
+    """decode_variants_settings.apply: ``sms=N`` plans the splits for N SMs inside the block only, and
+    the module's settings come back after it, also when the block raises."""
+    from tileattn.kernels import decode
+
+    settings = _script("decode_variants_settings")
+    before, stages = decode._sm_count, decode.DECODE_STAGES
+    with pytest.raises(RuntimeError), settings.apply("sms=120,stages=4"):
+        assert decode._sm_count(torch.device("cuda")) == 120 and decode.DECODE_STAGES == 4
+        assert decode.choose_splits(8, 131072, 128, decode._sm_count(None)) == 15
+        raise RuntimeError
+    assert decode._sm_count is before and decode.DECODE_STAGES == stages
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the probe's check runs in the interpreter")
+def test_decode_tail_probe_matches_torch():
+    """scripts/decode_tail.py's probe kernel (a K/V stream shaped like the split kernel) computes what its
+    torch reference does, for 1-3 splits of five tiles."""
+    _script("decode_tail")._check()

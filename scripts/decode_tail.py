@@ -1,0 +1,246 @@
+"""How close a decode grid's shape lets a kernel come to DRAM's rate, and where its programs finish.
+
+A probe kernel streams a contiguous cache the way the split kernel does (grid (1, batch * kv heads,
+splits), 128-key tiles through Triton's pipeliner, q·Kᵀ and P·V on the tensor cores, no softmax, no
+masks) and stamps each program's start and end with ``%globaltimer``, and its SM. For each row and
+split count it prints the probe's GB/s of K+V in a CUDA graph next to tileattn's and cuDNN's over the
+same caches, and the programs' spread: when the first and the last program end, as a share of the
+kernel's time (a grid whose programs end together has nothing to gain from balancing them).
+
+    python scripts/decode_tail.py [--rows 1x131072 8x32768] [--splits 0 15] [--block-n 128 64] [--out FILE]
+
+``--splits 0`` is the split count tileattn picks for the row. Under ``TRITON_INTERPRET=1`` (no GPU:
+``--check``) it runs a tiny row without stamps and checks the probe's output against torch.
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from tabulate import tabulate
+
+from tileattn.bench.decode import DECODE_BACKENDS, capture_graph, decode_inputs
+from tileattn.kernels import decode
+
+
+@triton.jit
+def _timer(x):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sm(x):
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stream(
+    Q,
+    K,
+    V,
+    Out,
+    Stamps,
+    tiles,
+    stride_qb,
+    stride_kb,
+    stride_kn,
+    nheads_k,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STAGES: tl.constexpr,
+    STAMPS: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    if STAMPS:
+        start = _timer(bh)
+    b = bh // nheads_k
+    h = bh % nheads_k
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b * stride_qb + (h * GROUP + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < GROUP, other=0.0)
+    kv = b.to(tl.int64) * stride_kb + h * HEAD_DIM
+    per_split = tl.cdiv(tiles, num_splits)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, tiles)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for t in tl.range(lo, hi, num_stages=STAGES):
+        rows = (t * BLOCK_N + offs_n).to(tl.int64)
+        k = tl.load(K + kv + rows[:, None] * stride_kn + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k))
+        v = tl.load(V + kv + rows[:, None] * stride_kn + offs_d[None, :])
+        acc = tl.dot(s.to(v.dtype), v, acc)
+    o_ptrs = Out + ((bh * num_splits + split) * BLOCK_M + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, acc)
+    if STAMPS:
+        end = _timer(bh)
+        slot = Stamps + (bh * num_splits + split) * 3
+        tl.store(slot, start)
+        tl.store(slot + 1, end)
+        tl.store(slot + 2, _sm(bh).to(tl.int64))
+
+
+class Probe:
+    """One row's probe launch, its outputs and stamps (stamps on the GPU only)."""
+
+    def __init__(self, q, k_cache, v_cache, num_splits, block_n=128, stages=3, stamps=True):
+        batch, cache_len, nheads_k, d = k_cache.shape
+        self.group = q.shape[2] // nheads_k
+        self.args = (q, k_cache, v_cache)
+        self.grid = (1, batch * nheads_k, num_splits)
+        self.out = torch.empty(batch * nheads_k * num_splits, 16, d, device=q.device, dtype=torch.float32)
+        self.stamps = torch.zeros(batch * nheads_k * num_splits, 3, device=q.device, dtype=torch.int64)
+        self.meta = dict(
+            tiles=cache_len // block_n,
+            stride_qb=q.stride(0),
+            stride_kb=k_cache.stride(0),
+            stride_kn=k_cache.stride(1),
+            nheads_k=nheads_k,
+            GROUP=self.group,
+            BLOCK_M=16,
+            BLOCK_N=block_n,
+            HEAD_DIM=d,
+            STAGES=stages,
+            STAMPS=stamps,
+            num_warps=4,
+            num_stages=stages,
+        )
+
+    def __call__(self):
+        q, k, v = self.args
+        _stream[self.grid](q, k, v, self.out, self.stamps, **self.meta)
+        return self.out
+
+    def reference(self):
+        """The probe's outputs by torch (fp32): per (batch, kv head, split), sum over its tiles of
+        (q·Kᵀ in bf16) · V."""
+        q, k, v = self.args
+        batch, cache_len, nheads_k, d = k.shape
+        num_splits = self.grid[2]
+        tiles, block_n = self.meta["tiles"], self.meta["BLOCK_N"]
+        per = -(-tiles // num_splits)
+        out = torch.zeros_like(self.out).view(batch, nheads_k, num_splits, 16, d)
+        for s in range(num_splits):
+            keys = slice(s * per * block_n, min((s + 1) * per, tiles) * block_n)
+            qg = q[:, 0].view(batch, nheads_k, self.group, d).float()
+            scores = torch.einsum("bhgd,bnhd->bhgn", qg, k[:, keys].float()).to(k.dtype).float()
+            out[:, :, s, : self.group] = torch.einsum("bhgn,bnhd->bhgd", scores, v[:, keys].float())
+        return out.view_as(self.out)
+
+    def spread(self) -> dict:
+        """Programs' ends (first, median) and starts (last) from the kernel's first start, in µs, and the
+        SMs the grid ran on."""
+        st = self.stamps.cpu()
+        t0 = st[:, 0].min().item()
+        start, end = (st[:, 0] - t0) / 1e3, (st[:, 1] - t0) / 1e3
+        return dict(
+            total_us=end.max().item(),
+            last_start_us=start.max().item(),
+            first_end_us=end.min().item(),
+            median_end_us=end.median().item(),
+            sms=len(set(st[:, 2].tolist())),
+        )
+
+
+def _check():
+    """Interpreter check of the probe kernel against torch on a tiny row (no stamps; fp16: the
+    interpreter multiplies bf16 operands as raw bits, docs/design.md)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=gen).half() for shape in ((2, 1, 8, 16), (2, 80, 2, 16), (2, 80, 2, 16)))
+    for splits in (1, 2, 3):
+        probe = Probe(q, k, v, splits, block_n=16, stages=1, stamps=False)
+        torch.testing.assert_close(probe(), probe.reference(), atol=2e-2, rtol=2e-2)
+    print("probe matches torch")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", default=["1x131072", "8x32768"])
+    ap.add_argument("--splits", nargs="+", type=int, default=[0])
+    ap.add_argument("--block-n", nargs="+", type=int, default=[128])
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--check", action="store_true", help="check the probe under the interpreter and stop")
+    args = ap.parse_args()
+    if args.check:
+        return _check()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = []
+    for row in args.rows:
+        batch, cache_len = (int(n) for n in row.split("x"))
+        inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
+        graphs = {}
+        for name in ("tileattn", "sdpa-cudnn"):
+            calls = [DECODE_BACKENDS[name](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
+            graphs[name], _ = capture_graph(calls)
+        probes = {}
+        for block_n in args.block_n:
+            for splits in args.splits:
+                n = splits or decode.choose_splits(batch * 8, cache_len, 128, sms)
+                made = [Probe(q, kc, vc, n, block_n, args.stages) for q, kc, vc in inputs]
+                first = made[0]
+                first()
+                sl = slice(0, first.grid[1] * n)  # (the reference in fp32 on the GPU: one copy)
+                torch.testing.assert_close(first.out[sl], first.reference()[sl], atol=0.5, rtol=2e-2)
+                name = f"probe {n} splits, {block_n}-key tiles"
+                graphs[name], _ = capture_graph(made)
+                probes[name] = made
+        rounds = {name: [] for name in graphs}
+        for _ in range(args.rounds):
+            for name, graph in graphs.items():
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end) / 5 / len(inputs)
+                rounds[name].append(kv_bytes / ms / 1e6)
+        for name, vals in rounds.items():
+            spread = {}
+            if name in probes:
+                probes[name][0]()  # a single call, after the graphs: its stamps
+                torch.cuda.synchronize()
+                spread = probes[name][0].spread()
+            rec = dict(row=row, variant=name, gbps=vals, **spread)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            share = (
+                f"{spread['first_end_us'] / spread['total_us']:.3f} / {spread['median_end_us'] / spread['total_us']:.3f}"
+                if spread
+                else "-"
+            )
+            table.append(
+                [
+                    row,
+                    name,
+                    f"{statistics.median(vals):.0f} ({min(vals):.0f}-{max(vals):.0f})",
+                    share,
+                    f"{spread['total_us']:.1f}" if spread else "-",
+                    spread.get("sms", "-"),
+                ]
+            )
+        del graphs, probes, inputs
+        torch.cuda.empty_cache()
+    print(
+        tabulate(
+            table, headers=["row", "kernel", "GB/s", "first / median end", "µs (one call)", "SMs"], tablefmt="github"
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
