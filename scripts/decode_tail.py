@@ -186,7 +186,7 @@ def main():
         probes = {}
         for block_n in args.block_n:
             for splits in args.splits:
-                n = splits or decode.choose_splits(batch * 8, cache_len, 128, sms)
+                n = splits or decode.choose_splits(batch * inputs[0][1].shape[2], cache_len, 128, sms)
                 made = [Probe(q, kc, vc, n, block_n, args.stages) for q, kc, vc in inputs]
                 first = made[0]
                 first()
