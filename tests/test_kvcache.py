@@ -85,14 +85,27 @@ def _ref_args(args):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_kvcache_matches_reference(backend, case, layout, num_splits):
-    seqlen_q, seqlen_new, opts = CASES[case]
-    page = LAYOUTS[layout]
-    if page and opts.get("batch_idx"):
+    if LAYOUTS[layout] and CASES[case][2].get("batch_idx"):
         pytest.skip("cache_batch_idx applies to dense caches")
     if backend != "cuda" and num_splits == 0 and (layout != "dense" or case not in ("decode-rotary", "batch-idx")):
         pytest.skip("the split heuristic is covered by two cases under the interpreter")
+    _check_case(backend, case, layout, num_splits)
+
+
+@pytest.mark.parametrize("layout", ["dense", "page16"])
+@pytest.mark.parametrize("case", ["chunk-causal-neox", "alibi-leftpad", "window-softcap"])
+@pytest.mark.parametrize("d", [59, 96, 111])
+def test_kvcache_odd_head_dims(backend, d, case, layout):
+    """Head dims that are not powers of two (59 and 111 not even multiples of 8: the kernels pad the
+    loads, the append writes exactly d columns), three splits."""
+    _check_case(backend, case, layout, 3, d=d)
+
+
+def _check_case(backend, case, layout, num_splits, d=40):
+    seqlen_q, seqlen_new, opts = CASES[case]
+    page = LAYOUTS[layout]
     ctx, device = on(backend)
-    q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device)
+    q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device, d=d)
     ref, k_ref, v_ref = kvcache_ref(q, kc, vc, **_ref_args(args))
     ref_lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(args))
     untouched = kc.clone()
