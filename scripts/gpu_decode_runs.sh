@@ -120,7 +120,7 @@ tests() {  # the decode GPU tests (tests/conftest.py checks every cached launch 
 ab() {  # interleaved A/B: log name, then decode_ab.py's arguments
   local name=$1
   shift
-  timeout 150 python3 scripts/decode_ab.py --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
+  timeout "${AB_LIMIT:-150}" python3 scripts/decode_ab.py --out "$OUT/$name.jsonl" "$@" > "$OUT/$name.log" 2>&1
   tail -18 "$OUT/$name.log"
 }
 host() {
@@ -393,10 +393,10 @@ case "${1:?run number 2-59}" in
       "sms=136" ;;
   58)  # 64-key tiles in more blocks per SM: 192 KiB in flight per SM where the builds now keep 128 KiB
     # full grids: three blocks per SM, two tiles in flight each (paged: the table read ahead), or two of three
-    ab fullbn --rounds 5 --rows 64x4096 64x16384 -- "" "fbn=64,pprefetch=100,fstages=3" \
+    AB_LIMIT=240 ab fullbn --rounds 5 --rows 64x4096 64x16384 -- "" "fbn=64,pprefetch=100,fstages=3" \
       "fbn=64,pprefetch=100,fstages=4,stages=4"
     # one-wave grids: splits for three (two) resident blocks per SM of 64-key tiles, the table read ahead
-    ab smallbn --rounds 5 --rows 1x131072 8x32768 -- "" "sms=396,plong=0,spt=1000,stiles=1000" \
+    AB_LIMIT=240 ab smallbn --rounds 5 --rows 1x131072 8x32768 -- "" "sms=396,plong=0,spt=1000,stiles=1000" \
       "sms=264,plong=0,spt=1000,stiles=1000" "sms=264,plong=0,spt=1000,stiles=1000,stages=4" ;;
   59)  # a probe of the grid's shape: a plain K/V stream, its programs' end times (scripts/decode_tail.py)
     timeout 240 python3 scripts/decode_tail.py --rows 1x131072 8x32768 --splits 0 48 --block-n 128 64 \
