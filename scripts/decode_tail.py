@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from decode_ab import replay_ms
 from tabulate import tabulate
 
 from tileattn.bench.decode import DECODE_BACKENDS, capture_graph, decode_inputs
@@ -196,18 +197,9 @@ def main():
                 graphs[name], _ = capture_graph(made)
                 probes[name] = made
         rounds = {name: [] for name in graphs}
-        for _ in range(args.rounds):
+        for _ in range(args.rounds):  # (as decode_ab.py times its variants)
             for name, graph in graphs.items():
-                graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(5):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end) / 5 / len(inputs)
-                rounds[name].append(kv_bytes / ms / 1e6)
+                rounds[name].append(kv_bytes / replay_ms(graph, len(inputs), 5) / 1e6)
         for name, vals in rounds.items():
             spread = {}
             if name in probes:
