@@ -1,8 +1,11 @@
 """The benchmark's own arithmetic: the work a masked problem does (``--features`` divides by it), and
 the feature harness on the CPU path."""
 
+import importlib.util
 import itertools
 import os
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -86,12 +89,24 @@ def test_tuner_gradient_check_catches_a_wrong_group():
         _check_grads("cpu", (bad, *grads[1:]), q, k, v, dout, True)
 
 
+def _script(name):
+    """scripts/<name>.py as a module (the scripts import their neighbours, so scripts/ is on the path
+    while it loads)."""
+    scripts = pathlib.Path(__file__).parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(scripts))
+    return module
+
+
 def test_features_variant_changes_the_tables(monkeypatch):
     """scripts/features_variant.py (table variants for GPU runs): a field per head dim, and the forward's
     TMA off takes the pointer-load tiles where the table reads through TMA."""
     import dataclasses
-    import importlib.util
-    import pathlib
 
     from tileattn.kernels import configs
 
@@ -106,10 +121,7 @@ def test_features_variant_changes_the_tables(monkeypatch):
         "_BWD_DQ",
     ):
         monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "features_variant.py"
-    spec = importlib.util.spec_from_file_location("features_variant", path)
-    variant = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variant)
+    variant = _script("features_variant")
     before, before_dq = dict(configs._FWD), dict(configs._BWD_DQ)
     variant.apply("fwd@64:maxnreg=96")
     variant.apply("dq@16,32:maxnreg=120")
@@ -173,22 +185,6 @@ def test_decode_fa4_rows_need_flash_attn_cute():
     for name in ("fa4", "fa4 paged16"):
         with pytest.raises(Unavailable, match="not installed"):
             DECODE_BACKENDS[name](q, k, k, torch.full((1,), 32, dtype=torch.int32))
-
-
-def _script(name):
-    import importlib.util
-    import pathlib
-    import sys
-
-    scripts = pathlib.Path(__file__).parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))  # (the scripts import their neighbours)
-    try:
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(scripts))
-    return module
 
 
 def test_decode_variant_settings_restore_the_sm_count():
