@@ -678,9 +678,9 @@ def test_interleaved_splits_skip_empty_segments(backend, unit, monkeypatch):
     monkeypatch.setattr(kvcache, "_CALLS", {})
     problem = dict(batch=3, nheads_k=1, nheads=1, headdim=16, seqlen_q=1, seqlen_new=1, capacity=129, page=1)
     problem.update(seqlens=[0, 0, 1], leftpad=[0, 0, 0], rotary=None, causal=False, window=(0, 0), softcap=0.0)
+    problem.update(alibi=False, v_padded=False)
     for splits in (2, 3):
-        problem.update(alibi=False, num_splits=splits, v_padded=False)
-        _check_kvcache_problem(backend, problem)
+        _check_kvcache_problem(backend, dict(problem, num_splits=splits))
 
 
 def test_empty_pool_refused():
