@@ -56,6 +56,8 @@ def _stream(
     HEAD_DIM: tl.constexpr,
     STAGES: tl.constexpr,
     STAMPS: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    SOFTMAX: tl.constexpr,
 ):
     bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,16 +72,35 @@ def _stream(
     q_ptrs = Q + b * stride_qb + (h * GROUP + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_ptrs, mask=offs_m[:, None] < GROUP, other=0.0)
     kv = b.to(tl.int64) * stride_kb + h * HEAD_DIM
-    per_split = tl.cdiv(tiles, num_splits)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, tiles)
+    if INTERLEAVE:  # tiles split, split + num_splits, ... (as tileattn deals them)
+        lo = split
+        hi = tiles
+        step = num_splits
+    else:  # a run of consecutive tiles
+        per_split = tl.cdiv(tiles, num_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, tiles)
+        step = 1
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for t in tl.range(lo, hi, num_stages=STAGES):
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in tl.range(lo, hi, step, num_stages=STAGES):
         rows = (t * BLOCK_N + offs_n).to(tl.int64)
         k = tl.load(K + kv + rows[:, None] * stride_kn + offs_d[None, :])
         s = tl.dot(q, tl.trans(k))
         v = tl.load(V + kv + rows[:, None] * stride_kn + offs_d[None, :])
-        acc = tl.dot(s.to(v.dtype), v, acc)
+        if SOFTMAX:  # online softmax in base 2 (scale 1/sqrt(d)), as the split kernel keeps it
+            s = s * (1.4426950408889634 / tl.sqrt(HEAD_DIM * 1.0))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        else:
+            acc = tl.dot(s.to(v.dtype), v, acc)
+    if SOFTMAX:
+        acc = acc / l_i[:, None]
     o_ptrs = Out + ((bh * num_splits + split) * BLOCK_M + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc)
     if STAMPS:
@@ -93,7 +114,9 @@ def _stream(
 class Probe:
     """One row's probe launch, its outputs and stamps (stamps on the GPU only)."""
 
-    def __init__(self, q, k_cache, v_cache, num_splits, block_n=128, stages=3, stamps=True):
+    def __init__(
+        self, q, k_cache, v_cache, num_splits, block_n=128, stages=3, stamps=True, interleave=False, softmax=False
+    ):
         batch, cache_len, nheads_k, d = k_cache.shape
         self.group = q.shape[2] // nheads_k
         self.args = (q, k_cache, v_cache)
@@ -112,6 +135,8 @@ class Probe:
             HEAD_DIM=d,
             STAGES=stages,
             STAMPS=stamps,
+            INTERLEAVE=interleave,
+            SOFTMAX=softmax,
             num_warps=4,
             num_stages=stages,
         )
@@ -122,20 +147,31 @@ class Probe:
         return self.out
 
     def reference(self):
-        """The probe's outputs by torch (fp32): per (batch, kv head, split), sum over its tiles of
-        (q·Kᵀ in bf16) · V."""
+        """The probe's outputs by torch (fp32) for its query heads (rows past the group are padding): per
+        (batch, kv head, split), over its tiles, the sum of (q·Kᵀ in bf16) · V, or with SOFTMAX
+        softmax(q·Kᵀ/√d) · V."""
         q, k, v = self.args
         batch, cache_len, nheads_k, d = k.shape
         num_splits = self.grid[2]
         tiles, block_n = self.meta["tiles"], self.meta["BLOCK_N"]
         per = -(-tiles // num_splits)
         out = torch.zeros_like(self.out).view(batch, nheads_k, num_splits, 16, d)
+        qg = q[:, 0].view(batch, nheads_k, self.group, d).float()
         for s in range(num_splits):
-            keys = slice(s * per * block_n, min((s + 1) * per, tiles) * block_n)
-            qg = q[:, 0].view(batch, nheads_k, self.group, d).float()
-            scores = torch.einsum("bhgd,bnhd->bhgn", qg, k[:, keys].float()).to(k.dtype).float()
-            out[:, :, s, : self.group] = torch.einsum("bhgn,bnhd->bhgd", scores, v[:, keys].float())
+            own = range(s, tiles, num_splits) if self.meta["INTERLEAVE"] else range(s * per, min((s + 1) * per, tiles))
+            keys = torch.tensor(list(own), device=k.device)[:, None] * block_n + torch.arange(block_n, device=k.device)
+            ks, vs = k[:, keys.flatten()].float(), v[:, keys.flatten()].float()
+            scores = torch.einsum("bhgd,bnhd->bhgn", qg, ks)
+            if self.meta["SOFTMAX"]:
+                scores = torch.softmax(scores / d**0.5, dim=-1)
+            else:
+                scores = scores.to(k.dtype).float()
+            out[:, :, s, : self.group] = torch.einsum("bhgn,bnhd->bhgd", scores, vs)
         return out.view_as(self.out)
+
+    def heads(self, out):
+        """``out``'s rows of query heads (the probe's output or its reference), without the padding."""
+        return out.view(-1, 16, out.shape[-1])[:, : self.group]
 
     def spread(self) -> dict:
         """Programs' ends (first, median) and starts (last) from the kernel's first start, in µs, and the
@@ -158,9 +194,31 @@ def _check():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=gen).half() for shape in ((2, 1, 8, 16), (2, 80, 2, 16), (2, 80, 2, 16)))
     for splits in (1, 2, 3):
-        probe = Probe(q, k, v, splits, block_n=16, stages=1, stamps=False)
-        torch.testing.assert_close(probe(), probe.reference(), atol=2e-2, rtol=2e-2)
+        for interleave in (False, True):
+            for softmax in (False, True):
+                probe = Probe(q, k, v, splits, 16, 1, False, interleave, softmax)
+                out, ref = probe.heads(probe()), probe.heads(probe.reference())
+                torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     print("probe matches torch")
+
+
+def kernel_times(graph, calls: int, replays: int = 10) -> dict:
+    """Device time per call of each kernel in ``graph`` (of ``calls`` calls), by torch.profiler over
+    ``replays`` replays, and the wall time per call between the replays' events ("call")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            times[event.key] = event.device_time_total / (replays * calls)
+    times["call"] = replay_ms(graph, calls, replays) * 1e3
+    return times
 
 
 def main():
@@ -169,6 +227,15 @@ def main():
     ap.add_argument("--splits", nargs="+", type=int, default=[0])
     ap.add_argument("--block-n", nargs="+", type=int, default=[128])
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["plain"],
+        choices=["plain", "interleave", "softmax", "softmax+interleave"],
+        help="probe builds: tiles in runs (plain) or dealt in turn as tileattn deals them, with or without "
+        "the online softmax",
+    )
+    ap.add_argument("--profile", action="store_true", help="also each graph's kernels' device times (torch.profiler)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--check", action="store_true", help="check the probe under the interpreter and stop")
@@ -177,6 +244,7 @@ def main():
         return _check()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     table = []
+    kernels = []
     for row in args.rows:
         batch, cache_len = (int(n) for n in row.split("x"))
         inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
@@ -187,15 +255,19 @@ def main():
         probes = {}
         for block_n in args.block_n:
             for splits in args.splits:
-                n = splits or decode.choose_splits(batch * inputs[0][1].shape[2], cache_len, 128, sms)
-                made = [Probe(q, kc, vc, n, block_n, args.stages) for q, kc, vc in inputs]
-                first = made[0]
-                first()
-                sl = slice(0, first.grid[1] * n)  # (the reference in fp32 on the GPU: one copy)
-                torch.testing.assert_close(first.out[sl], first.reference()[sl], atol=0.5, rtol=2e-2)
-                name = f"probe {n} splits, {block_n}-key tiles"
-                graphs[name], _ = capture_graph(made)
-                probes[name] = made
+                for kind in args.kinds:
+                    n = splits or decode.choose_splits(batch * inputs[0][1].shape[2], cache_len, 128, sms)
+                    opts = dict(interleave="interleave" in kind, softmax="softmax" in kind)
+                    made = [Probe(q, kc, vc, n, block_n, args.stages, **opts) for q, kc, vc in inputs]
+                    first = made[0]
+                    first()
+                    # (the reference in fp32 on the GPU: one copy; a score on a bf16 rounding boundary may
+                    # round either way in the two, so the tolerance follows the outputs' scale)
+                    out, ref = first.heads(first.out), first.heads(first.reference())
+                    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
+                    name = f"probe {kind} {n} splits, {block_n}-key tiles"
+                    graphs[name], _ = capture_graph(made)
+                    probes[name] = made
         rounds = {name: [] for name in graphs}
         for _ in range(args.rounds):  # (as decode_ab.py times its variants)
             for name, graph in graphs.items():
@@ -225,8 +297,14 @@ def main():
                     spread.get("sms", "-"),
                 ]
             )
+        if args.profile:
+            for name in ("tileattn", "sdpa-cudnn"):
+                for kernel, us in kernel_times(graphs[name], len(inputs)).items():
+                    kernels.append([row, name, kernel[:60], f"{us:.2f}"])
         del graphs, probes, inputs
         torch.cuda.empty_cache()
+    if kernels:
+        print(tabulate(kernels, headers=["row", "graph", "kernel", "µs per call"], tablefmt="github"))
     print(
         tabulate(
             table, headers=["row", "kernel", "GB/s", "first / median end", "µs (one call)", "SMs"], tablefmt="github"

@@ -107,6 +107,13 @@
 # 55: the five rows' A/B of the final code against the attention kernel launched plainly (pdlattn=0).
 # 56: (owed) the test of inputs rewritten by the kernels right before each call in a CUDA graph, the decode
 #     tests again, memcheck.
+# 57 (2026-12-01, seventh run): the owed test, then splits planned for fewer or more SMs (sms).
+# 58 (2026-12-01, eighth run): 64-key tiles in three blocks per SM (fbn, sms, spt, stiles); lost.
+# 59: scripts/decode_tail.py, the probe of the grid's shape: a plain K/V stream and its programs' ends.
+# 60: the probe ladder (tiles dealt in turn, the online softmax), the graphs' kernels' device times, and
+#     runs of consecutive tiles (interleave=0) against tiles dealt in turn at the one-wave rows.
+# 61: the GPU tests of the final code of 2026-12-01's eighth run (the kvcache tests at head dims 59, 96
+#     and 111, the cache manager, the bench scripts' settings).
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -402,5 +409,12 @@ case "${1:?run number 2-59}" in
     timeout 240 python3 scripts/decode_tail.py --rows 1x131072 8x32768 --splits 0 48 --block-n 128 64 \
       --out "$OUT/tail.jsonl" > "$OUT/tail.log" 2>&1
     tail -14 "$OUT/tail.log" ;;
-  *) echo "runs 2-59" >&2; exit 2 ;;
+  60)  # the probe ladder: tiles dealt in turn and the online softmax, each graph's kernels' device times
+    timeout 300 python3 scripts/decode_tail.py --rows 1x131072 8x32768 --splits 0 --block-n 128 --profile \
+      --kinds plain interleave softmax softmax+interleave --out "$OUT/tail.jsonl" > "$OUT/tail.log" 2>&1
+    tail -40 "$OUT/tail.log"
+    AB_LIMIT=200 ab interleave --rounds 5 --rows 1x131072 8x32768 -- "" "interleave=0" ;;
+  61)  # the decode tests on the GPU, with those added since run 57
+    tests 420 tests/test_kvcache.py tests/test_cache.py tests/test_bench.py ;;
+  *) echo "runs 2-61" >&2; exit 2 ;;
 esac

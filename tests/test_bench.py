@@ -204,5 +204,6 @@ def test_decode_variant_settings_restore_the_sm_count():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the probe's check runs in the interpreter")
 def test_decode_tail_probe_matches_torch():
     """scripts/decode_tail.py's probe kernel (a K/V stream shaped like the split kernel) computes what its
-    torch reference does, for 1-3 splits of five tiles."""
+    torch reference does, for 1-3 splits of five tiles, in runs or dealt in turn, with and without the
+    online softmax."""
     _script("decode_tail")._check()
