@@ -114,6 +114,8 @@
 #     runs of consecutive tiles (interleave=0) against tiles dealt in turn at the one-wave rows.
 # 61: the GPU tests of the final code of 2026-12-01's eighth run (the kvcache tests at head dims 59, 96
 #     and 111, the cache manager, the bench scripts' settings).
+# 62: scripts/decode_pages_probe.py: a shuffled pool of pages of 16 streamed a kv head at a time (the
+#     split kernel's pattern) against a whole page for all kv heads at a time.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -416,5 +418,9 @@ case "${1:?run number 2-59}" in
     AB_LIMIT=200 ab interleave --rounds 5 --rows 1x131072 8x32768 -- "" "interleave=0" ;;
   61)  # the decode tests on the GPU, with those added since run 57
     tests 420 tests/test_kvcache.py tests/test_cache.py tests/test_bench.py ;;
-  *) echo "runs 2-61" >&2; exit 2 ;;
+  62)  # whole pages for all kv heads against a kv head at a time (scripts/decode_pages_probe.py)
+    timeout 400 python3 scripts/decode_pages_probe.py --rows 64x4096 64x16384 1x131072 --stages 2 3 \
+      --out "$OUT/pages.jsonl" > "$OUT/pages.log" 2>&1
+    tail -30 "$OUT/pages.log" ;;
+  *) echo "runs 2-62" >&2; exit 2 ;;
 esac

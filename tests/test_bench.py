@@ -207,3 +207,10 @@ def test_decode_tail_probe_matches_torch():
     torch reference does, for 1-3 splits of five tiles, in runs or dealt in turn, with and without the
     online softmax."""
     _script("decode_tail")._check()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the probes' check runs in the interpreter")
+def test_decode_pages_probes_match_torch():
+    """scripts/decode_pages_probe.py's probes (a shuffled pool read a kv head at a time, or a whole page
+    for all kv heads at a time) compute what their torch reference does, for one to three splits."""
+    _script("decode_pages_probe")._check()
