@@ -31,7 +31,6 @@ SETTINGS = {
     "sbn": "SHORT_BLOCK_N",
     "stiles": "SHORT_TILES",
     "spt": "SHORT_SMALL_PAGE_TILES",
-    "fbn": "FULL_GRID_BLOCK_N",
 }
 SM_COUNT = "sms"  # the SM count the split heuristic plans for (decode._sm_count), e.g. sms=120
 

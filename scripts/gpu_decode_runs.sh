@@ -108,7 +108,8 @@
 # 56: (owed) the test of inputs rewritten by the kernels right before each call in a CUDA graph, the decode
 #     tests again, memcheck.
 # 57 (2026-12-01, seventh run): the owed test, then splits planned for fewer or more SMs (sms).
-# 58 (2026-12-01, eighth run): 64-key tiles in three blocks per SM (fbn, sms, spt, stiles); lost.
+# 58 (2026-12-01, eighth run): 64-key tiles in three blocks per SM (fbn, sms, spt, stiles); lost (the
+#     full grids' setting, decode.FULL_GRID_BLOCK_N, short name fbn, is removed since).
 # 59: scripts/decode_tail.py, the probe of the grid's shape: a plain K/V stream and its programs' ends.
 # 60: the probe ladder (tiles dealt in turn, the online softmax), the graphs' kernels' device times, and
 #     runs of consecutive tiles (interleave=0) against tiles dealt in turn at the one-wave rows.

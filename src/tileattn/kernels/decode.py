@@ -859,10 +859,6 @@ PAGED_TABLE_L2 = True
 SHORT_BLOCK_N = 64
 SHORT_TILES = 8
 SHORT_SMALL_PAGE_TILES = 4
-# Key tiles of grids of two waves or more (0: the config's; never more than it). 64-key tiles there
-# compile to 152-158 registers and 72 KiB at three stages: three blocks per SM, two tiles in flight each
-# (192 KiB per SM against the 128 KiB of two 128-key blocks); not yet timed (gpu_decode_runs.sh 58).
-FULL_GRID_BLOCK_N = 0
 # 64-bit cache offsets for every call, not only for caches whose offsets could pass 2**31 (to time them)
 OFFS_64_ALWAYS = False
 
@@ -931,7 +927,6 @@ _PLAN_INPUTS = (
     "SHORT_BLOCK_N",
     "SHORT_TILES",
     "SHORT_SMALL_PAGE_TILES",
-    "FULL_GRID_BLOCK_N",
     "OFFS_64_ALWAYS",
     "COMBINE_SPLITS_PER_LOAD",
     "COMBINE_MAX_ROWS",
@@ -1114,8 +1109,6 @@ def _plan(
     short = SHORT_SMALL_PAGE_TILES if paged and page_size < cfg.block_n else SHORT_TILES
     if SHORT_BLOCK_N and base.programs * num_splits <= base.sm_count and tiles <= short and not interpret:
         cfg = dataclasses.replace(cfg, block_n=min(SHORT_BLOCK_N, cfg.block_n))
-    if FULL_GRID_BLOCK_N and not small_grid and not interpret:
-        cfg = dataclasses.replace(cfg, block_n=min(FULL_GRID_BLOCK_N, cfg.block_n))
     prefetch_grid = base.programs * num_splits < PAGED_PREFETCH_WAVES * base.sm_count
     long_paged = paged and small_grid and PAGED_LONG_STAGES > 0 and tiles >= PAGED_LONG_TILES
     if paged:
