@@ -39,11 +39,25 @@ def _sm(x):
 
 
 @triton.jit
+def _cluster_sync():
+    """A barrier of the cluster's threads, releasing their writes to the others (acquire)."""
+    tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned; // $0",
+        "=r",
+        [],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _stream(
     Q,
     K,
     V,
     Out,
+    Merged,
     Stamps,
     tiles,
     stride_qb,
@@ -58,10 +72,15 @@ def _stream(
     STAMPS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     SOFTMAX: tl.constexpr,
+    CLUSTER: tl.constexpr,
 ):
     bh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    if CLUSTER:  # launched as clusters of CLUSTER programs along x: the splits of one (batch, kv head)
+        split = tl.program_id(0)
+        num_splits = CLUSTER
+    else:
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
     if STAMPS:
         start = _timer(bh)
     b = bh // nheads_k
@@ -103,6 +122,18 @@ def _stream(
         acc = acc / l_i[:, None]
     o_ptrs = Out + ((bh * num_splits + split) * BLOCK_M + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, acc)
+    if CLUSTER:  # every split's partial written: each program sums a slice of the head dim over them
+        _cluster_sync()
+        W: tl.constexpr = HEAD_DIM // CLUSTER
+        cols = split * W + tl.arange(0, W)
+        offs_s = tl.arange(0, CLUSTER)
+        part_ptrs = (
+            Out
+            + ((bh * CLUSTER + offs_s[:, None, None]) * BLOCK_M + offs_m[None, :, None]) * HEAD_DIM
+            + cols[None, None, :]
+        )
+        merged = tl.sum(tl.load(part_ptrs, cache_modifier=".cg"), 0)  # (from L2: other SMs wrote them)
+        tl.store(Merged + (bh * BLOCK_M + offs_m[:, None]) * HEAD_DIM + cols[None, :], merged)
     if STAMPS:
         end = _timer(bh)
         slot = Stamps + (bh * num_splits + split) * 3
@@ -115,13 +146,28 @@ class Probe:
     """One row's probe launch, its outputs and stamps (stamps on the GPU only)."""
 
     def __init__(
-        self, q, k_cache, v_cache, num_splits, block_n=128, stages=3, stamps=True, interleave=False, softmax=False
+        self,
+        q,
+        k_cache,
+        v_cache,
+        num_splits,
+        block_n=128,
+        stages=3,
+        stamps=True,
+        interleave=False,
+        softmax=False,
+        cluster=False,
     ):
         batch, cache_len, nheads_k, d = k_cache.shape
+        if cluster and (softmax or num_splits > 16 or d % num_splits):
+            raise ValueError("cluster merges: sums (no softmax) of up to 16 splits that divide the head dim")
         self.group = q.shape[2] // nheads_k
         self.args = (q, k_cache, v_cache)
         self.grid = (1, batch * nheads_k, num_splits)
+        self.cluster = num_splits if cluster else 0
+        self.kernel = None
         self.out = torch.empty(batch * nheads_k * num_splits, 16, d, device=q.device, dtype=torch.float32)
+        self.merged = torch.empty(batch * nheads_k if cluster else 1, 16, d, device=q.device, dtype=torch.float32)
         self.stamps = torch.zeros(batch * nheads_k * num_splits, 3, device=q.device, dtype=torch.int64)
         self.meta = dict(
             tiles=cache_len // block_n,
@@ -137,14 +183,35 @@ class Probe:
             STAMPS=stamps,
             INTERLEAVE=interleave,
             SOFTMAX=softmax,
+            CLUSTER=self.cluster,
             num_warps=4,
             num_stages=stages,
         )
 
     def __call__(self):
         q, k, v = self.args
-        _stream[self.grid](q, k, v, self.out, self.stamps, **self.meta)
+        if not self.cluster:
+            _stream[self.grid](q, k, v, self.out, self.merged, self.stamps, **self.meta)
+            return self.out
+        # clusters of the splits along x: the build's own launcher, given a cluster size (Triton launches
+        # gridX · num_ctas programs in clusters of num_ctas; the build itself is compiled for one)
+        params = dict(Q=q, K=k, V=v, Out=self.out, Merged=self.merged, Stamps=self.stamps, **self.meta)
+        if self.kernel is None:
+            self.kernel = _stream.warmup(**params, grid=(1,))
+        kernel = self.kernel
+        meta = (kernel.metadata.num_warps, self.cluster, kernel.metadata.shared)
+        stream = torch.cuda.current_stream().cuda_stream
+        args = [params[name] for name in _stream.arg_names]
+        kernel.run(1, self.grid[1], 1, stream, kernel.function, meta, None, None, None, *args)
         return self.out
+
+    def max_active_clusters(self) -> int:
+        """Clusters of this launch's size the GPU holds at once (after a launch: a cluster of 16 needs
+        the attribute the launcher sets)."""
+        from triton.runtime import driver
+
+        kernel = self.kernel
+        return driver.active.utils.cuOccupancyMaxActiveClusters(kernel.function, kernel.metadata.shared, self.cluster)
 
     def reference(self):
         """The probe's outputs by torch (fp32) for its query heads (rows past the group are padding): per
@@ -231,9 +298,10 @@ def main():
         "--kinds",
         nargs="+",
         default=["plain"],
-        choices=["plain", "interleave", "softmax", "softmax+interleave"],
+        choices=["plain", "interleave", "softmax", "softmax+interleave", "cluster", "cluster+interleave"],
         help="probe builds: tiles in runs (plain) or dealt in turn as tileattn deals them, with or without "
-        "the online softmax",
+        "the online softmax; cluster: the splits of a kv head launched as one cluster, which sums their "
+        "partials after a cluster barrier (the merge in the launch)",
     )
     ap.add_argument("--profile", action="store_true", help="also each graph's kernels' device times (torch.profiler)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -257,15 +325,21 @@ def main():
             for splits in args.splits:
                 for kind in args.kinds:
                     n = splits or decode.choose_splits(batch * inputs[0][1].shape[2], cache_len, 128, sms)
-                    opts = dict(interleave="interleave" in kind, softmax="softmax" in kind)
+                    opts = dict(interleave="interleave" in kind, softmax="softmax" in kind, cluster="cluster" in kind)
                     made = [Probe(q, kc, vc, n, block_n, args.stages, **opts) for q, kc, vc in inputs]
                     first = made[0]
                     first()
                     # (the reference in fp32 on the GPU: one copy; a score on a bf16 rounding boundary may
                     # round either way in the two, so the tolerance follows the outputs' scale)
-                    out, ref = first.heads(first.out), first.heads(first.reference())
-                    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
+                    ref = first.reference()
+                    tol = dict(atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
+                    torch.testing.assert_close(first.heads(first.out), first.heads(ref), **tol)
                     name = f"probe {kind} {n} splits, {block_n}-key tiles"
+                    if first.cluster:
+                        summed = ref.view(-1, n, *ref.shape[1:]).sum(1)
+                        tol = dict(atol=1e-2 * summed.abs().amax().item(), rtol=2e-2)
+                        torch.testing.assert_close(first.heads(first.merged), first.heads(summed), **tol)
+                        name += f", {first.max_active_clusters()} clusters at once"
                     graphs[name], _ = capture_graph(made)
                     probes[name] = made
         rounds = {name: [] for name in graphs}

@@ -117,6 +117,8 @@
 #     and 111, the cache manager, the bench scripts' settings).
 # 62: scripts/decode_pages_probe.py: a shuffled pool of pages of 16 streamed a kv head at a time (the
 #     split kernel's pattern) against a whole page for all kv heads at a time.
+# 63: the merge in the launch as a cluster: the probe's splits of a kv head launched as one cluster, which
+#     sums their partials after a cluster barrier, against the probe without a merge and tileattn.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -423,5 +425,9 @@ case "${1:?run number 2-59}" in
     timeout 400 python3 scripts/decode_pages_probe.py --rows 64x4096 64x16384 1x131072 --stages 2 3 \
       --out "$OUT/pages.jsonl" > "$OUT/pages.log" 2>&1
     tail -30 "$OUT/pages.log" ;;
-  *) echo "runs 2-62" >&2; exit 2 ;;
+  63)  # splits as clusters that merge after a cluster barrier (scripts/decode_tail.py --kinds cluster)
+    timeout 240 python3 scripts/decode_tail.py --rows 1x131072 8x32768 1x8192 --splits 0 --block-n 128 \
+      --kinds plain cluster interleave cluster+interleave --out "$OUT/tail.jsonl" > "$OUT/tail.log" 2>&1
+    echo "exit $?"; tail -24 "$OUT/tail.log" ;;
+  *) echo "runs 2-63" >&2; exit 2 ;;
 esac
