@@ -9,8 +9,13 @@ kernel's time (a grid whose programs end together has nothing to gain from balan
 
     python scripts/decode_tail.py [--rows 1x131072 8x32768] [--splits 0 15] [--block-n 128 64] [--out FILE]
 
-``--splits 0`` is the split count tileattn picks for the row. Under ``TRITON_INTERPRET=1`` (no GPU:
-``--check``) it runs a tiny row without stamps and checks the probe's output against torch.
+``--splits 0`` is the split count tileattn picks for the row. ``--kinds`` picks the probe's builds, a
+ladder to the split kernel: tiles in runs or dealt in turn as tileattn deals them (``interleave``), with
+the online softmax (``softmax``), or with the splits of a kv head launched as one thread-block cluster
+that sums their partials after a cluster barrier (``cluster``: a merge in the launch, without the second
+kernel). ``--profile`` adds each graph's kernels' device times (torch.profiler). Under
+``TRITON_INTERPRET=1`` (no GPU: ``--check``) it runs a tiny row without stamps and checks the probe's
+output against torch (the cluster builds only run on the GPU, where each is checked as it is built).
 """
 
 import argparse
