@@ -87,6 +87,21 @@ def replay_ms(graph, calls: int, replays: int) -> float:
     return statistics.median(times)
 
 
+def gbps_rounds(graphs: dict, calls: int, kv_bytes: int, rounds: int, replays: int = 5) -> dict:
+    """GB/s of K+V per round for each of ``graphs`` (name -> graph of ``calls`` calls), the graphs taking
+    turns within each round so that a slow spell of the machine falls on all of them."""
+    gbps = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            gbps[name].append(kv_bytes / replay_ms(graph, calls, replays) / 1e6)
+    return gbps
+
+
+def median_range(vals) -> str:
+    """``median (min-max)`` of a row's rounds, as the tables print them."""
+    return f"{statistics.median(vals):.0f} ({min(vals):.0f}-{max(vals):.0f})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)
@@ -124,10 +139,7 @@ def main():
             for anchor in args.anchors:
                 ref_calls = [DECODE_BACKENDS[anchor](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
                 graphs["cuDNN" if anchor == "sdpa-cudnn" else anchor], _ = capture_graph(ref_calls)
-            rounds = {name: [] for name in graphs}
-            for _ in range(args.rounds):
-                for name, graph in graphs.items():
-                    rounds[name].append(kv_bytes / replay_ms(graph, len(calls), args.replays) / 1e6)
+            rounds = gbps_rounds(graphs, len(calls), kv_bytes, args.rounds, args.replays)
             for name, vals in rounds.items():
                 row = dict(batch=batch, cache_len=cache_len, layout=layout, variant=name, gbps=vals)
                 results.append(row)
@@ -150,7 +162,7 @@ def main():
         row = [f"{layout} [{variant}]"]
         for case in cases:
             v = cell.get((layout, variant, *case))
-            row.append(f"{statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" if v else "-")
+            row.append(median_range(v) if v else "-")
         table.append(row)
     print(tabulate(table, headers=["layout [variant]"] + [f"{b}x{n // 1024}k" for b, n in cases], tablefmt="github"))
 

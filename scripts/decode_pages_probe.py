@@ -22,13 +22,12 @@ Under ``TRITON_INTERPRET=1`` (no GPU: ``--check``) it checks both probes against
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from decode_ab import replay_ms
+from decode_ab import gbps_rounds, median_range
 from tabulate import tabulate
 
 from tileattn.bench.decode import DECODE_BACKENDS, _pool, capture_graph, decode_inputs
@@ -83,10 +82,9 @@ def _pages_stream(
         here = page.to(tl.int64) * stride_page + rows
         if PACKED:  # the next tile's entry, read ahead
             page = tl.load(table + t + 1, mask=t + 1 < hi, other=0)
-            ptrs = here[:, None] + offs_d[None, :]
         else:
             page = tl.load(table + ((t + 1) * BLOCK_N + offs_n) // PAGE, mask=t + 1 < hi, other=0)
-            ptrs = here[:, None] + offs_d[None, :]
+        ptrs = here[:, None] + offs_d[None, :]
         k = tl.load(K + ptrs)
         s = tl.dot(q, tl.trans(k))
         v = tl.load(V + ptrs)
@@ -195,15 +193,12 @@ def main():
                 torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
                 name = f"probe {'packed' if packed else 'per head'}, {stages} stages, grid {made[0].grid}"
                 graphs[name], _ = capture_graph(made)
-        rounds = {name: [] for name in graphs}
-        for _ in range(args.rounds):  # (as decode_ab.py times its variants)
-            for name, graph in graphs.items():
-                rounds[name].append(kv_bytes / replay_ms(graph, len(inputs), 5) / 1e6)
+        rounds = gbps_rounds(graphs, len(inputs), kv_bytes, args.rounds)
         for name, vals in rounds.items():
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(dict(row=row, variant=name, gbps=vals)) + "\n")
-            table.append([row, name, f"{statistics.median(vals):.0f} ({min(vals):.0f}-{max(vals):.0f})"])
+            table.append([row, name, median_range(vals)])
         del graphs, pools, inputs
         torch.cuda.empty_cache()
     print(tabulate(table, headers=["row", "kernel", "GB/s"], tablefmt="github"))

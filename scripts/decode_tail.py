@@ -20,13 +20,12 @@ output against torch (the cluster builds only run on the GPU, where each is chec
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from decode_ab import replay_ms
+from decode_ab import gbps_rounds, median_range, replay_ms
 from tabulate import tabulate
 
 from tileattn.bench.decode import DECODE_BACKENDS, capture_graph, decode_inputs
@@ -347,10 +346,7 @@ def main():
                         name += f", {first.max_active_clusters()} clusters at once"
                     graphs[name], _ = capture_graph(made)
                     probes[name] = made
-        rounds = {name: [] for name in graphs}
-        for _ in range(args.rounds):  # (as decode_ab.py times its variants)
-            for name, graph in graphs.items():
-                rounds[name].append(kv_bytes / replay_ms(graph, len(inputs), 5) / 1e6)
+        rounds = gbps_rounds(graphs, len(inputs), kv_bytes, args.rounds)
         for name, vals in rounds.items():
             spread = {}
             if name in probes:
@@ -370,7 +366,7 @@ def main():
                 [
                     row,
                     name,
-                    f"{statistics.median(vals):.0f} ({min(vals):.0f}-{max(vals):.0f})",
+                    median_range(vals),
                     share,
                     f"{spread['total_us']:.1f}" if spread else "-",
                     spread.get("sms", "-"),
