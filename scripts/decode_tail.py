@@ -10,10 +10,10 @@ kernel's time (a grid whose programs end together has nothing to gain from balan
     python scripts/decode_tail.py [--rows 1x131072 8x32768] [--splits 0 15] [--block-n 128 64] [--out FILE]
 
 ``--splits 0`` is the split count tileattn picks for the row. ``--kinds`` picks the probe's builds, a
-ladder to the split kernel: tiles in runs or dealt in turn as tileattn deals them (``interleave``), with
-the online softmax (``softmax``), or with the splits of a kv head launched as one thread-block cluster
-that sums their partials after a cluster barrier (``cluster``: a merge in the launch, without the second
-kernel). ``--profile`` adds each graph's kernels' device times (torch.profiler). Under
+ladder to the split kernel: tiles in runs (as tileattn reads contiguous caches) or dealt in turn as it
+deals them for pages smaller than a key tile (``interleave``), with the online softmax
+(``softmax``), or with the splits of a kv head launched as one thread-block cluster that sums their
+partials after a cluster barrier (``cluster``: a merge in the launch, without the second kernel). ``--profile`` adds each graph's kernels' device times (torch.profiler). Under
 ``TRITON_INTERPRET=1`` (no GPU: ``--check``) it runs a tiny row without stamps and checks the probe's
 output against torch (the cluster builds only run on the GPU, where each is checked as it is built).
 """
@@ -95,7 +95,7 @@ def _stream(
     q_ptrs = Q + b * stride_qb + (h * GROUP + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_ptrs, mask=offs_m[:, None] < GROUP, other=0.0)
     kv = b.to(tl.int64) * stride_kb + h * HEAD_DIM
-    if INTERLEAVE:  # tiles split, split + num_splits, ... (as tileattn deals them)
+    if INTERLEAVE:  # tiles split, split + num_splits, ... (as tileattn deals them for small pages)
         lo = split
         hi = tiles
         step = num_splits
@@ -303,8 +303,8 @@ def main():
         nargs="+",
         default=["plain"],
         choices=["plain", "interleave", "softmax", "softmax+interleave", "cluster", "cluster+interleave"],
-        help="probe builds: tiles in runs (plain) or dealt in turn as tileattn deals them, with or without "
-        "the online softmax; cluster: the splits of a kv head launched as one cluster, which sums their "
+        help="probe builds: tiles in runs (plain) or dealt in turn as tileattn deals them for small pages, "
+        "with or without the online softmax; cluster: the splits of a kv head launched as one cluster, which sums their "
         "partials after a cluster barrier (the merge in the launch)",
     )
     ap.add_argument("--profile", action="store_true", help="also each graph's kernels' device times (torch.profiler)")

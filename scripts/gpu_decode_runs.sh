@@ -112,7 +112,8 @@
 #     full grids' setting, decode.FULL_GRID_BLOCK_N, short name fbn, is removed since).
 # 59: scripts/decode_tail.py, the probe of the grid's shape: a plain K/V stream and its programs' ends.
 # 60: the probe ladder (tiles dealt in turn, the online softmax), the graphs' kernels' device times, and
-#     runs of consecutive tiles (interleave=0) against tiles dealt in turn at the one-wave rows.
+#     runs of consecutive tiles (interleave=0) against tiles dealt in turn at the one-wave rows (only pages
+#     smaller than a key tile are dealt in turn: the other layouts run one build under both names).
 # 61: the GPU tests of the final code of 2026-12-01's eighth run (the kvcache tests at head dims 59, 96
 #     and 111, the cache manager, the bench scripts' settings).
 # 62: scripts/decode_pages_probe.py: a shuffled pool of pages of 16 streamed a kv head at a time (the
