@@ -61,14 +61,20 @@ def _append(page=None):
     return make
 
 
-# layouts for diagnosis, besides the benchmark's: a pool whose pages lie in table order (no shuffle)
+# layouts for diagnosis, besides the benchmark's: pools whose pages lie elsewhere than the benchmark's shuffle
+# (``_pool``'s orders: in table order, as PagedKVCache deals pages to sequences growing together, shuffled
+# only within each 2 MiB of the pool), a kernel ahead of the call, the append step, one shared table
 LAYOUTS = {
     **DECODE_BACKENDS,
     "tileattn after a kernel": _after_kernel(_tileattn()),
     "tileattn paged16 after a kernel": _after_kernel(_tileattn(page=16)),
     "tileattn append": _append(),
     "tileattn paged16 append": _append(page=16),
-    "tileattn paged16 in order": _tileattn(page=16, shuffle=False),
+    "tileattn paged16 in order": _tileattn(page=16, order="in order"),
+    "tileattn paged16 lockstep": _tileattn(page=16, order="lockstep"),
+    "tileattn paged16 shuffled in 2 MiB": _tileattn(page=16, order=64),
+    "tileattn paged256 in order": _tileattn(page=256, order="in order"),
+    "tileattn paged256 lockstep": _tileattn(page=256, order="lockstep"),
     # one block table for every input copy (hot in L2 from the second call on), as a model's layers share one
     "tileattn paged16 shared table": _tileattn(page=16, shared_table=True),
     "tileattn paged256 shared table": _tileattn(page=256, shared_table=True),

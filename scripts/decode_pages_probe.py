@@ -169,6 +169,14 @@ def main():
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--orders",
+        nargs="+",
+        default=["shuffled"],
+        help="where the pool's pages lie (tileattn.bench.decode._pool): shuffled, 'in order', lockstep, or a "
+        "number of pages within whose runs they are shuffled",
+    )
+    ap.add_argument("--packed", nargs="+", type=int, default=[0, 1], help="1: whole pages, 0: a kv head at a time")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--check", action="store_true", help="check the probes under the interpreter and stop")
     args = ap.parse_args()
@@ -184,22 +192,25 @@ def main():
         for name in ("tileattn", f"tileattn paged{args.page}", "sdpa-cudnn"):
             calls = [DECODE_BACKENDS[name](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
             graphs[name], _ = capture_graph(calls)
-        pools = [_pool(q, kc, vc, args.page)[:3] for q, kc, vc in inputs]
-        for stages in args.stages:
-            for packed in (False, True):
-                made = [PagesProbe(kp, vp, tb, programs, packed, stages=stages) for kp, vp, tb in pools]
-                made[0]()
-                out, ref = made[0].out, made[0].reference()
-                torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
-                name = f"probe {'packed' if packed else 'per head'}, {stages} stages, grid {made[0].grid}"
-                graphs[name], _ = capture_graph(made)
+        for order in (int(o) if o.isdigit() else o for o in args.orders):
+            pools = [_pool(q, kc, vc, args.page, order)[:3] for q, kc, vc in inputs]
+            for stages in args.stages:
+                for packed in args.packed:
+                    made = [PagesProbe(kp, vp, tb, programs, packed, stages=stages) for kp, vp, tb in pools]
+                    made[0]()
+                    out, ref = made[0].out, made[0].reference()
+                    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().amax().item(), rtol=2e-2)
+                    kind = "packed" if packed else "per head"
+                    where = f", pages {order}" if len(args.orders) > 1 else ""
+                    graphs[f"probe {kind}, {stages} stages, grid {made[0].grid}{where}"], _ = capture_graph(made)
+            del pools
         rounds = gbps_rounds(graphs, len(inputs), kv_bytes, args.rounds)
         for name, vals in rounds.items():
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(dict(row=row, variant=name, gbps=vals)) + "\n")
             table.append([row, name, median_range(vals)])
-        del graphs, pools, inputs
+        del graphs, inputs
         torch.cuda.empty_cache()
     print(tabulate(table, headers=["row", "kernel", "GB/s"], tablefmt="github"))
 

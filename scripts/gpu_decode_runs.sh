@@ -120,6 +120,10 @@
 #     split kernel's pattern) against a whole page for all kv heads at a time.
 # 63: the merge in the launch as a cluster: the probe's splits of a kv head launched as one cluster, which
 #     sums their partials after a cluster barrier, against the probe without a merge and tileattn.
+# 64 (2026-12-02): where the pool's pages lie (tileattn.bench.decode._pool's orders): the benchmark's
+#     shuffle, pages in order, as PagedKVCache deals them to sequences growing together (lockstep), and
+#     shuffled only within each 2 MiB of the pool; tileattn's split kernel and the per-head page probe.
+# 65: every decode row and layout against cuDNN in one interleaved A/B (7 rounds), and the bench tests.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -151,7 +155,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-59}" in
+case "${1:?run number 2-65}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -430,5 +434,15 @@ case "${1:?run number 2-59}" in
     timeout 240 python3 scripts/decode_tail.py --rows 1x131072 8x32768 1x8192 --splits 0 --block-n 128 \
       --kinds plain cluster interleave cluster+interleave --out "$OUT/tail.jsonl" > "$OUT/tail.log" 2>&1
     echo "exit $?"; tail -24 "$OUT/tail.log" ;;
-  *) echo "runs 2-63" >&2; exit 2 ;;
+  64)  # is the shuffled pool's cost the spread of its pages over the pool (translation) or their order?
+    AB_LIMIT=380 ab placement --rounds 5 --rows 64x4096 64x16384 1x131072 --layouts "tileattn" \
+      "tileattn paged16" "tileattn paged16 in order" "tileattn paged16 lockstep" "tileattn paged16 shuffled in 2 MiB" \
+      "tileattn paged256" "tileattn paged256 in order" "tileattn paged256 lockstep" -- ""
+    timeout 150 python3 scripts/decode_pages_probe.py --rows 64x4096 --stages 3 --packed 0 \
+      --orders shuffled "in order" lockstep 64 --out "$OUT/pages.jsonl" > "$OUT/pages.log" 2>&1
+    tail -12 "$OUT/pages.log" ;;
+  65)  # the closing table: each row and layout with cuDNN's graph in the same rounds
+    AB_LIMIT=300 ab final --rounds 7 -- ""
+    tests 120 tests/test_bench.py ;;
+  *) echo "runs 2-65" >&2; exit 2 ;;
 esac

@@ -147,24 +147,34 @@ def test_features_variant_changes_the_tables(monkeypatch):
         variant.apply("fwd:colour=1")
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_decode_pool_reference_follows_the_table(shuffle):
+@pytest.mark.parametrize("order", ["shuffled", "in order", "lockstep", 2])
+def test_decode_pool_reference_follows_the_table(order):
     """The decode benchmark's paged rows check each backend against ``_pool``'s reference keys: the
     first sequence's keys in the order its block table gives them. tileattn's paged call (CPU path)
-    must match attention over them, and the shuffled table must not be the identity."""
+    must match attention over them; each order must place the pages where its docstring says."""
     from tileattn.bench.decode import _pool, _tileattn
     from tileattn.reference import attention_ref
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 4, 16, generator=gen)
-    k = torch.randn(2, 64, 2, 16, generator=gen)
-    v = torch.randn(2, 64, 2, 16, generator=gen)
-    _, _, table, _, _ = _pool(q, k, v, 16, shuffle)
-    assert sorted(table.flatten().tolist()) == list(range(8))
-    assert (table.flatten().tolist() == list(range(8))) != shuffle
-    run, ref_k, ref_v = _tileattn(page=16, shuffle=shuffle)(q, k, v, torch.full((2,), 64, dtype=torch.int32))
+    k = torch.randn(2, 128, 2, 16, generator=gen)
+    v = torch.randn(2, 128, 2, 16, generator=gen)
+    _, _, table, _, _ = _pool(q, k, v, 16, order)
+    pages = table.flatten().tolist()
+    assert sorted(pages) == list(range(16))
+    if order == "in order":
+        assert pages == list(range(16))
+    elif order == "lockstep":
+        assert table.tolist() == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    elif order == 2:
+        assert pages != list(range(16)) and [p // 2 for p in pages] == [i // 2 for i in range(16)]
+    else:
+        assert pages != list(range(16)) and any(p // 2 != i // 2 for i, p in enumerate(pages))
+    run, ref_k, ref_v = _tileattn(page=16, order=order)(q, k, v, torch.full((2,), 128, dtype=torch.int32))
     out = run()
     torch.testing.assert_close(out[:1], attention_ref(q[:1], ref_k, ref_v)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="order"):
+        _pool(q, k, v, 16, 3)
 
 
 def test_decode_fa4_rows_need_flash_attn_cute():

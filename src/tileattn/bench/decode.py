@@ -91,27 +91,41 @@ def _flex(q, k_cache, v_cache, seqlens):
     return flex_make(q, k_cache, v_cache, False), k_cache, v_cache
 
 
-def _pool(q, k_cache, v_cache, page, shuffle=True):
-    """The caches as a pool of pages of ``page`` keys whose block table is a seeded random permutation
-    of the pool (``shuffle``; pages in order otherwise): ``(k_pages, v_pages, table, ref_k, ref_v)``,
-    the last two the first sequence's keys and values in the order the table gives them."""
+def _pool(q, k_cache, v_cache, page, order="shuffled"):
+    """The caches as a pool of pages of ``page`` keys under a block table that places them in ``order``:
+    ``(k_pages, v_pages, table, ref_k, ref_v)``, the last two the first sequence's keys and values in the
+    order the table gives them. Orders: ``"shuffled"`` (the benchmark's: a seeded random permutation of
+    the pool), ``"in order"`` (sequence b's pages in one run, the contiguous cache's memory), ``"lockstep"``
+    (page j of sequence b is pool page j * batch + b, as ``PagedKVCache`` hands out pages to sequences
+    that grow together), or an int n (a seeded permutation within each run of n consecutive pool pages:
+    pages as scattered as ``"shuffled"``'s at a finer scale, 64 pages of 32 KiB within each 2 MiB)."""
     batch, cache_len = k_cache.shape[:2]
-    pages = batch * cache_len // page
+    pages, per_seq = batch * cache_len // page, cache_len // page
     kp = k_cache.reshape(pages, page, *k_cache.shape[2:])
     vp = v_cache.reshape(pages, page, *v_cache.shape[2:])
     gen = torch.Generator(device=q.device).manual_seed(1)
-    perm = torch.randperm(pages, device=q.device, generator=gen) if shuffle else torch.arange(pages, device=q.device)
-    table = perm.view(batch, cache_len // page).to(torch.int32)
-    first = perm[: cache_len // page].long()
+    if order == "shuffled":
+        perm = torch.randperm(pages, device=q.device, generator=gen)
+    elif order == "in order":
+        perm = torch.arange(pages, device=q.device)
+    elif order == "lockstep":
+        perm = torch.arange(pages, device=q.device).view(per_seq, batch).t().flatten()
+    elif isinstance(order, int) and order > 0 and pages % order == 0:
+        keys = torch.rand(pages, device=q.device, generator=gen) + torch.arange(pages, device=q.device) // order
+        perm = keys.argsort()
+    else:
+        raise ValueError(f"order: 'shuffled', 'in order', 'lockstep' or a divisor of the {pages} pages, not {order!r}")
+    table = perm.view(batch, per_seq).to(torch.int32)
+    first = perm[:per_seq].long()
     ref_k = kp[first].reshape(1, cache_len, *k_cache.shape[2:])
     ref_v = vp[first].reshape(1, cache_len, *k_cache.shape[2:])
     return kp, vp, table, ref_k, ref_v
 
 
-def _tileattn(num_splits=0, page=None, shuffle=True, shared_table=False):
+def _tileattn(num_splits=0, page=None, order="shuffled", shared_table=False):
     """tileattn's call; with ``page``, over a pool of pages of that size (``_pool``). Each input copy has
-    its own table, so that, like the caches, it is not in L2 when read; ``shared_table``: one table for
-    all copies (as the layers of a model share one)."""
+    its own table, so that, like the caches, it is not in L2 when read; ``order``: where the pool's pages
+    lie (``_pool``); ``shared_table``: one table for all copies (as the layers of a model share one)."""
     tables = {}
 
     def make(q, k_cache, v_cache, seqlens):
@@ -120,7 +134,7 @@ def _tileattn(num_splits=0, page=None, shuffle=True, shared_table=False):
                 q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits
             )
             return run, k_cache, v_cache
-        kp, vp, table, ref_k, ref_v = _pool(q, k_cache, v_cache, page, shuffle)
+        kp, vp, table, ref_k, ref_v = _pool(q, k_cache, v_cache, page, order)
         if shared_table:
             table = tables.setdefault(tuple(k_cache.shape[:2]), table)
         run = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
