@@ -142,9 +142,10 @@ def main():
                 else:
                     torch.testing.assert_close(out.float(), first, atol=2e-2, rtol=0)
                 graphs[variant or "table"] = graph
+            ref_calls = []  # (a graph replays its calls' tables: they live as long as the graphs)
             for anchor in args.anchors:
-                ref_calls = [DECODE_BACKENDS[anchor](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
-                graphs["cuDNN" if anchor == "sdpa-cudnn" else anchor], _ = capture_graph(ref_calls)
+                ref_calls.append([DECODE_BACKENDS[anchor](q, kc, vc, seqlens)[0] for q, kc, vc in inputs])
+                graphs["cuDNN" if anchor == "sdpa-cudnn" else anchor], _ = capture_graph(ref_calls[-1])
             rounds = gbps_rounds(graphs, len(calls), kv_bytes, args.rounds, args.replays)
             for name, vals in rounds.items():
                 row = dict(batch=batch, cache_len=cache_len, layout=layout, variant=name, gbps=vals)

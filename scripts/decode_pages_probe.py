@@ -188,10 +188,11 @@ def main():
         inputs, seqlens, kv_bytes = decode_inputs(batch, cache_len)
         nheads_k = inputs[0][1].shape[2]
         programs = batch * nheads_k * max(1, 132 // (batch * nheads_k))  # (one program per kv head, or a wave)
-        graphs = {}
+        graphs, probes = {}, []  # (a graph replays its probes' tables, q and outputs: they live as long)
         for name in ("tileattn", f"tileattn paged{args.page}", "sdpa-cudnn"):
             calls = [DECODE_BACKENDS[name](q, kc, vc, seqlens)[0] for q, kc, vc in inputs]
             graphs[name], _ = capture_graph(calls)
+            probes.append(calls)  # (the paged calls' tables)
         for order in (int(o) if o.isdigit() else o for o in args.orders):
             pools = [_pool(q, kc, vc, args.page, order)[:3] for q, kc, vc in inputs]
             for stages in args.stages:
@@ -203,14 +204,14 @@ def main():
                     kind = "packed" if packed else "per head"
                     where = f", pages {order}" if len(args.orders) > 1 else ""
                     graphs[f"probe {kind}, {stages} stages, grid {made[0].grid}{where}"], _ = capture_graph(made)
-            del pools
+                    probes.append(made)
         rounds = gbps_rounds(graphs, len(inputs), kv_bytes, args.rounds)
         for name, vals in rounds.items():
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(dict(row=row, variant=name, gbps=vals)) + "\n")
             table.append([row, name, median_range(vals)])
-        del graphs, inputs
+        del graphs, probes, inputs
         torch.cuda.empty_cache()
     print(tabulate(table, headers=["row", "kernel", "GB/s"], tablefmt="github"))
 

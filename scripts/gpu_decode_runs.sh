@@ -122,8 +122,10 @@
 #     sums their partials after a cluster barrier, against the probe without a merge and tileattn.
 # 64 (2026-12-02): where the pool's pages lie (tileattn.bench.decode._pool's orders): the benchmark's
 #     shuffle, pages in order, as PagedKVCache deals them to sequences growing together (lockstep), and
-#     shuffled only within each 2 MiB of the pool; tileattn's split kernel and the per-head page probe.
-# 65: every decode row and layout against cuDNN in one interleaved A/B (7 rounds), and the bench tests.
+#     shuffled only within each 2 MiB of the pool, with tileattn's kernels (the call also ran run 65's
+#     probe, which failed: its graphs replayed tables that the script had freed, fixed since).
+# 65: the same orders for the per-head page probe (scripts/decode_pages_probe.py) at 64 x 4k.
+# 66: every decode row and layout against cuDNN in one interleaved A/B (7 rounds), and the bench tests.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -155,7 +157,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-65}" in
+case "${1:?run number 2-66}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -437,12 +439,13 @@ case "${1:?run number 2-65}" in
   64)  # is the shuffled pool's cost the spread of its pages over the pool (translation) or their order?
     AB_LIMIT=380 ab placement --rounds 5 --rows 64x4096 64x16384 1x131072 --layouts "tileattn" \
       "tileattn paged16" "tileattn paged16 in order" "tileattn paged16 lockstep" "tileattn paged16 shuffled in 2 MiB" \
-      "tileattn paged256" "tileattn paged256 in order" "tileattn paged256 lockstep" -- ""
+      "tileattn paged256" "tileattn paged256 in order" "tileattn paged256 lockstep" -- "" ;;
+  65)  # the per-head page probe over the same orders
     timeout 150 python3 scripts/decode_pages_probe.py --rows 64x4096 --stages 3 --packed 0 \
       --orders shuffled "in order" lockstep 64 --out "$OUT/pages.jsonl" > "$OUT/pages.log" 2>&1
     tail -12 "$OUT/pages.log" ;;
-  65)  # the closing table: each row and layout with cuDNN's graph in the same rounds
+  66)  # the closing table: each row and layout with cuDNN's graph in the same rounds
     AB_LIMIT=300 ab final --rounds 7 -- ""
     tests 120 tests/test_bench.py ;;
-  *) echo "runs 2-65" >&2; exit 2 ;;
+  *) echo "runs 2-66" >&2; exit 2 ;;
 esac
