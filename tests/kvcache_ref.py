@@ -50,7 +50,7 @@ def kvcache_ref(
         cos, sin = rotary
         offsets = torch.tensor(seqlens, device=q.device)
         k = apply_rotary_emb(k, cos, sin, rotary_interleaved, offsets)
-        if causal or any(0 <= side < capacity for side in window_size):  # (wider sides: no window)
+        if causal or any(0 <= side < capacity for side in window_size):  # (wider sides: unbounded)
             q_ro = apply_rotary_emb(q, cos, sin, rotary_interleaved, offsets)
         else:  # every query token at position cache_seqlens
             flat = q.reshape(batch, 1, -1, q.shape[-1])
@@ -75,6 +75,7 @@ def kvcache_ref(
             softcap=softcap,
             alibi_slopes=slopes,
             upcast=upcast,
+            window_seqlen_k=capacity,
         )
         outs.append(out)
     return torch.cat(outs), kc, vc

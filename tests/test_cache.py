@@ -93,6 +93,55 @@ def test_fork_shares_prefix_and_copies_on_write(backend):
     assert torch.equal(_gather(cache, child), child_keys) and cache.num_free_pages == 6
 
 
+def test_parent_and_fork_appended_in_one_step(backend):
+    """A parent and its fork grow in one append while they share a partial last page: one copies it,
+    the other keeps it (no page leaks, freeing both returns every page), the count of free pages the
+    step needs is one copy, not one per sharer, and each sees its own new token after the page."""
+    ctx, device = on(backend)
+    cache = _cache(num_pages=3, device=device)
+    parent = cache.add_sequence()
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16, device=device)
+    k = torch.randn(1, 2, 2, 16, dtype=torch.float16, device=device)
+    step = cache.append(parent, 2)
+    with ctx:
+        tileattn.flash_attn_with_kvcache(q[:1], k=k, v=k, **step.kwargs(0))
+    child = cache.fork(parent)
+    third = cache.fork(parent)
+    cache.append(cache.add_sequence(), 4)  # one free page left
+    with pytest.raises(CacheFullError, match="needs 2 free pages .* has 1"):
+        cache.append([parent, child], 1)  # a third sharer holds the page: both copy
+    cache.free(third)
+    step = cache.append([parent, child], 1)  # the step holds every sharer: one copy
+    assert cache.num_free_pages == 0 and len({cache.pages(parent)[0], cache.pages(child)[0]}) == 2
+    k1 = torch.randn(2, 1, 2, 16, dtype=torch.float16, device=device)
+    with on(backend)[0]:
+        tileattn.flash_attn_with_kvcache(q, k=k1, v=k1, **step.kwargs(0))
+    for row, seq in enumerate((parent, child)):
+        keys = _gather(cache, seq)
+        assert torch.equal(keys[:2], k[0]) and torch.equal(keys[2], k1[row, 0])
+    cache.free(parent)
+    cache.free(child)
+    assert cache.num_free_pages == 2
+
+
+def test_steps_pad_short_table_rows_with_no_page(backend):
+    """A step's block table pads rows shorter than the widest with -1, so new tokens that reach past a
+    sequence's pages (here: b made room for one token, the step writes three) are refused, and no other
+    sequence's page is written."""
+    ctx, device = on(backend)
+    cache = _cache(device=device)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    step = cache.append([a, b], [9, 1])
+    assert step.block_table.tolist()[1] == [cache.pages(b)[0], -1, -1]
+    pool = cache.k.clone()
+    q = torch.randn(2, 3, 4, 16, dtype=torch.float16, device=device)
+    k = torch.randn(2, 3, 2, 16, dtype=torch.float16, device=device)
+    kwargs = dict(step.kwargs(0), cache_seqlens=torch.tensor([0, 3], dtype=torch.int32, device=device))
+    with ctx, pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1"):
+        tileattn.flash_attn_with_kvcache(q, k=k, v=k, **kwargs)
+    assert torch.equal(cache.k, pool)
+
+
 def _example():
     path = Path(__file__).parent.parent / "examples" / "paged_decode.py"
     spec = importlib.util.spec_from_file_location("paged_decode", path)

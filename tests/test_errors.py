@@ -314,6 +314,13 @@ KVCACHE_CASES = [
         ["cache_batch_idx", "[0, 2)"],
     ),
     (
+        "batch-idx-repeated",
+        {"cache_batch_idx": torch.tensor([1, 1], dtype=I32)},
+        False,
+        ValueError,
+        ["cache_batch_idx[1] = 1", "repeats", "new k and v"],
+    ),
+    (
         "leftpad-past-seqlens",
         {"cache_leftpad": torch.tensor([4, 0], dtype=I32)},
         False,

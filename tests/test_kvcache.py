@@ -11,6 +11,7 @@ import tileattn
 from helpers import PROPERTY_SHARDS, on, run_property
 from kvcache_ref import dense_view, kvcache_ref
 from tileattn.kernels.configs import interpreting
+from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 F16 = torch.float16
@@ -1193,3 +1194,71 @@ def test_planned_tma_launch_in_another_thread(monkeypatch):
     thread.start()
     thread.join()
     assert len(results) == 1 and torch.equal(results[0], first) and len(planned) == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("fill", [-1, 2**31 - 1])
+def test_table_entries_past_a_sequence_are_not_read(backend, fill, page, num_splits):
+    """Block-table entries past the pages a sequence's keys (and new tokens) cover may hold anything
+    (flash_attn: only those entries are read); PagedKVCache pads short rows with -1. The call with such
+    entries matches the one whose table holds real pages there, output and pool alike."""
+    _, device = on(backend)
+    q, kc, vc, args = _inputs(5, 5, {"causal": True, "rotary": "interleaved"}, page, device)
+    table = args["block_table"]
+    ends = args["cache_seqlens"].long() + 5
+    used = (ends + page - 1) // page
+    padded = table.clone()
+    padded[torch.arange(table.shape[1], device=device) >= used.unsqueeze(1)] = fill
+    assert (padded == fill).any()
+    outs, pools = [], []
+    for tb in (table, padded):
+        k_pool, v_pool = kc.clone(), vc.clone()
+        call = {**args, "block_table": tb, "num_splits": num_splits}
+        with on(backend)[0]:
+            outs.append(tileattn.flash_attn_with_kvcache(q, k_pool, v_pool, **call))
+        pools.append((k_pool, v_pool))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+
+
+def test_window_sides_as_wide_as_the_keys_are_unbounded(backend):
+    """As in flash_attn, a window side at least the call's key length (k's seqlen, max_seqlen_k, or the
+    cache capacity) is unbounded: with more queries than keys, (-1, seqlen_k) is no window at all, while
+    (-1, seqlen_k - 1) hides every key from the first rows (the diagonal lies left of the keys)."""
+    _, device = on(backend)
+    q = torch.randn(1, 12, 2, 16, dtype=F16, device=device)
+    k, v = (torch.randn(1, 4, 1, 16, dtype=F16, device=device) for _ in range(2))
+    cu_q = torch.tensor([0, 12], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    calls = {
+        "dense": lambda w: tileattn.flash_attn_func(q, k, v, window_size=w),
+        "varlen": lambda w: tileattn.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 12, 4, window_size=w)[None],
+        "kvcache": lambda w: tileattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=4, window_size=w),
+    }
+    for name, call in calls.items():
+        with on(backend)[0]:
+            plain, wide, narrow = call((-1, -1)), call((-1, 4)), call((-1, 3))
+        assert torch.equal(plain, wide), name
+        assert (narrow[0, 0] == 0).all() and not (plain[0, 0] == 0).all(), name
+        ref, _ = attention_ref(q, k, v, window_size=(-1, 4))
+        check_close(f"{name} wide window", wide, ref, attention_ref(q, k, v, window_size=(-1, 4), upcast=False)[0])
+
+
+def test_caches_that_require_grad_or_are_inference_tensors_are_written(backend):
+    """As flash_attn's kernel does, the append writes caches whatever their autograd state: a cache that
+    requires grad, or one made under torch.inference_mode and used outside it (torch's own in-place
+    writes refuse both, and the second cache's refusal would come after the first cache's write)."""
+    _, device = on(backend)
+    q = torch.randn(2, 1, 4, 16, dtype=F16, device=device)
+    new = torch.randn(2, 1, 2, 16, dtype=F16, device=device)
+    seqlens = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    with torch.inference_mode():
+        inference = torch.randn(2, 4, 2, 16, dtype=F16, device=device)
+    needs_grad = torch.randn(2, 4, 2, 16, dtype=F16, device=device).requires_grad_(True)
+    for v_cache in (needs_grad, inference):
+        k_cache = torch.randn(2, 4, 2, 16, dtype=F16, device=device)
+        with on(backend)[0]:
+            tileattn.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
+        for b, n in enumerate(seqlens.tolist()):
+            assert torch.equal(k_cache[b, n], new[b, 0]) and torch.equal(v_cache[b, n].detach(), new[b, 0])

@@ -18,7 +18,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from tileattn import cpu, rng
+from tileattn import cpu, reference, rng
 from tileattn.kernels.configs import AttnParams, interpreting, remember
 
 MAX_HEADDIM = 256
@@ -169,8 +169,11 @@ def _check_options(
     softcap: object,
     deterministic: object,
     return_attn_probs: object,
+    *,
+    seqlen_k: int,
 ) -> tuple[float, float | None, int, int, float]:
-    """Scalar options; returns (dropout_p, softmax_scale, window_left, window_right, softcap)."""
+    """Scalar options; returns (dropout_p, softmax_scale, window_left, window_right, softcap). The window
+    as ``reference.causal_window`` resolves it against the call's key length ``seqlen_k``."""
     if not _is_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is not None and (not _is_real(softmax_scale) or not math.isfinite(float(softmax_scale))):
@@ -185,8 +188,7 @@ def _check_options(
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
     if not _is_real(softcap) or not math.isfinite(float(softcap)) or softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
-    if causal:
-        right = 0
+    left, right = reference.causal_window(causal, (left, right), seqlen_k)
     scale = None if softmax_scale is None else float(softmax_scale)
     return rng.quantize_dropout_p(float(dropout_p)), scale, left, right, float(softcap)
 
@@ -388,7 +390,7 @@ def _params(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> AttnParams:
     dropout_p, softmax_scale, left, right, softcap = _check_options(
-        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+        dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, seqlen_k=seqlen_k
     )
     headdim = q.shape[-1]
     return AttnParams(

@@ -17,6 +17,7 @@ sequence) raise before any state changes.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass, field
 
@@ -167,7 +168,11 @@ class PagedKVCache:
             raise ValueError(f"seq_ids must be distinct, got {ids}")
         seqs = [self._get(i) for i in ids]
         plans = [self._plan(s, n) for s, n in zip(seqs, counts)]
-        wanted = sum(n + cow for n, cow in plans)
+        # a shared partial last page is copied by each sharer in the step, except the last one when the
+        # step holds every sharer (that one then owns the page alone)
+        sharers = collections.Counter(s.pages[-1] for s, (_, cow) in zip(seqs, plans) if cow)
+        copies = sum(min(k, self._refs[page] - 1) for page, k in sharers.items())
+        wanted = sum(n for n, _ in plans) + copies
         if wanted > len(self._free):
             raise CacheFullError(
                 f"the step needs {wanted} free pages of {self.page_size} tokens but the pool has {len(self._free)} "
@@ -175,7 +180,7 @@ class PagedKVCache:
             )
         before = [s.length for s in seqs]
         for seq, n, (new_pages, cow) in zip(seqs, counts, plans):
-            if cow:
+            if cow and self._refs[seq.pages[-1]] > 1:  # (an earlier sharer in the step may have copied it)
                 self._copy_last_page(seq)
             for _ in range(new_pages):
                 page = self._free.pop()
@@ -190,12 +195,14 @@ class PagedKVCache:
         self._refs[page] = 1
         self.k[:, page] = self.k[:, shared]
         self.v[:, page] = self.v[:, shared]
-        self._refs[shared] -= 1
+        self._release(shared)
         seq.pages[-1] = page
 
     def _step(self, ids: list[int], before: list[int]) -> CacheStep:
         width = max((len(self._seqs[i].pages) for i in ids), default=0)
-        table = torch.zeros(len(ids), max(width, 1), dtype=torch.int32)
+        # rows shorter than the widest are padded with -1, no page: flash_attn_with_kvcache rejects a
+        # step whose new tokens reach past a sequence's pages instead of writing another sequence's page
+        table = torch.full((len(ids), max(width, 1)), -1, dtype=torch.int32)
         for row, i in enumerate(ids):
             pages = self._seqs[i].pages
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)

@@ -239,8 +239,12 @@ def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_tab
     positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
     if rotary is not None:
         k = rotary_at(k, *rotary[:2], positions, rotary[2])
-    _write_rows(k_cache, k, positions, block_table, batch_idx)
-    _write_rows(v_cache, v, positions, block_table, batch_idx)
+    # as the kernels (and flash_attn) write: also into caches that require grad or are inference tensors,
+    # which torch's in-place writes refuse outside no_grad / inference mode (after the first cache's write)
+    inference = k_cache.is_inference() or v_cache.is_inference()
+    with torch.inference_mode() if inference else torch.no_grad():
+        _write_rows(k_cache, k, positions, block_table, batch_idx)
+        _write_rows(v_cache, v, positions, block_table, batch_idx)
 
 
 def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c):

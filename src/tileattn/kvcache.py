@@ -113,6 +113,9 @@ def _check_values(
         checks.append(((leftpad < 0) | (leftpad > seqlens)).any())
     if batch_idx is not None:
         checks.append(((batch_idx < 0) | (batch_idx >= batch_cache)).any())
+        if seqlen_new:  # two entries appending into one cache row would race for it
+            rows = batch_idx.sort().values
+            checks.append((rows[1:] == rows[:-1]).any())
     if block_table is not None:
         used = torch.arange(block_table.shape[1], device=seqlens.device) < (ends + page_size - 1).div(
             page_size, rounding_mode="floor"
@@ -140,6 +143,13 @@ def _check_values(
     if batch_idx is not None and next(flags):
         b = _first_bad((batch_idx < 0) | (batch_idx >= batch_cache))
         raise ValueError(f"cache_batch_idx must be in [0, {batch_cache}), got {int(batch_idx[b])} at batch entry {b}")
+    if batch_idx is not None and seqlen_new and next(flags):
+        rows = batch_idx.tolist()
+        b = next(i for i, row in enumerate(rows) if row in rows[:i])
+        raise ValueError(
+            f"cache_batch_idx[{b}] = {rows[b]} repeats an earlier entry: with new k and v each batch entry "
+            "must append into a cache row of its own"
+        )
     if block_table is not None and next(flags):
         b, j = (int(x) for x in bad_pages.nonzero()[0])
         raise ValueError(
@@ -415,9 +425,11 @@ def _check_call(
         raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
-    _, scale, left, right, softcap = api._check_options(0.0, softmax_scale, causal, window_size, softcap, False, False)
-    # as flash_attn: window sides as wide as the cache are unbounded (q then rotates as without a window)
-    local = any(0 <= side < capacity for side in (left, right))
+    # (as flash_attn: window sides as wide as the cache are unbounded, in the mask and q's rotation)
+    _, scale, left, right, softcap = api._check_options(
+        0.0, softmax_scale, causal, window_size, softcap, False, False, seqlen_k=capacity
+    )
+    local = left >= 0 or right >= 0
     api._check_extent(seqlen_q, {"q": q})
     if batch > api.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {api.MAX_DENSE_BATCH}; split it into several calls")
@@ -606,6 +618,7 @@ def paged_varlen_fwd(
         p_options["softcap"],
         p_options["deterministic"],
         False,
+        seqlen_k=int(max_seqlen_k),
     )
     op = _fwd_paged_varlen_impl if api.direct(q, k, v) else torch.ops.tileattn.fwd_paged_varlen
     return op(

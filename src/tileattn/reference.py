@@ -44,9 +44,13 @@ def alibi_bias(
     return -slopes * (i + seqlen_k - seqlen_q - j).abs().to(slopes.dtype)
 
 
-def causal_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
-    """The window that a (causal, window_size) pair means: causal bounds the right side at 0."""
+def causal_window(causal: bool, window_size: tuple[int, int], seqlen_k: int | None = None) -> tuple[int, int]:
+    """The window that a (causal, window_size) pair means. As in flash_attn, a side at least ``seqlen_k``
+    wide (the call's key length: k's, flash_attn_varlen_func's max_seqlen_k, flash_attn_with_kvcache's
+    cache capacity) is unbounded (-1); then causal bounds the right side at 0."""
     left, right = window_size
+    if seqlen_k is not None:
+        left, right = (-1 if side >= seqlen_k else side for side in (left, right))
     return (left, 0) if causal else (left, right)
 
 
@@ -65,6 +69,7 @@ def attention_ref(
     softmax_scale: float | None = None,
     upcast: bool | torch.dtype = True,
     reorder_ops: bool = False,
+    window_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises the ``(batch, nheads, seqlen_q, seqlen_k)`` scores.
 
@@ -83,6 +88,8 @@ def attention_ref(
         upcast: True computes in float32, a dtype (e.g. ``torch.float64``) computes in that dtype,
             False computes in the input dtype (the "plain PyTorch" error).
         reorder_ops: scale k instead of q before the product (a second low-precision variant).
+        window_seqlen_k: the key length from which a window side counts as unbounded
+            (``causal_window``): k's ``seqlen_k`` when None; a cache's capacity for a slice of it.
 
     Returns:
         ``(output, attention)``: output in q's dtype ``(batch, seqlen_q, nheads, headdim)``, attention
@@ -117,7 +124,8 @@ def attention_ref(
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(compute).view(-1, nheads, 1, 1)
         scores = scores + alibi_bias(slopes, i, j, len_q, len_k)
-    visible = local_mask(i, j, len_q, len_k, causal_window(causal, window_size))
+    window = causal_window(causal, window_size, seqlen_k if window_seqlen_k is None else window_seqlen_k)
+    visible = local_mask(i, j, len_q, len_k, window)
     visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
     scores = scores.masked_fill(~visible, float("-inf"))
     attention = torch.softmax(scores, dim=-1)
