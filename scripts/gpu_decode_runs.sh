@@ -126,6 +126,9 @@
 #     probe, which failed: its graphs replayed tables that the script had freed, fixed since).
 # 65: the same orders for the per-head page probe (scripts/decode_pages_probe.py) at 64 x 4k.
 # 66: every decode row and layout against cuDNN in one interleaved A/B (7 rounds), and the bench tests.
+# 67: GPU tests after a review's fixes (window sides as wide as the keys unbounded, PagedKVCache's forks
+#     appended with their parent, table rows padded with -1), and memcheck of the test whose tables hold
+#     -1 and 2**31 - 1 past each sequence's pages.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -157,7 +160,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-66}" in
+case "${1:?run number 2-67}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -447,5 +450,12 @@ case "${1:?run number 2-66}" in
   66)  # the closing table: each row and layout with cuDNN's graph in the same rounds
     AB_LIMIT=300 ab final --rounds 7 -- ""
     tests 120 tests/test_bench.py ;;
-  *) echo "runs 2-66" >&2; exit 2 ;;
+  67)  # the review's fixes on the GPU
+    tests 330 tests/test_kvcache.py tests/test_cache.py tests/test_errors.py
+    LOG=window tests 120 tests/test_attention.py tests/test_varlen.py -k window
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider tests/test_kvcache.py -k not_read > "$OUT/sanitizer_table.log" 2>&1
+    echo "memcheck exit $?"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_table.log" | tail -4 ;;
+  *) echo "runs 2-67" >&2; exit 2 ;;
 esac
