@@ -292,7 +292,8 @@ def _check_varlen_problem(backend, pb):
     for b in range(len(lq)):
         oq, ok = sum(lq[:b]), sum(lk[:b])
         one = [t[None, o : o + n] for t, o, n in ((q, oq, lq[b]), (k, ok, lk[b]), (v, ok, lk[b]))]
-        kw = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][b]) if pb["alibi"] else kwargs
+        kw = dict(kwargs, alibi_slopes=kwargs["alibi_slopes"][b]) if pb["alibi"] else dict(kwargs)
+        kw["window_seqlen_k"] = max(lk)  # (the call's window is resolved at max_seqlen_k)
         refs.append(attention_ref(*one, upcast=torch.float64, **kw)[0][0])
         lowps.append(attention_ref(*one, upcast=False, **kw)[0][0])
     ref, lowp = torch.cat(refs), torch.cat(lowps)

@@ -74,7 +74,7 @@ def _check_varlen(backend, lengths, feats, dtype):
     for b, (sq, sk) in enumerate(seqs):
         oq, ok = sum(lq[:b]), sum(lk[:b])
         qs, ks, vs = (t[None, o : o + n] for t, o, n in ((q, oq, sq), (k, ok, sk), (v, ok, sk)))
-        ref_kwargs = dict(kwargs)
+        ref_kwargs = dict(kwargs, window_seqlen_k=max(lk))  # (the call's window is resolved at max_seqlen_k)
         if "alibi_slopes" in kwargs and kwargs["alibi_slopes"].dim() == 2:
             ref_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
         refs.append(attention_ref(qs, ks, vs, upcast=torch.float64, **ref_kwargs)[0][0])

@@ -423,7 +423,9 @@ _DENSE_DOC_ARGS = """
         causal: causal mask aligned to the bottom-right corner: with ``seqlen_q != seqlen_k``, query i
             sees keys ``j <= i + seqlen_k - seqlen_q``.
         window_size: ``(left, right)`` sliding window around that diagonal; query i sees keys in
-            ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 = unbounded.
+            ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 = unbounded, and
+            as in flash_attn a side at least ``seqlen_k`` wide (``max_seqlen_k`` in varlen calls, the cache
+            capacity in ``flash_attn_with_kvcache``) is unbounded too.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (before ALiBi and masking).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
