@@ -118,3 +118,22 @@ def test_dkdv_query_major_tiles(backend, feats, dq_atomic, monkeypatch):
     if "dropout_p" in feats:
         ref_kwargs["dropout_mask"] = s_dmask >= 0
     check_attention("q-major dkdv", out, grads, q, k, v, dout, ref_kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs run on the GPU")
+def test_dropout_under_graph_capture_is_refused():
+    """The dropout seed is drawn on the host, so a captured call would replay one mask: capture refuses
+    dropout (and nothing else: the same call without dropout captures and replays)."""
+    q, k, v = (torch.randn(1, 64, 2, 64, dtype=torch.float16, device="cuda") for _ in range(3))
+    tileattn.flash_attn_func(q, k, v, dropout_p=0.1)  # (warm: compiled outside the capture)
+    tileattn.flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(NotImplementedError, match="CUDA graph capture"), torch.cuda.graph(graph):
+        tileattn.flash_attn_func(q, k, v, dropout_p=0.1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tileattn.flash_attn_func(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, tileattn.flash_attn_func(q, k, v))

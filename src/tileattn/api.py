@@ -190,7 +190,13 @@ def _check_options(
         raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     left, right = reference.causal_window(causal, (left, right), seqlen_k)
     scale = None if softmax_scale is None else float(softmax_scale)
-    return rng.quantize_dropout_p(float(dropout_p)), scale, left, right, float(softcap)
+    quantized = rng.quantize_dropout_p(float(dropout_p))
+    if dropout_p > 0 and quantized == 0:
+        raise ValueError(
+            f"dropout_p={dropout_p!r} rounds to 0 at the dropout draws' resolution of 2**-8 (p is rounded to a "
+            "multiple of 1/256); pass 0, or more than 1/512 for a rate of at least 1/256"
+        )
+    return quantized, scale, left, right, float(softcap)
 
 
 def _check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device) -> torch.Tensor | None:
