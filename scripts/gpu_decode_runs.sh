@@ -129,6 +129,8 @@
 # 67: GPU tests after a review's fixes (window sides as wide as the keys unbounded, PagedKVCache's forks
 #     appended with their parent, table rows padded with -1), and memcheck of the test whose tables hold
 #     -1 and 2**31 - 1 past each sequence's pages.
+# 68: GPU tests of a second review's fixes (dropout under graph capture refused, a dropout_p that rounds
+#     to 0 refused) and of the varlen references that resolve windows at max_seqlen_k.
 set -uo pipefail
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -160,7 +162,7 @@ cli() {
     | cut -c1-75
 }
 
-case "${1:?run number 2-67}" in
+case "${1:?run number 2-68}" in
   2)
     tests 200 tests/test_kvcache.py
     timeout 320 python3 scripts/decode_variants.py --out "$OUT/decode_variants" "" "tma=0" "stages=4" "ptstages=4" \
@@ -457,5 +459,8 @@ case "${1:?run number 2-67}" in
       python3 -m pytest -q -p no:cacheprovider tests/test_kvcache.py -k not_read > "$OUT/sanitizer_table.log" 2>&1
     echo "memcheck exit $?"
     grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer_table.log" | tail -4 ;;
-  *) echo "runs 2-67" >&2; exit 2 ;;
+  68)  # the second review's fixes on the GPU
+    LOG=dropout tests 200 tests/test_dropout.py tests/test_errors.py
+    LOG=varlen tests 300 tests/test_varlen.py tests/test_reliability.py -k "varlen or property or window" ;;
+  *) echo "runs 2-68" >&2; exit 2 ;;
 esac
