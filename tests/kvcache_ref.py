@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tileattn.reference import attention_ref
+from tileattn.reference import attention_ref, causal_window
 from tileattn.rotary import apply_rotary_emb
 
 
@@ -50,7 +50,7 @@ def kvcache_ref(
         cos, sin = rotary
         offsets = torch.tensor(seqlens, device=q.device)
         k = apply_rotary_emb(k, cos, sin, rotary_interleaved, offsets)
-        if causal or any(0 <= side < capacity for side in window_size):  # (wider sides: unbounded)
+        if causal_window(causal, window_size, capacity) != (-1, -1):  # (sides as wide as the cache: unbounded)
             q_ro = apply_rotary_emb(q, cos, sin, rotary_interleaved, offsets)
         else:  # every query token at position cache_seqlens
             flat = q.reshape(batch, 1, -1, q.shape[-1])
