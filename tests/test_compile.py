@@ -147,27 +147,36 @@ def test_compiled_decode_step_writes_the_cache():
     check_close("compiled decode", out, expected.double(), expected)
 
 
-def test_eager_calls_skip_the_dispatcher_with_the_same_results(monkeypatch):
-    """Eager calls on plain tensors run the ops' implementations directly (api.direct); the results,
+class _ThroughTheOps(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing, under which calls go through the custom ops' dispatch (``direct`` is
+    false under any mode)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_skip_the_dispatcher_with_the_same_results():
+    """Eager calls on plain tensors run the ops' implementations directly (backend.direct); the results,
     gradients (dropout included) and cache writes equal those through the custom ops, and the caches'
     version counters move as the op's would."""
-    from tileattn import api
+    import contextlib
 
-    direct_rule = api.direct
+    from tileattn.backend import direct as direct_rule
+
     q, k, v = _t(2, 37, 4, 16, grad=True), _t(2, 41, 2, 16, grad=True), _t(2, 41, 2, 16, grad=True)
     dout = torch.randn_like(q)
     kc, vc, kn, vn = _t(2, 64, 2, 16), _t(2, 64, 2, 16), _t(2, 3, 2, 16), _t(2, 3, 2, 16)
     results = {}
     for direct in (True, False):
-        if not direct:
-            monkeypatch.setattr(api, "direct", lambda *tensors: False)
-        torch.manual_seed(7)
-        out = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        k_cache, v_cache = kc.clone(), vc.clone()
-        version = k_cache._version
-        dec = tileattn.flash_attn_with_kvcache(q[:, :3], k_cache, v_cache, kn, vn, cache_seqlens=20, causal=True)
-        assert k_cache._version > version
+        with contextlib.nullcontext() if direct else _ThroughTheOps():
+            assert direct_rule(q) == direct
+            torch.manual_seed(7)
+            out = tileattn.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            k_cache, v_cache = kc.clone(), vc.clone()
+            version = k_cache._version
+            dec = tileattn.flash_attn_with_kvcache(q[:, :3], k_cache, v_cache, kn, vn, cache_seqlens=20, causal=True)
+            assert k_cache._version > version
         results[direct] = (out, *grads, dec, k_cache, v_cache)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
@@ -180,7 +189,7 @@ def test_direct_path_edge_cases():
     """The direct eager path keeps what the custom op allowed: varlen under inference mode (no version
     counters), torch.jit.trace (goes through the op), and a double backward that fails loudly instead of
     returning gradients without a graph."""
-    from tileattn import api
+    from tileattn.backend import direct
 
     with torch.inference_mode():
         q = torch.randn(9, 2, 16)
@@ -191,7 +200,7 @@ def test_direct_path_edge_cases():
     q = torch.randn(1, 5, 2, 16)
     traced = torch.jit.trace(lambda a: tileattn.flash_attn_func(a, a, a, causal=True), (q,), check_trace=False)
     assert torch.equal(traced(q), tileattn.flash_attn_func(q, q, q, causal=True))
-    assert api.direct(q)
+    assert direct(q)
 
     qg = q.clone().requires_grad_()
     out = tileattn.flash_attn_func(qg, qg, qg)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import interpreter_skips, on, patch_configs, randn
+from helpers import builds, interpreter_skips, on, randn
 from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
@@ -38,17 +38,18 @@ def test_varlen_matches_per_sequence_reference(backend, lengths, feats, dtype):
 @pytest.mark.parametrize("variant", ["tma", "dq-atomic"])
 @pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
-def test_varlen_tma_variant(backend, lengths, feats, variant, monkeypatch):
+def test_varlen_tma_variant(backend, lengths, feats, variant):
     """The kernels' TMA reads (KernelConfig.tma) on packed batches: descriptors per sequence, empty ones
     included, rows past a sequence read as zeros; and dQ added from the dK/dV pass (KernelConfig.dq_atomic:
     TMA reduce-adds on the GPU, atomic adds under the interpreter) at each sequence's rows."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     if variant == "tma":
-        patch_configs(monkeypatch, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
+        variant_builds = builds(backend, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
     else:
-        patch_configs(monkeypatch, dkdv=dict(dq_atomic=2))
-    _check_varlen(backend, lengths, feats, torch.float16)
+        variant_builds = builds(backend, dkdv=dict(dq_atomic=2))
+    with variant_builds:
+        _check_varlen(backend, lengths, feats, torch.float16)
 
 
 def _check_varlen(backend, lengths, feats, dtype):
@@ -190,22 +191,20 @@ def test_varlen_schedule_one_long_many_short(backend):
         check_close(f"seq {b}", out[o : o + n], ref, lowp)
 
 
-def test_cu_seqlens_checked_once_until_modified(monkeypatch):
+def test_cu_seqlens_checked_once_until_modified():
     """The values of a cu_seqlens tensor are read on the host once (a device sync), not once per layer:
     later calls with the same, unmodified tensor reuse the result; an in-place change is checked again."""
-    from tileattn import api
+    from tileattn.checks import checked_once
 
     q = torch.randn(9, 2, 16)
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
     cu_k = cu_q.clone()
-    reads = []
-    original = api._cu_lengths
-    monkeypatch.setattr(api, "_cu_lengths", lambda *a: reads.append(a[0]) or original(*a))
+    runs = checked_once.runs
     for _ in range(3):
         tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 5, 5)
-    assert reads == ["cu_seqlens_q", "cu_seqlens_k"]
+    assert checked_once.runs - runs == 2  # cu_seqlens_q and cu_seqlens_k, once each
     tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)  # another max_seqlen: checked again
-    assert len(reads) == 4
+    assert checked_once.runs - runs == 4
     cu_k[1] = 10  # now decreasing
     with pytest.raises(ValueError, match="non-decreasing"):
         tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)
@@ -214,13 +213,13 @@ def test_cu_seqlens_checked_once_until_modified(monkeypatch):
 def test_checked_once_keeps_the_latest_entries_when_full():
     """A full table of remembered checks drops its oldest entry, never the ones just made: the layers
     of a step keep sharing one check however many other tensors were checked before."""
-    from tileattn import api
+    from tileattn.checks import CheckedOnce
 
-    checked = api._CheckedOnce(limit=3)
+    checked = CheckedOnce(limit=3)
     tensors = [torch.zeros(1) for _ in range(5)]
     calls = []
     for t in tensors:
         checked((t,), (), lambda: calls.append(1))
     checked((tensors[3],), (), lambda: calls.append(1))
     checked((tensors[4],), (), lambda: calls.append(1))
-    assert len(calls) == 5 and len(checked._seen) == 3
+    assert len(calls) == 5 and len(checked) == 3

@@ -1,6 +1,8 @@
-"""tileattn: exact FlashAttention in Triton, a drop-in superset of the flash_attn 2.x Python API."""
+"""tileattn: exact FlashAttention in Triton, a drop-in superset of the flash_attn 2.x Python API.
 
-from tileattn import ops  # noqa: F401  (registers the tileattn:: custom ops)
+Importing it registers the ``tileattn::`` custom ops; Triton loads only when a kernel first runs.
+"""
+
 from tileattn.api import (
     flash_attn_func,
     flash_attn_kvpacked_func,

@@ -7,8 +7,10 @@ saved LSE. Computation is in fp32 (fp16/bf16 inputs are upcast block by block). 
 definitions are those of ``tileattn.reference``; dropout uses ``tileattn.rng``, so the mask is the
 one the GPU kernels draw for the same seed.
 
-Same launcher interface as the Triton kernels: ``attn_fwd(q, k, v, p)`` and
-``attn_bwd(dout, q, k, v, out, lse, p)`` with ``p`` a ``kernels.configs.AttnParams``.
+Same launcher interface as the Triton kernels: ``attn_fwd(q, k, v, p, s)``,
+``attn_bwd(dout, q, k, v, out, lse, p, s)``, ``attn_fwd_kvcache(q, k_cache, v_cache, p, c, s)`` and
+``kvcache_append``, with ``p`` a ``params.AttnParams``, ``c`` a ``params.CacheLayout`` and ``s`` the
+kernels' ``params.Settings`` (which this path has no use for).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import itertools
 import torch
 
 from tileattn import reference, rng
-from tileattn.kernels.configs import AttnParams
+from tileattn.params import AttnParams, CacheLayout, Settings
 from tileattn.rotary import rotary_at
 
 BLOCK_M = 128
@@ -101,7 +103,9 @@ def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=0) if group > 1 else t
 
 
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros_like(q)
     nheads = q.shape[-2]
     group = nheads // k.shape[-2]
@@ -151,6 +155,7 @@ def attn_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     p: AttnParams,
+    s: Settings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     group = nheads // nheads_k
@@ -247,8 +252,15 @@ def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_tab
         _write_rows(v_cache, v, positions, block_table, batch_idx)
 
 
-def attn_fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: AttnParams, c):
-    """Attention against a KV cache (``kernels.decode.CacheLayout`` ``c``): each sequence's keys are
+def attn_fwd_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    p: AttnParams,
+    c: CacheLayout,
+    s: Settings | None = None,
+):
+    """Attention against a KV cache (``CacheLayout`` ``c``): each sequence's keys are
     gathered from its cache row or pages into a packed batch, which the blockwise forward runs in
     varlen mode. Same returns as ``kernels.decode.attn_fwd_kvcache``, q rotated first as
     ``c.q_rotary`` says."""

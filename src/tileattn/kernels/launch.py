@@ -37,7 +37,7 @@ from triton import knobs
 from triton.runtime import _allocation, driver
 from triton.runtime.jit import JITFunction
 
-from tileattn.kernels.configs import interpreting, remember
+from tileattn.params import interpreting, remember
 
 # Checks every launch against Triton's own choice of build (read once, when this module is imported).
 VERIFY = os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1"

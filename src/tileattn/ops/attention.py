@@ -1,11 +1,10 @@
-"""The attention kernels as ``torch.library`` custom ops, so ``torch.compile`` sees them as single
-opaque nodes (no graph break) with fake (meta) implementations for tracing and registered autograd.
+"""Attention forward and backward as ``torch.library`` custom ops, so ``torch.compile`` sees them as
+single opaque nodes (no graph break) with fake (meta) implementations for tracing and registered autograd.
 
 ``tileattn::fwd`` returns ``(out, softmax_lse, rng_state)``: rng_state is an int64 CPU tensor holding
 the dropout seed the forward drew, which ``tileattn::bwd`` takes to regenerate the same mask. The public
-functions in ``tileattn.api`` validate metadata (works on fake tensors while tracing) and call these
-ops; checks that need tensor *values* (cu_seqlens) run here, in the real implementation, before any
-kernel.
+functions in ``tileattn.api`` validate metadata (works on fake tensors while tracing) and call ``run``;
+checks that need tensor *values* (cu_seqlens) run here, in the real implementation, before any kernel.
 """
 
 from __future__ import annotations
@@ -13,11 +12,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tileattn import api, cpu, rng
-from tileattn.kernels.configs import AttnParams
+from tileattn import backend, checks, cpu, rng
+from tileattn.kernels import configs
+from tileattn.params import AttnParams
 
 
-def params(
+def _attn_params(
     q: Tensor,
     alibi_slopes: Tensor | None,
     cu_seqlens_q: Tensor | None,
@@ -79,15 +79,15 @@ def forward_impl(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if cu_seqlens_q is not None:
-        api._check_cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-        api._check_cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        checks.cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
     if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise NotImplementedError(
             "dropout_p > 0 under CUDA graph capture: the dropout seed is drawn on the host, so every replay "
             "would drop the same elements; capture with dropout_p=0 or run the dropout call outside the graph"
         )
     seed = rng.new_seed() if dropout_p > 0 else 0
-    p = params(
+    p = _attn_params(
         q,
         alibi_slopes,
         cu_seqlens_q,
@@ -102,11 +102,11 @@ def forward_impl(
         seed,
         deterministic,
     )
-    if api._nothing_to_attend(q, k):
+    if backend.nothing_to_attend(q, k):
         out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
     else:
-        with api._on_device(q):
-            out, lse = api._implementation(q).attn_fwd(q, k, v, p)
+        with backend.on_device(q):
+            out, lse = backend.implementation(q).attn_fwd(q, k, v, p, configs.current(q.device))
     return _like(out, q), lse, torch.tensor([seed], dtype=torch.int64)
 
 
@@ -143,9 +143,9 @@ def backward_impl(
     dropout_p: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if api._nothing_to_attend(q, k):
+    if backend.nothing_to_attend(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    p = params(
+    p = _attn_params(
         q,
         alibi_slopes,
         cu_seqlens_q,
@@ -162,8 +162,8 @@ def backward_impl(
     )
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    with api._on_device(q):
-        dq, dk, dv = api._implementation(q).attn_bwd(dout, q, k, v, out, lse, p)
+    with backend.on_device(q):
+        dq, dk, dv = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
     return _like(dq, q), _like(dk, k), _like(dv, v)
 
 
@@ -180,11 +180,15 @@ def _setup_context(ctx, inputs, output):
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3])
     ctx.options = options[3:]
+    # the backward runs with the forward's settings: autograd may run it on another thread, where an
+    # override (a context variable) of the calling thread is not set
+    ctx.settings = configs.current(q.device)
 
 
 def _grads(bwd, ctx, dout):
     """(dq, dk, dv, None...) for the forward's 14 inputs, from what ``_setup_context`` saved."""
-    dq, dk, dv = bwd(dout, *ctx.saved_tensors, *ctx.options)
+    with configs.override(ctx.settings):
+        dq, dk, dv = bwd(dout, *ctx.saved_tensors, *ctx.options)
     return (dq, dk, dv) + (None,) * 11
 
 
@@ -197,7 +201,7 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerAttention(torch.autograd.Function):
     """``tileattn::fwd`` / ``tileattn::bwd`` without the custom-op dispatch, for eager calls on plain
-    tensors (``api.direct``): the same implementations and saved tensors, at a fraction of the host time
+    tensors (``backend.direct``): the same implementations and saved tensors, at a fraction of the host time
     per call (the dispatcher's argument handling costs more than the kernel launches at small sizes)."""
 
     @staticmethod
@@ -216,3 +220,28 @@ def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, p: AttnPara
     """S_dmask of ``return_attn_probs`` (materialised N×N, for tests)."""
     p.philox_seed = int(rng_state[0])
     return cpu.attn_probs(q.detach(), k.detach(), lse, p)
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):
+    """Calls ``tileattn::fwd``, which carries the autograd, or in eager mode on plain tensors the same
+    implementation without the op's dispatch (``backend.direct``)."""
+    op = EagerAttention.apply if backend.direct(q, k, v) else torch.ops.tileattn.fwd
+    out, lse, rng_state = op(
+        q,
+        k,
+        v,
+        p.alibi_slopes,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        p.seqlen_q,
+        p.seqlen_k,
+        p.softmax_scale,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        p.dropout_p,
+        p.deterministic,
+    )
+    if not return_attn_probs:
+        return out
+    return out, lse, attn_probs(q, k, lse, rng_state, p)

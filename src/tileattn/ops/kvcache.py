@@ -1,0 +1,208 @@
+"""KV-cache attention as ``torch.library`` custom ops: ``tileattn::fwd_kvcache`` (the value checks, the
+in-place append with rotary, then attention over the updated cache) and ``tileattn::fwd_paged_varlen``
+(packed queries against a paged cache). The API layer (``tileattn.kvcache``) validates metadata and
+calls them, or their implementations directly in eager mode on plain tensors.
+
+Under CUDA graph capture the value checks are skipped (they would need a device-to-host copy, which
+capture forbids): the kernels still clamp every index and rotary position so that they never read
+outside the caches and the rotary tables, and drop appends outside the caches, but out-of-range values
+then give unspecified results instead of an error.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from tileattn import backend, checks
+from tileattn.kernels import configs
+from tileattn.params import AttnParams, CacheLayout
+
+
+def fwd_kvcache_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    seqlens: Tensor,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    alibi_slopes: Tensor | None,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+    q_span: int,
+    plans: dict | None = None,
+    seqlens_value: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
+    (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
+    out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
+    once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
+    caller gave cache_seqlens as an int (its checks are then remembered with the other index tensors'
+    instead of reading a new tensor every call)."""
+    batch, seqlen_q = q.shape[:2]
+    device = q.device
+    seqlen_new = 0 if k is None else k.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    max_seqlen_k = None
+    if batch and not backend.capturing(device):
+        rotary_len = rotary_cos.shape[0] if rotary_cos is not None else None
+        span = max(seqlen_new, q_span)
+        cache_rows, page_size = k_cache.shape[:2]  # batch_cache, or num_pages and page_size when paged
+
+        def check() -> int:
+            return checks.cache_values(
+                seqlens,
+                seqlen_new,
+                capacity,
+                cache_leftpad,
+                cache_batch_idx,
+                cache_rows,
+                block_table,
+                cache_rows,
+                page_size,
+                rotary_len,
+                span,
+            )
+
+        # once per step, not per layer: the layers share cache_seqlens and block_table (checks.checked_once)
+        max_seqlen_k = checks.checked_once(
+            (seqlens if seqlens_value is None else None, cache_leftpad, cache_batch_idx, block_table),
+            ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span, seqlens_value, batch),
+            check,
+        )
+    p = AttnParams(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=capacity,
+        headdim=q.shape[-1],
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
+    impl = backend.implementation(q)
+    rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
+    with backend.on_device(q):
+        impl.kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, plans)
+        c = CacheLayout(
+            seqlens_k=seqlens,
+            new_tokens=seqlen_new,
+            leftpad=cache_leftpad,
+            batch_idx=cache_batch_idx,
+            block_table=block_table,
+            num_splits=num_splits,
+            max_seqlen_k=max_seqlen_k,
+            plans=plans,
+            q_rotary=(*rotary, q_span > 1) if rotary is not None else None,
+        )
+        if q.numel() == 0:
+            return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
+        out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, configs.current(device))
+    return out.contiguous(), lse
+
+
+def _op_prototype():
+    """Carries the op's signature: ``fwd_kvcache_impl``'s without its eager-only arguments."""
+
+
+_signature = inspect.signature(fwd_kvcache_impl)
+_op_prototype.__signature__ = _signature.replace(
+    parameters=[p for name, p in _signature.parameters.items() if name not in ("plans", "seqlens_value")]
+)
+_MUTATED = ("k_cache", "v_cache")
+_fwd_kvcache_op = torch.library.custom_op(
+    "tileattn::fwd_kvcache",
+    fwd_kvcache_impl,
+    mutates_args=_MUTATED,
+    schema=torch.library.infer_schema(_op_prototype, mutates_args=_MUTATED),
+)
+
+
+@_fwd_kvcache_op.register_fake
+def _(q, *args):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def fwd_paged_varlen_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    block_table: Tensor,
+    alibi_slopes: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> Tensor:
+    batch = cu_seqlens_q.numel() - 1
+    device = q.device
+    capacity = block_table.shape[1] * k.shape[1]
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    longest = None
+    if not backend.capturing(device):
+        checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        lengths = checks.cu_values("cu_seqlens_k", cu_seqlens_k, None, "max_seqlen_k", max_seqlen_k)
+        longest = max(lengths, default=0)
+        if batch:
+            checks.checked_once(
+                (cu_seqlens_k, block_table),
+                ("paged", capacity, k.shape[0], k.shape[1]),
+                lambda: checks.cache_values(
+                    seqlens,
+                    0,
+                    capacity,
+                    None,
+                    None,
+                    batch,
+                    block_table,
+                    k.shape[0],
+                    k.shape[1],
+                    None,
+                    0,
+                    "key lengths (cu_seqlens_k)",
+                ),
+            )
+    p = AttnParams(
+        batch=batch,
+        seqlen_q=max_seqlen_q,
+        seqlen_k=capacity,
+        headdim=q.shape[-1],
+        softmax_scale=softmax_scale,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        cu_seqlens_q=cu_seqlens_q,
+    )
+    if q.numel() == 0 or batch == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=device)
+    c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
+    with backend.on_device(q):
+        out, _ = backend.implementation(q).attn_fwd_kvcache(q, k, v, p, c, configs.current(device))
+    return out.contiguous()
+
+
+_fwd_paged_varlen = torch.library.custom_op("tileattn::fwd_paged_varlen", fwd_paged_varlen_impl, mutates_args=())
+
+
+@_fwd_paged_varlen.register_fake
+def _(q, *args):
+    return q.new_empty(q.shape)

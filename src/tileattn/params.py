@@ -1,0 +1,246 @@
+"""The types every layer shares: one call's validated arguments (``AttnParams``), where a KV cache's keys
+live (``CacheLayout``), kernel tiles (``KernelConfig``) and the tuning settings (``DecodeSettings``,
+``Settings``), with the small host helpers they need. Imports nothing else from tileattn (and not Triton),
+so any layer may import it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code, without Triton's constexpr-function wrapper (microseconds a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def padded_headdim(headdim: int) -> int:
+    """The head dim the kernels compute with (their ``BLOCK_D``, the tables' key): the next power of
+    two, at least 16 (tl.dot's minimum)."""
+    return max(16, next_power_of_2(headdim))
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def remember(table: dict, key, value, limit: int):
+    """``table[key] = value`` in a table of at most ``limit`` entries: the oldest go first. Safe when
+    threads evict at once (an entry another thread removed is skipped)."""
+    while len(table) >= limit:
+        try:
+            table.pop(next(iter(table)), None)
+        except (StopIteration, RuntimeError):  # emptied or resized by another thread meanwhile
+            break
+    table[key] = value
+    return value
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tiles, warps and stages of one kernel build, with the build variants the tables may ask for."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    # dK/dV kernel only: score tiles in query x key orientation (see backward._dkdv_tiles)
+    q_major: bool = False
+    # row tiles read in the kernel loops through TMA tensor descriptors (sm90+, aligned rows; common.use_tma)
+    tma: bool = False
+    # forward only: the key loop warp-specialised by the compiler (tl.range(warp_specialize=True))
+    warp_spec: bool = False
+    # a register cap per thread for ptxas (None: its own choice, up to 255); two CTAs of 8 warps fit an
+    # SM only at <= 128 registers
+    maxnreg: int | None = None
+    # dK/dV kernel only: also accumulate dQ with fp32 atomic adds (1) or TMA reduce-adds (2, sm90+) and
+    # skip the dQ pass; never with deterministic=True. Where TMA cannot write the fp32 buffer, mode 2
+    # takes the dQ pass on the GPU and the atomic adds under the interpreter (no TMA stores there).
+    dq_atomic: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How ``flash_attn_with_kvcache`` plans its launches (``kernels.decode.plan``). Hashable: plans
+    are remembered per settings value. The defaults are the H200's measured choices (docs/perf.md)."""
+
+    # pipeline stages of the split kernel's key loop (3: 136 KiB of shared memory at head dim 128)
+    stages: int = 3
+    # waves of programs the split heuristic aims for (one program per SM per wave)
+    waves: int = 1
+    # key tiles a split keeps at least
+    min_split_tiles: int = 4
+    max_splits: int = 128
+    # splits of pages smaller than a key tile take runs of ``interleave_unit`` tiles in turn, so a
+    # split's first table entries are known before the sequence's length is read
+    interleave: bool = True
+    interleave_unit: int = 2
+    # contiguous caches at head dim 128 in grids of two waves or more whose programs have at most
+    # ``full_grid_tiles`` key tiles: ``full_grid_stages`` stages (two blocks per SM; 0 = ``stages``)
+    full_grid_stages: int = 2
+    full_grid_tiles: int = 32
+    # K/V tiles through TMA descriptors for programs of at least ``tma_tiles`` key tiles (contiguous
+    # caches: ``tma``; pages holding whole key tiles in grids under two waves: ``paged_tma``)
+    tma: bool = False
+    paged_tma: bool = False
+    paged_tma_stages: int = 5
+    tma_tiles: int = 16
+    # programmatic dependent launches (sm90+): the combine after the split kernel (``pdl``), the split
+    # kernel after whatever runs before it in the stream (``pdl_attn``)
+    pdl: bool = True
+    pdl_attn: bool = True
+    # paged caches: long programs (``paged_long_tiles`` key tiles or more) in grids under two waves take
+    # ``paged_long_stages``; others read the table one tile ahead in grids under
+    # ``paged_prefetch_waves`` waves, and prefetch their table sectors into L2 (``paged_table_l2``)
+    paged_long_stages: int = 5
+    paged_long_tiles: int = 16
+    paged_warps: int = 4
+    paged_prefetch_waves: int = 2
+    paged_table_l2: bool = True
+    # one-wave grids of at most ``short_tiles`` key tiles a program (``short_small_page_tiles`` for
+    # pages smaller than a tile) take tiles of ``short_block_n`` keys (0: the config's)
+    short_block_n: int = 64
+    short_tiles: int = 8
+    short_small_page_tiles: int = 4
+    # 64-bit cache offsets for every call, not only where offsets could pass 2**31 (to time them)
+    offs_64_always: bool = False
+    # the combine: splits read per load, rows a program merges, fp32 values a load holds at most
+    combine_splits_per_load: int = 16
+    combine_max_rows: int = 16
+    combine_max_values: int = 16384
+    # SMs the planner counts on (None: the device's own)
+    sm_count: int | None = None
+    # whether the planner counts on programmatic dependent launches (None: whether the device takes them)
+    has_pdl: bool | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    """The tile tables of the training kernels, by padded head dim, and the decode settings: chosen per
+    GPU arch in ``kernels.configs.for_device`` and passed into the launchers."""
+
+    fwd: Mapping[int, KernelConfig]
+    bwd_dkdv: Mapping[int, KernelConfig]
+    bwd_dq: Mapping[int, KernelConfig]
+    # entries that take precedence over ``fwd`` for some calls (``kernels.configs.fwd_config``)
+    fwd_long: Mapping[int, KernelConfig] = field(default_factory=dict)
+    fwd_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
+    fwd_window: Mapping[int, KernelConfig] = field(default_factory=dict)
+    fwd_pointer: Mapping[int, KernelConfig] = field(default_factory=dict)
+    # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
+    bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
+    bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)
+    # key lengths from which ``fwd_long`` applies
+    long_seqlen_k: int = 8192
+    decode: DecodeSettings = DecodeSettings()
+    # the kernels run in Triton's interpreter: small tiles that still cross several tiles, one config
+    interpret: bool = False
+
+
+@dataclass
+class AttnParams:
+    """Validated, normalised arguments of one attention call (see ``tileattn.api``).
+
+    ``seqlen_q``/``seqlen_k`` are the padded lengths: the dense lengths, or max_seqlen in varlen mode.
+    ``window_left``/``window_right`` already include causal (right = 0); -1 means unbounded."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    philox_seed: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    deterministic: bool = False
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def block_d(self) -> int:
+        """``padded_headdim`` of this call's head dim."""
+        return padded_headdim(self.headdim)
+
+    @property
+    def batch_pad(self) -> int:
+        return next_power_of_2(self.batch) if self.is_varlen else 1
+
+    def as_4d(self, t: torch.Tensor) -> torch.Tensor:
+        """Varlen ``(total, nheads, d)`` tensors are seen as one batch of ``total`` rows."""
+        return t.unsqueeze(0) if self.is_varlen else t
+
+    def strides(self, t4: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, row, head) strides of a 4-D view; varlen rows are addressed through cu_seqlens, so the
+        batch stride is 0."""
+        s = t4.stride()  # one call: each Tensor.stride(i) is a separate host round trip
+        return (0 if self.is_varlen else s[0]), s[1], s[2]
+
+    def lse_shape(self, q4: torch.Tensor) -> tuple[int, ...]:
+        """The LSE's shape: ``(batch, nheads, seqlen_q)`` dense, ``(nheads, total_q)`` varlen."""
+        nheads = q4.shape[2]
+        return (nheads, q4.shape[1]) if self.is_varlen else (self.batch, nheads, self.seqlen_q)
+
+    def new_lse(self, q4: torch.Tensor) -> torch.Tensor:
+        """fp32 LSE buffer of ``lse_shape``."""
+        return torch.empty(self.lse_shape(q4), device=q4.device, dtype=torch.float32)
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        """(batch, head) strides of an LSE-shaped buffer; varlen rows are offset by cu_seqlens_q."""
+        s = lse.stride()
+        if self.is_varlen:
+            return 0, s[0]
+        return s[0], s[1]
+
+    @property
+    def defer_scale(self) -> bool:
+        """Whether the kernels may leave the softmax scale to the exponent's FMA (common.online_softmax):
+        no softcap or ALiBi between the product and the exponent, and a positive scale (the row max of
+        the raw products is then the max of the scaled scores; 0 or a negative scale would turn masked
+        -inf scores into NaN or +inf)."""
+        return self.softcap == 0 and self.alibi_slopes is None and self.softmax_scale > 0
+
+    def alibi_batch_stride(self) -> int:
+        slopes = self.alibi_slopes
+        return slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+
+
+@dataclass
+class CacheLayout:
+    """Where each sequence's keys live in a KV cache, validated by the API.
+
+    seqlens_k: int32 ``(batch,)`` and new_tokens: each sequence's keys end at ``seqlens_k[b] +
+    new_tokens`` in its cache row (cache_seqlens, and the tokens just appended); leftpad: int32
+    ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)`` cache row of each sequence, or None
+    for row b; block_table: int32 ``(batch, max_pages)`` or None; num_splits: 0 = heuristic;
+    max_seqlen_k: the longest key range if known on the host (else the capacity is assumed); plans: a
+    dict in which the launches of calls with the same metadata as this one are planned once (the ops
+    layer keeps one per call signature), or None to plan them for this call only; q_rotary: ``(cos,
+    sin, interleaved, per_token)`` to rotate q at ``seqlens_k[b]`` (plus its token index if per_token)
+    as it is read (dense q only), or None."""
+
+    seqlens_k: torch.Tensor
+    new_tokens: int = 0
+    leftpad: torch.Tensor | None = None
+    batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    num_splits: int = 0
+    max_seqlen_k: int | None = None
+    plans: dict | None = None
+    q_rotary: tuple | None = None
