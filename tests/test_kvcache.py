@@ -1,6 +1,7 @@
 """Attention against a KV cache: in-place append, rotary, paged caches, split-KV, and the paged
 prefill of flash_attn_varlen_func, each against the per-sequence reference (tests/kvcache_ref.py)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 import tileattn
 from helpers import PROPERTY_SHARDS, on, run_property
 from kvcache_ref import dense_view, kvcache_ref
-from tileattn.kernels.configs import interpreting
+from tileattn.kernels import configs
+from tileattn.params import AttnParams, CacheLayout, DecodeSettings, Settings, interpreting
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
@@ -72,6 +74,13 @@ def _kernel_device() -> str:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0":
         pytest.skip("needs the Triton kernels (GPU or interpreter)")
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _settings(device: str, **changes) -> Settings:
+    """The settings of ``device``'s kernels (the interpreter's on the CPU) with these ``DecodeSettings``
+    fields changed: for ``configs.override`` around the calls of a test."""
+    s = configs.for_device(torch.device(device))
+    return dataclasses.replace(s, decode=dataclasses.replace(s.decode, **changes))
 
 
 def _ref_args(args):
@@ -222,57 +231,58 @@ def test_paged_varlen_is_forward_only():
         tileattn.flash_attn_varlen_func(q, kp, kp, cu, cu, 4, 4, block_table=table)
 
 
-def test_paged_lookup_inside_the_loop(backend, monkeypatch):
+def test_paged_lookup_inside_the_loop(backend):
     """The full-occupancy variant of the paged kernel (block table read in the same iteration as the
-    tile, not one ahead), forced by pretending the GPU has a single SM."""
+    tile, not one ahead), forced by settings that count on a GPU of a single SM."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    from tileattn.kernels import decode
-
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 1)
-    test_kvcache_matches_reference(backend, "chunk-causal-neox", "page4", 3)
-    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
+    with configs.override(_settings(on(backend)[1], sm_count=1)) as s:
+        test_kvcache_matches_reference(backend, "chunk-causal-neox", "page4", 3)
+        test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 1)
+    planned = _api_plans(s)
+    assert planned and not any(plan[0].constexprs["PREFETCH_TABLE"] for plan in planned)
 
 
 def test_tma_reads(backend, monkeypatch):
-    """K/V tiles through TMA descriptors (decode.DECODE_TMA / PAGED_TMA), which the launcher takes only
-    for long programs (forced here): contiguous caches, cache_batch_idx, windows, and paged caches whose
-    pages hold whole key tiles (pages of 16 and 32 under the interpreter's 16-key tiles; with
-    cache_leftpad the pointer loads)."""
+    """K/V tiles through TMA descriptors (DecodeSettings.tma / paged_tma), which the launcher takes only
+    for long programs (forced here: tma_tiles=0): contiguous caches, cache_batch_idx, windows, and paged
+    caches whose pages hold whole key tiles (pages of 16 and 32 under the interpreter's 16-key tiles;
+    with cache_leftpad the pointer loads)."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    from tileattn.kernels import decode
-
-    monkeypatch.setattr(decode, "DECODE_TMA_TILES", 0)
-    monkeypatch.setattr(decode, "DECODE_TMA", True)
-    monkeypatch.setattr(decode, "PAGED_TMA", True)
-    test_kvcache_matches_reference(backend, "decode-no-append", "dense", 3)
-    test_kvcache_matches_reference(backend, "batch-idx", "dense", 1)
-    test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
-    test_kvcache_matches_reference(backend, "chunk-causal-neox", "page16", 1)
-    test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 3)
-    # pages of two tiles: tiles start inside a page (the descriptor row adds the offset in the page)
-    monkeypatch.setitem(LAYOUTS, "page32", 32)
-    for case in ("decode-no-append", "window-softcap", "chunk-causal-neox"):
-        for splits in (1, 3):
-            test_kvcache_matches_reference(backend, case, "page32", splits)
+    with configs.override(_settings(on(backend)[1], tma_tiles=0, tma=True, paged_tma=True)) as s:
+        test_kvcache_matches_reference(backend, "decode-no-append", "dense", 3)
+        test_kvcache_matches_reference(backend, "batch-idx", "dense", 1)
+        test_kvcache_matches_reference(backend, "window-softcap", "page16", 3)
+        test_kvcache_matches_reference(backend, "chunk-causal-neox", "page16", 1)
+        test_kvcache_matches_reference(backend, "alibi-leftpad", "page16", 3)
+        # pages of two tiles: tiles start inside a page (the descriptor row adds the offset in the page)
+        monkeypatch.setitem(LAYOUTS, "page32", 32)
+        for case in ("decode-no-append", "window-softcap", "chunk-causal-neox"):
+            for splits in (1, 3):
+                test_kvcache_matches_reference(backend, case, "page32", splits)
+    kernels = [plan[0].constexprs for plan in _api_plans(s)]
+    assert any(c["USE_TMA"] and not c["PAGED"] for c in kernels)
+    assert any(c["USE_TMA"] and c["PAGED"] for c in kernels) or not interpreting()  # (GPU: pages under a tile)
 
 
 @pytest.mark.parametrize("per_load", [1, 2, 16])
-def test_combine_reads_several_splits_per_load(backend, per_load, monkeypatch):
+def test_combine_reads_several_splits_per_load(backend, per_load):
     """The split combine reading its partials one or several splits at a time
-    (decode.COMBINE_SPLITS_PER_LOAD),
-    three splits (a masked tail of the last load) and the heuristic's count, rows that see no key
-    included."""
+    (DecodeSettings.combine_splits_per_load), three splits (a masked tail of the last load) and the
+    heuristic's count, rows that see no key included."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    from tileattn.kernels import decode
+    from tileattn.kernels.decode.combine import combine_tiles
 
-    monkeypatch.setattr(decode, "COMBINE_SPLITS_PER_LOAD", per_load)
-    assert decode._combine_tiles(3, 128)[1] == min(per_load, 4)
-    test_kvcache_matches_reference(backend, "decode-no-append", "page4", 3)
-    test_kvcache_matches_reference(backend, "window-softcap", "dense", 3)
-    test_kvcache_matches_reference(backend, "decode-rotary", "dense", 0)
+    assert combine_tiles(3, 128, DecodeSettings(combine_splits_per_load=per_load))[1] == min(per_load, 4)
+    with configs.override(_settings(on(backend)[1], combine_splits_per_load=per_load)) as s:
+        test_kvcache_matches_reference(backend, "decode-no-append", "page4", 3)
+        test_kvcache_matches_reference(backend, "window-softcap", "dense", 3)
+        test_kvcache_matches_reference(backend, "decode-rotary", "dense", 0)
+    chunks = {plan[1].constexprs["CHUNK"] for plan in _api_plans(s) if plan[1] is not None}
+    assert all(chunk <= per_load for chunk in chunks), chunks
+    assert chunks or not interpreting()  # (the GPU's 128-key tiles: one split at these lengths)
 
 
 @st.composite
@@ -447,8 +457,7 @@ def test_attention_kernel_clamps_bad_pages(page):
     a multiple of it) and 16 / 32 (whole tiles) take the kernel's three lookups. Called directly,
     bypassing validation."""
     device = _kernel_device()
-    from tileattn.kernels import configs, decode
-    from tileattn.reference import attention_ref
+    from tileattn.kernels import decode
 
     gen = torch.Generator(device=device).manual_seed(0)
     blocks, num_pages = 3, 5
@@ -456,10 +465,10 @@ def test_attention_kernel_clamps_bad_pages(page):
     kp, vp = (torch.randn(num_pages, page, 2, 16, dtype=F16, device=device, generator=gen) for _ in range(2))
     table = torch.tensor([[0, -1, 3], [num_pages, 2, -7]], dtype=torch.int32, device=device)
     seqlens = torch.tensor([3 * page - 1, 2 * page + 1], dtype=torch.int32, device=device)
-    p = configs.AttnParams(batch=2, seqlen_q=1, seqlen_k=blocks * page, headdim=16, softmax_scale=0.25)
+    p = AttnParams(batch=2, seqlen_q=1, seqlen_k=blocks * page, headdim=16, softmax_scale=0.25)
     for splits in (1, 2):
-        c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=blocks * page, num_splits=splits)
-        out, _ = decode.attn_fwd_kvcache(q, kp, vp, p, c)
+        c = CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=blocks * page, num_splits=splits)
+        out, _ = decode.attn_fwd_kvcache(q, kp, vp, p, c, configs.current(q.device))
         read = torch.where((table >= 0) & (table < num_pages), table, num_pages - 1)
         k_all, v_all = (dense_view(pool, read, blocks * page) for pool in (kp, vp))
         for b in range(2):
@@ -478,8 +487,7 @@ def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
     (the API refuses them otherwise), read the tables' last row. Called directly, bypassing
     validation."""
     device = _kernel_device()
-    from tileattn.kernels import configs, decode
-    from tileattn.reference import attention_ref
+    from tileattn.kernels import decode
     from tileattn.rotary import rotary_at
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -489,9 +497,9 @@ def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
     angle = torch.rand(rot_len, 6, device=device, generator=gen) * 6.283  # rotary dim 12 of 24
     cos, sin = angle.cos().to(F16), angle.sin().to(F16)
     seqlens = torch.tensor([4, 11], dtype=torch.int32, device=device)  # 11 + 2 is past the 9 rows
-    p = configs.AttnParams(batch=batch, seqlen_q=seqlen_q, seqlen_k=cap, headdim=d, softmax_scale=0.3)
-    c = decode.CacheLayout(seqlens_k=seqlens, max_seqlen_k=cap, q_rotary=(cos, sin, interleaved, True))
-    out, _ = decode.attn_fwd_kvcache(q, kc, vc, p, c)
+    p = AttnParams(batch=batch, seqlen_q=seqlen_q, seqlen_k=cap, headdim=d, softmax_scale=0.3)
+    c = CacheLayout(seqlens_k=seqlens, max_seqlen_k=cap, q_rotary=(cos, sin, interleaved, True))
+    out, _ = decode.attn_fwd_kvcache(q, kc, vc, p, c, configs.current(q.device))
     positions = (seqlens.long()[:, None] + torch.arange(seqlen_q, device=device)).clamp(max=rot_len - 1)
     q_rot = rotary_at(q, cos, sin, positions, interleaved)
     for b in range(batch):
@@ -503,11 +511,12 @@ def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
 
 
 def test_offsets_widen_only_past_int32():
-    """The decode kernel computes cache offsets in int32 unless one could pass 2**31 (decode.
-    _offsets_past_int32, from shapes and strides: meta tensors, nothing allocated). The kv head's and
+    """The decode kernel computes cache offsets in int32 unless one could pass 2**31 (paging.
+    offsets_past_int32, from shapes and strides: meta tensors, nothing allocated). The kv head's and
     (contiguous caches) the cache row's starts are int64 in the kernel, so only pages, slots or positions
-    and the head dim count."""
-    from tileattn.kernels import decode
+    and the head dim count; the plan widens them when either cache needs it (its OFFS_64), or for every
+    call with DecodeSettings.offs_64_always."""
+    from tileattn.kernels.decode import paging, plan
 
     def cache(shape, strides):
         return torch.empty_strided(shape, strides, dtype=F16, device="meta")
@@ -515,72 +524,82 @@ def test_offsets_widen_only_past_int32():
     def pool(pages, stride=16384):
         return cache((pages, 16, 8, 128), (stride, 1024, 128, 1))
 
-    assert not decode._offsets_past_int32(pool(131072), True)  # the last element at 2**31 - 1
-    assert decode._offsets_past_int32(pool(131073), True)
-    assert decode._offsets_past_int32(pool(2, stride=2**31), True)
+    assert not paging.offsets_past_int32(pool(131072), True)  # the last element at 2**31 - 1
+    assert paging.offsets_past_int32(pool(131073), True)
+    assert paging.offsets_past_int32(pool(2, stride=2**31), True)
     # kv heads outermost: the head's start does not count
-    assert not decode._offsets_past_int32(cache((131072, 16, 8, 128), (2048, 128, 2**28, 1)), True)
-    assert not decode._offsets_past_int32(cache((0, 16, 8, 128), (16384, 1024, 128, 1)), True)
+    assert not paging.offsets_past_int32(cache((131072, 16, 8, 128), (2048, 128, 2**28, 1)), True)
+    assert not paging.offsets_past_int32(cache((0, 16, 8, 128), (16384, 1024, 128, 1)), True)
     # contiguous caches: one row of 2**31 + 1024 elements, against many rows of fewer
-    assert decode._offsets_past_int32(cache((1, 2**21 + 1, 8, 128), (0, 1024, 128, 1)), False)
-    assert not decode._offsets_past_int32(cache((64, 2**21, 8, 128), (2**31, 1024, 128, 1)), False)
+    assert paging.offsets_past_int32(cache((1, 2**21 + 1, 8, 128), (0, 1024, 128, 1)), False)
+    assert not paging.offsets_past_int32(cache((64, 2**21, 8, 128), (2**31, 1024, 128, 1)), False)
+
+    def offs_64(k_cache, v_cache, **changes):
+        q = torch.empty(1, 1, 8, 128, dtype=F16, device="meta")
+        table = torch.zeros(1, 4, dtype=torch.int32, device="meta")
+        c = CacheLayout(seqlens_k=torch.zeros(1, dtype=torch.int32, device="meta"), block_table=table, max_seqlen_k=64)
+        p = AttnParams(batch=1, seqlen_q=1, seqlen_k=64, headdim=128, softmax_scale=0.1)
+        s = dataclasses.replace(configs.INTERPRETER, decode=DecodeSettings(**changes))
+        return plan.plan_call(q, k_cache, v_cache, p, c, s)[0].constexprs["OFFS_64"]
+
+    small, large = pool(16), pool(131073)
+    assert not offs_64(small, small) and offs_64(small, large) and offs_64(large, small)
+    assert offs_64(small, small, offs_64_always=True)
 
 
 @pytest.mark.parametrize("bad", ["split", "general", "prefetch-off", "offsets-64"])
 def test_paged_lookup_branches(backend, bad, monkeypatch):
-    """The attention kernel's page lookups against the reference (``_cache_rows``): pages of 12 and 24
-    (neither dividing the interpreter's 16-key tile nor a multiple of it: the per-row lookup), pages
+    """The attention kernel's page lookups against the reference (``paging.cache_rows``): pages of 12 and
+    24 (neither dividing the interpreter's 16-key tile nor a multiple of it: the per-row lookup), pages
     that divide it (4) or hold whole tiles (16, 32); the table read in the same iteration (no lookahead,
-    unmasked reads in unmasked tiles); 64-bit offsets forced on small caches. With leftpad, windows,
-    chunks and splits."""
+    unmasked reads in unmasked tiles: DecodeSettings.paged_prefetch_waves=0); 64-bit offsets forced on
+    small caches (offs_64_always; test_offsets_widen_only_past_int32 checks that either cache widens
+    them). With leftpad, windows, chunks and splits."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     from tileattn import kvcache
-    from tileattn.kernels import decode
 
-    monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
+    kvcache.calls.clear()  # plan every call afresh (earlier tests' plans are kept)
     layouts = {"split": ["page4"], "general": ["page12", "page24"], "prefetch-off": ["page4", "page16"]}
     layouts["offsets-64"] = ["dense", "page4", "page12", "page16", "page32"]
     for name, page in (("page12", 12), ("page24", 24), ("page32", 32)):
         monkeypatch.setitem(LAYOUTS, name, page)
-    if bad == "prefetch-off":
-        monkeypatch.setattr(decode, "PAGED_PREFETCH_WAVES", 0)
-    calls = []
-    planned = _record_plans(monkeypatch)
-    if bad == "offsets-64":  # "no" for each plan's k_cache, "yes" for its v_cache: both caches must count
-        monkeypatch.setattr(decode, "_offsets_past_int32", lambda t, paged: calls.append(t) or len(calls) % 2 == 0)
-    for layout in layouts[bad]:
-        for case, splits in (("window-softcap", 3), ("alibi-leftpad", 1), ("chunk-causal-neox", 3)):
-            test_kvcache_matches_reference(backend, case, layout, splits)
-    if bad == "offsets-64":  # v_cache with other strides than k_cache's (no shared row offsets)
-        for page, leftpad in ((None, None), (4, [0, 3]), (12, [2, 0]), (32, None)):
-            problem = dict(batch=2, nheads_k=2, nheads=4, headdim=16, seqlen_q=2, seqlen_new=2, capacity=40)
-            problem.update(page=page, seqlens=[30, 9], leftpad=leftpad, rotary="neox", causal=True)
-            problem.update(window=(-1, -1), softcap=0.0, alibi=False, num_splits=3, v_padded=True)
-            _check_kvcache_problem(backend, problem)
+    changes = {"prefetch-off": {"paged_prefetch_waves": 0}, "offsets-64": {"offs_64_always": True}}
+    with configs.override(_settings(on(backend)[1], **changes.get(bad, {}))) as s:
+        planned = _plans_made(s)
+        for layout in layouts[bad]:
+            for case, splits in (("window-softcap", 3), ("alibi-leftpad", 1), ("chunk-causal-neox", 3)):
+                test_kvcache_matches_reference(backend, case, layout, splits)
+        if bad == "offsets-64":  # v_cache with other strides than k_cache's (no shared row offsets)
+            for page, leftpad in ((None, None), (4, [0, 3]), (12, [2, 0]), (32, None)):
+                problem = dict(batch=2, nheads_k=2, nheads=4, headdim=16, seqlen_q=2, seqlen_new=2, capacity=40)
+                problem.update(page=page, seqlens=[30, 9], leftpad=leftpad, rotary="neox", causal=True)
+                problem.update(window=(-1, -1), softcap=0.0, alibi=False, num_splits=3, v_padded=True)
+                _check_kvcache_problem(backend, problem)
     assert planned and all(plan[0].constexprs["OFFS_64"] == (bad == "offsets-64") for plan in planned)
     # splits over pages smaller than a key tile take every num_splits-th tile; the others consecutive ones
     kernels = [plan[0].constexprs for plan in planned]
     assert all(c["INTERLEAVE"] == (c["SPLIT"] and c["PAGED"] and c["PAGE_SIZE"] < c["BLOCK_N"]) for c in kernels)
     assert any(c["INTERLEAVE"] for c in kernels) or not interpreting()  # (the GPU's 128-key tiles: one split)
+    if bad == "prefetch-off":
+        assert not any(c["PREFETCH_TABLE"] or c["TABLE_TO_L2"] for c in kernels)
 
 
 @pytest.mark.parametrize("page, unit", [(4, 1), (12, 1), (4, 2), (12, 3)])
 def test_interleaved_splits_partition_the_keys(backend, page, unit, monkeypatch):
     """Splits over pages smaller than a key tile take every num_splits-th tile (or, with
-    decode.DECODE_INTERLEAVE_UNIT, runs of that many tiles in turn): against the reference and against
+    DecodeSettings.interleave_unit, runs of that many tiles in turn): against the reference and against
     one split's LSE (a tile read by two splits, or by none, moves it), with several tiles per split in
     each mask segment: left and two-sided windows, causal over several query tokens, leftpad, an empty
     sequence, split counts that do not divide the tiles."""
     if backend == "torch":
         pytest.skip("a kernel variant")
     from tileattn import kvcache
-    from tileattn.kernels import decode
 
     device = on(backend)[1]
-    monkeypatch.setattr(decode, "DECODE_INTERLEAVE_UNIT", unit)
-    monkeypatch.setattr(kvcache, "_CALLS", {})  # plan every call afresh (earlier tests' plans are kept)
-    planned = _record_plans(monkeypatch)
+    s = _settings(device, interleave_unit=unit)
+    kvcache.calls.clear()  # plan every call afresh (earlier tests' plans are kept)
+    planned = _plans_made(s)
     block_n = 16 if interpreting() else 128  # (the GPU's 5 and 7 splits take 64-key tiles: more per split)
     b, h, hk, d, cap = 3, 4, 2, 16, 12 * block_n + 8
     pages = -(-cap // page)
@@ -603,19 +622,25 @@ def test_interleaved_splits_partition_the_keys(backend, page, unit, monkeypatch)
         if pad:
             args["cache_leftpad"] = leftpad
         ref, _, _ = kvcache_ref(q, kc, vc, **args)
-        with on(backend)[0]:
+        with on(backend)[0], configs.override(s):
             _, lse1 = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=1, return_softmax_lse=True, **args)
             out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=splits, return_softmax_lse=True, **args)
-        assert planned[-1][0].constexprs["INTERLEAVE"] and planned[-1][0].constexprs["UNIT"] == unit
+        split_kernels = [plan[0].constexprs for plan in planned if plan[0].constexprs["SPLIT"]]
+        assert split_kernels and all(c["INTERLEAVE"] and c["UNIT"] == unit for c in split_kernels)
         torch.testing.assert_close(out.float(), ref.float().nan_to_num(0), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, lse1, atol=1e-3, rtol=1e-3)
 
 
-def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0):
+def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0, s=None, **changes):
     """The split kernel's constexprs and grid as ``kernels.decode`` plans a decode step (GQA 32/8, one
-    query token, bf16, full caches) for an H200-like GPU of 132 SMs: CPU tensors, nothing launched."""
-    from tileattn.kernels import configs, decode
+    query token, bf16, full caches) under settings ``s``, by default the H200's for a GPU of 132 SMs
+    with these ``DecodeSettings`` fields changed: CPU tensors, nothing launched."""
+    from tileattn.kernels.decode import plan
 
+    if s is None:
+        s = dataclasses.replace(
+            configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, sm_count=132, **changes)
+        )
     nheads, nheads_k = 32, 8
     q = torch.empty(batch, 1, nheads, headdim, dtype=torch.bfloat16)
     table = None
@@ -625,24 +650,18 @@ def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0):
     else:
         cache = torch.empty(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16)
     seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
-    p = configs.AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=headdim, softmax_scale=0.1)
-    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, num_splits=num_splits, max_seqlen_k=cache_len)
-    base = decode._new_base(q, cache, p)
-    splits, tiles = base.splits(p, c)
-    lse = torch.empty(base.lse_shape)
-    attn, _ = decode._plan(base, q, cache, cache, torch.empty_like(q), lse, p, c, splits, tiles)
+    p = AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=headdim, softmax_scale=0.1)
+    c = CacheLayout(seqlens_k=seqlens, block_table=table, num_splits=num_splits, max_seqlen_k=cache_len)
+    attn, _ = plan.plan_call(q, cache, cache, p, c, s)
     return attn.constexprs, attn.grid
 
 
-def test_gpu_plans_of_short_programs(monkeypatch):
-    """On the GPU (planned here on the CPU, as for 132 SMs), one wave of programs with at most four
-    128-key tiles (eight unless the pages are smaller than such a tile) takes 64-key tiles
-    (decode.SHORT_BLOCK_N), and paged programs in grids under two waves prefetch their table sectors
-    into L2 (decode.PAGED_TABLE_L2); the interpreter takes neither (its tests run 16-key tiles)."""
-    from tileattn.kernels import decode
-
-    monkeypatch.setattr(decode, "interpreting", lambda: False)
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+def test_gpu_plans_of_short_programs():
+    """On the GPU (planned here on the CPU with the H200's settings, as for 132 SMs), one wave of
+    programs with at most four 128-key tiles (eight unless the pages are smaller than such a tile) takes
+    64-key tiles (DecodeSettings.short_block_n), and paged programs in grids under two waves prefetch
+    their table sectors into L2 (paged_table_l2); the interpreter takes neither (its tests run 16-key
+    tiles)."""
     cases = [  # (batch, cache length, page, head dim, num_splits): block_n, interleave, table to L2, grid
         ((1, 8192, None, 128, 0), (64, False, False, (1, 8, 16))),  # four tiles per program
         ((1, 8192, 16, 128, 0), (64, True, True, (1, 8, 16))),
@@ -661,10 +680,11 @@ def test_gpu_plans_of_short_programs(monkeypatch):
         constexprs, got_grid = _gpu_plan(batch, length, page, d, splits)
         got = (constexprs["BLOCK_N"], constexprs["INTERLEAVE"], constexprs["TABLE_TO_L2"], got_grid)
         assert got == (block_n, interleave, to_l2, grid), (batch, length, page, d, splits)
-    monkeypatch.setattr(decode, "SHORT_BLOCK_N", 0)
-    monkeypatch.setattr(decode, "PAGED_TABLE_L2", False)
-    constexprs, _ = _gpu_plan(1, 8192, 16)
+    constexprs, _ = _gpu_plan(1, 8192, 16, short_block_n=0, paged_table_l2=False)
     assert (constexprs["BLOCK_N"], constexprs["INTERLEAVE"], constexprs["TABLE_TO_L2"]) == (128, True, False)
+    interpreter = dataclasses.replace(configs.INTERPRETER, decode=DecodeSettings(sm_count=132))
+    constexprs, _ = _gpu_plan(1, 8192, 16, s=interpreter)
+    assert (constexprs["BLOCK_N"], constexprs["TABLE_TO_L2"]) == (16, False)
 
 
 @pytest.mark.parametrize("unit", [1, 2])
@@ -673,15 +693,14 @@ def test_interleaved_splits_skip_empty_segments(backend, unit, monkeypatch):
     split may read that tile again (found on the GPU by the property test, with runs of two tiles:
     window (0, 0), two keys, pages of 1)."""
     from tileattn import kvcache
-    from tileattn.kernels import decode
 
-    monkeypatch.setattr(decode, "DECODE_INTERLEAVE_UNIT", unit)
-    monkeypatch.setattr(kvcache, "_CALLS", {})
+    kvcache.calls.clear()
     problem = dict(batch=3, nheads_k=1, nheads=1, headdim=16, seqlen_q=1, seqlen_new=1, capacity=129, page=1)
     problem.update(seqlens=[0, 0, 1], leftpad=[0, 0, 0], rotary=None, causal=False, window=(0, 0), softcap=0.0)
     problem.update(alibi=False, v_padded=False)
-    for splits in (2, 3):
-        _check_kvcache_problem(backend, dict(problem, num_splits=splits))
+    with configs.override(_settings(on(backend)[1], interleave_unit=unit)):
+        for splits in (2, 3):
+            _check_kvcache_problem(backend, dict(problem, num_splits=splits))
 
 
 def test_empty_pool_refused():
@@ -722,15 +741,20 @@ def test_append_past_int32_head_offsets(big_gpu_memory):
     assert torch.equal(kc[0, 1], new[0, 0]) and torch.equal(vc[0, 1], new[0, 0])
 
 
-def test_cache_values_checked_once_per_step(monkeypatch):
+def test_cache_values_checked_once_per_step():
     """cache_seqlens and block_table are read on the host (a device sync) once until they change, not
     once per layer: calls with the same, unmodified tensors reuse the check; an in-place update (the
     next decode step) is checked again, and bad values are still refused with the caches unchanged."""
-    from tileattn import kvcache
+    from tileattn.checks import checked_once
 
-    reads = []
-    original = kvcache._check_values
-    monkeypatch.setattr(kvcache, "_check_values", lambda *a: reads.append(a[-1]) or original(*a))
+    class _Reads:  # the host reads since the test began
+        def __init__(self):
+            self.start = checked_once.runs
+
+        def __len__(self):
+            return checked_once.runs - self.start
+
+    reads = _Reads()
     page, hk, d = 4, 2, 16
     table = torch.arange(6, dtype=torch.int32).view(2, 3)
     seqlens = torch.tensor([3, 7], dtype=torch.int32)
@@ -757,14 +781,36 @@ def test_cache_values_checked_once_per_step(monkeypatch):
     assert len(reads) == 5
 
 
-def _record_plans(monkeypatch) -> list:
-    """The launch plans ``kernels.decode`` builds from now on (each an (attention, combine) pair)."""
-    from tileattn.kernels import decode
+def _api_plans(s: Settings | None = None) -> list:
+    """The launch plans (each a (split kernel, combine) pair of ``decode.plan.Launch``) that
+    flash_attn_with_kvcache keeps in its tables per call signature, for calls under settings ``s``
+    (None: any)."""
+    from tileattn import kvcache
+    from tileattn.kernels.decode import plan
 
-    planned = []
-    original = decode._plan
-    monkeypatch.setattr(decode, "_plan", lambda *a: planned.append(original(*a)) or planned[-1])
-    return planned
+    return [launches for call in list(kvcache.calls.values()) for launches in plan.plans_in(call.plans, s)]
+
+
+class _plans_made:
+    """The launch plans ``_api_plans(s)`` holds that it did not when this was made: those planned since
+    (a live list: ``len``, iteration and indexing read the tables again)."""
+
+    def __init__(self, s: Settings | None = None):
+        self.s = s
+        self.before = _api_plans(s)  # (kept: their ids stay unique)
+        self.seen = {id(launches) for launches in self.before}
+
+    def _now(self) -> list:
+        return [launches for launches in _api_plans(self.s) if id(launches) not in self.seen]
+
+    def __len__(self):
+        return len(self._now())
+
+    def __iter__(self):
+        return iter(self._now())
+
+    def __getitem__(self, i):
+        return self._now()[i]
 
 
 def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
@@ -772,14 +818,13 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
     signature (shapes, strides, dtypes, devices, address alignment, options with their types): a decode
     loop's later calls reuse both with new values and stay exact. A call that differs only in a value's
     type, a tensor's strides or its alignment has another signature: it is checked (and refused where it
-    must be) and planned again; so is a call after a decode setting changed."""
+    must be) and planned again; so is a call under other decode settings."""
     from tileattn import kvcache
-    from tileattn.kernels import decode
 
     device = on(backend)[1]
     q, kc, vc, args = _inputs(1, 1, {"causal": True, "rotary": "interleaved"}, 4, device)
-    planned = _record_plans(monkeypatch)
-    monkeypatch.setattr(kvcache, "_CALLS", {})
+    planned = _plans_made()
+    kvcache.calls.clear()
 
     def step(seqlens, **changes):
         call = {**args, "cache_seqlens": torch.tensor(seqlens, dtype=torch.int32, device=device), **changes}
@@ -793,10 +838,10 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
     kernels = backend != "torch"  # (the PyTorch path plans no launches)
     for seqlens in ([0, 17, 35], [5, 2, 34], [6, 3, 33]):  # key tiles per split alike: one plan
         step(seqlens)
-    assert len(kvcache._CALLS) == 1 and len(planned) == kernels
+    assert len(kvcache.calls) == 1 and len(planned) == kernels
     step([1, 2, 3])  # fewer key tiles per program under the interpreter (16-key tiles): planned again
     plans = kernels + (backend == "interpret")
-    assert len(kvcache._CALLS) == 1 and len(planned) == plans
+    assert len(kvcache.calls) == 1 and len(planned) == plans
     with on(backend)[0]:
         # (what step() passes, with one change each)
         with pytest.raises(TypeError, match="causal"):
@@ -807,25 +852,23 @@ def test_checks_and_plans_kept_per_call_signature(backend, monkeypatch):
         strided = torch.randn(*q.shape[:3], 2 * q.shape[3], dtype=F16, device=device)[..., ::2]
         with pytest.raises(ValueError, match="contiguous in its last"):
             tileattn.flash_attn_with_kvcache(strided, kc, vc, num_splits=2, **args)
-    assert len(kvcache._CALLS) == 2  # (and the window's)
+    assert len(kvcache.calls) == 2  # (and the window's)
     shifted = torch.empty(q.numel() + 1, dtype=F16, device=device)[1:].view(q.shape)  # 2 bytes off
     shifted.copy_(q)
     q = shifted
     step([7, 8, 9])
-    assert len(kvcache._CALLS) == 3 and len(planned) == plans + 2 * kernels
-    monkeypatch.setattr(decode, "DECODE_STAGES", decode.DECODE_STAGES + 1)
-    step([7, 8, 9])
+    assert len(kvcache.calls) == 3 and len(planned) == plans + 2 * kernels
+    s = configs.current(torch.device(device))
+    with configs.override(dataclasses.replace(s, decode=dataclasses.replace(s.decode, stages=s.decode.stages + 1))):
+        step([7, 8, 9])
     assert len(planned) == plans + 3 * kernels
 
 
-def test_paged_prefill_values_checked_once(monkeypatch):
+def test_paged_prefill_values_checked_once():
     """The paged varlen call checks cu_seqlens and the block table once until they change."""
-    from tileattn import api, kvcache
+    from tileattn.checks import checked_once
 
-    reads = []
-    for module, name in ((kvcache, "_check_values"), (api, "_cu_lengths")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, f=original, n=name: reads.append(n) or f(*a))
+    runs = checked_once.runs
     kp = torch.randn(4, 4, 2, 16, dtype=F16)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
@@ -833,32 +876,31 @@ def test_paged_prefill_values_checked_once(monkeypatch):
     q = torch.randn(5, 4, 16, dtype=F16)
     for _ in range(3):
         tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)
-    assert reads == ["_cu_lengths", "_cu_lengths", "_check_values"]
+    assert checked_once.runs - runs == 3  # cu_seqlens_q, cu_seqlens_k and the table, once each
     table[1, 1] = 7
     with pytest.raises(ValueError, match="block_table"):
         tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)
 
 
 @pytest.mark.parametrize("max_values, max_rows", [(8192, 16), (16384, 16), (16384, 4)])
-def test_combine_tiles_stay_small(monkeypatch, max_values, max_rows):
-    """_combine's [rows, splits, head dim] loads hold at most decode.COMBINE_MAX_VALUES values, in powers
-    of two, for any setting of decode.COMBINE_SPLITS_PER_LOAD and split count (up to the 128 splits
-    allowed), and at most decode.COMBINE_MAX_ROWS rows."""
-    from tileattn.kernels import decode
+def test_combine_tiles_stay_small(max_values, max_rows):
+    """_combine's [rows, splits, head dim] loads hold at most DecodeSettings.combine_max_values values, in
+    powers of two, for any combine_splits_per_load and split count (up to the 128 splits allowed), and
+    at most combine_max_rows rows."""
+    from tileattn.kernels.decode.combine import combine_tiles
 
-    monkeypatch.setattr(decode, "COMBINE_MAX_VALUES", max_values)
-    monkeypatch.setattr(decode, "COMBINE_MAX_ROWS", max_rows)
+    limits = DecodeSettings(combine_max_values=max_values, combine_max_rows=max_rows)
     for per_load in (1, 3, 16, 128, 1000):
-        monkeypatch.setattr(decode, "COMBINE_SPLITS_PER_LOAD", per_load)
+        d = dataclasses.replace(limits, combine_splits_per_load=per_load)
         for splits in (2, 5, 16, 128):
             for block_d in (16, 128, 256):
-                rows, chunk = decode._combine_tiles(splits, block_d)
+                rows, chunk = combine_tiles(splits, block_d, d)
                 assert rows & (rows - 1) == 0 and chunk & (chunk - 1) == 0
                 assert chunk == 1 or rows * chunk * block_d <= max_values, (per_load, splits, block_d, rows, chunk)
                 assert chunk <= max(per_load, 1) * 2 and chunk <= 2 * splits
-                assert rows <= decode.COMBINE_MAX_ROWS
+                assert rows <= max_rows
     if max_rows == 16:
-        assert decode._combine_tiles(16, 128) == ((8, 16) if max_values == 16384 else (4, 16))  # (1 x 8k's)
+        assert combine_tiles(16, 128, limits) == ((8, 16) if max_values == 16384 else (4, 16))  # (1 x 8k's)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launches run on the GPU")
@@ -866,7 +908,7 @@ def test_combine_tiles_stay_small(monkeypatch, max_values, max_rows):
 def test_attention_reads_inputs_written_just_before(leftpad):
     """In a CUDA graph (no host checks, no syncs) each call comes right after torch kernels that rewrite
     its q, cache_seqlens, cache_leftpad and block table in place. The attention kernel, a programmatic
-    dependent launch of the last of them on sm90+ (decode.DECODE_PDL_ATTN: it may start before they end),
+    dependent launch of the last of them on sm90+ (DecodeSettings.pdl_attn: it may start before they end),
     must read the new values: every output equals an eager one-split call on the same inputs. Pages of
     16 at 1 x 8k: the short, interleaved build whose table prefetch goes out before the wait."""
     dev = "cuda"
@@ -1031,27 +1073,27 @@ def test_launches_take_the_direct_path_by_default(monkeypatch):
 
     from tileattn.kernels import launch
 
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    # (plain_run_needed is also true under the interpreter, which runs these tests on CPU: ask the rest)
     fn = SimpleNamespace(pre_run_hooks=[])
-    assert not launch.plain_run_needed(fn)
+    assert not launch._hooks_set(fn)
     fn.pre_run_hooks.append(print)
-    assert launch.plain_run_needed(fn)
+    assert launch._hooks_set(fn)
     fn.pre_run_hooks.clear()
     for knob, name, value in ((knobs.runtime, "debug", True), (knobs.compilation, "instrumentation_mode", "x")):
         with monkeypatch.context() as patch:
             patch.setattr(knob, name, value)
-            assert launch.plain_run_needed(fn), name
-    assert not launch.plain_run_needed(fn)
+            assert launch._hooks_set(fn), name
+    assert not launch._hooks_set(fn)
     hook = lambda *args: None  # noqa: E731
     if hasattr(knobs.runtime.launch_enter_hook, "add"):
         knobs.runtime.launch_enter_hook.add(hook)
         try:
-            assert launch.plain_run_needed(fn)
+            assert launch._hooks_set(fn)
         finally:
             knobs.runtime.launch_enter_hook.remove(hook)
     else:
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-        assert launch.plain_run_needed(fn)
+        assert launch._hooks_set(fn)
 
 
 def test_bound_launches_install_the_scratch_allocator_in_each_context():
@@ -1091,21 +1133,22 @@ def test_bound_launches_install_the_scratch_allocator_in_each_context():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a full grid of decode programs runs on the GPU")
-def test_full_grid_two_stage_build(monkeypatch):
+def test_full_grid_two_stage_build():
     """Contiguous decode in a full grid of short programs (34 sequences x 8 kv heads, 4k keys, head dim
-    128) takes the two-stage build (decode.FULL_GRID_STAGES); it matches the three-stage build and the
-    reference."""
-    from tileattn.kernels import decode
-    from tileattn.reference import attention_ref
-
+    128) takes the two-stage build (DecodeSettings.full_grid_stages); it matches the three-stage build
+    and the reference."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(34, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
     kc, vc = (torch.randn(34, 4096, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     seqlens = torch.randint(3000, 4097, (34,), dtype=torch.int32, device=dev, generator=gen)
+    s = configs.current(q.device)
+    planned = _plans_made(s)
     two = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
-    monkeypatch.setattr(decode, "FULL_GRID_STAGES", 0)
-    three = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    with configs.override(_settings(dev, full_grid_stages=0)) as s3:
+        planned3 = _plans_made(s3)
+        three = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+    assert [plan[0].options["num_stages"] for plan in list(planned) + list(planned3)] == [2, 3]
     torch.testing.assert_close(two.float(), three.float(), atol=2e-2, rtol=0)
     for b in (0, 33):
         n = int(seqlens[b])
@@ -1116,15 +1159,13 @@ def test_full_grid_two_stage_build(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="caches of 4-10 GiB on the GPU")
 @pytest.mark.parametrize("layout", ["pages16", "pages256", "heads-outer", "pages16-heads-outer"])
-def test_cache_offsets_past_int32(layout, monkeypatch, big_gpu_memory):
+def test_cache_offsets_past_int32(layout, big_gpu_memory):
     """Caches of more than 2**31 elements, keys stored past element 2**31 read where they are, against
     the reference:
     - a pool of pages of 16 or 256 (x 8 heads x 128) read at its last pages: 64-bit offsets (OFFS_64);
     - kv heads outermost (a contiguous cache, and a pool of pages of 16): the last kv head starts past
       2**31 while offsets within a head fit int32, so the head's start is what must be 64-bit."""
-    from tileattn.reference import attention_ref
-
-    planned = _record_plans(monkeypatch)
+    planned = _plans_made()
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -1165,26 +1206,24 @@ def test_cache_offsets_past_int32(layout, monkeypatch, big_gpu_memory):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="TMA builds run on the GPU")
-def test_planned_tma_launch_in_another_thread(monkeypatch):
+def test_planned_tma_launch_in_another_thread():
     """A decode call planned in one thread (pages of 256 through TMA descriptors, which need Triton's
     scratch allocator) runs again from a new thread, whose context has no allocator yet."""
     import contextvars
     import threading
 
-    from tileattn.kernels import decode
-
-    monkeypatch.setattr(decode, "PAGED_TMA", True)
-
     dev = "cuda"
+    s = _settings(dev, paged_tma=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(1, 1, 32, 128, device=dev, dtype=torch.bfloat16, generator=gen)
     kc, vc = (torch.randn(17, 256, 8, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     table = torch.randperm(17, device=dev, generator=gen)[:16].view(1, 16).int()
     seqlens = torch.tensor([4000], dtype=torch.int32, device=dev)
-    planned = _record_plans(monkeypatch)
+    planned = _plans_made(s)
 
     def call():
-        return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)
+        with configs.override(s):  # (in the new thread's context too)
+            return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)
 
     first = call()
     assert [plan[0].constexprs["USE_TMA"] for plan in planned] == [True]

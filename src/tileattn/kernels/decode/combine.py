@@ -1,0 +1,83 @@
+"""The combine of split-KV decoding: ``_combine`` merges the split kernel's partial outputs and LSEs into
+the output and its LSE, weighting each split by ``exp(lse_split - lse)``. On sm90+ it runs as a
+programmatic dependent launch of the split kernel (``DecodeSettings.pdl``): its programs start while
+the split kernel runs and wait for its writes. ``combine_tiles`` sizes its loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tileattn.kernels.launch import Launcher
+from tileattn.params import DecodeSettings, next_power_of_2
+
+
+@triton.jit
+def _combine(
+    OutP, LseP, Out, Lse,
+    stride_ps, stride_ls,
+    n_rows, nheads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
+    HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
+    The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load. With
+    USE_PDL (a programmatic dependent launch) it first waits for the split kernel's writes."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < n_rows
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    h = offs_r % nheads
+    t = (offs_r // nheads) % seqlen_q
+    b = offs_r // (nheads * seqlen_q)
+    lse_idx = (b * nheads + h).to(tl.int64) * seqlen_q + t
+    lse = tl.load(
+        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_idx[:, None],
+        mask=mask_r[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+    )  # [BLOCK_R, SPLITS_PAD]
+    m = tl.max(lse, 1)
+    seen = m > float("-inf")
+    m_safe = tl.where(seen, m, 0.0)
+    total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
+    total_safe = tl.where(seen, total, 1.0)
+    mask_d = offs_d < HEAD_DIM
+    rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
+    offs_c = tl.arange(0, CHUNK)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < num_splits)  # [BLOCK_R, CHUNK]
+        lse_c = tl.load(
+            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_idx[:, None], mask=mask_c, other=float("-inf")
+        )
+        w = tl.exp(lse_c - m_safe[:, None]) / total_safe[:, None]  # [BLOCK_R, CHUNK]
+        o = tl.load(
+            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows[:, None, :],
+            mask=mask_c[:, :, None] & mask_d[None, None, :],
+            other=0.0,
+        )  # [BLOCK_R, CHUNK, BLOCK_D]
+        acc += tl.sum(w[:, :, None] * o, 1)
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+    tl.store(Lse + lse_idx, tl.where(seen, m_safe + tl.log(total_safe), float("inf")), mask=mask_r)
+
+
+LAUNCHER = Launcher(_combine)
+
+
+def combine_tiles(num_splits: int, block_d: int, d: DecodeSettings) -> tuple[int, int]:
+    """(rows per program, splits per load) of ``_combine``, both powers of two: ``d.combine_splits_per_load``
+    splits per load at most, at most ``d.combine_max_values`` fp32 partial values per load and
+    ``d.combine_max_rows`` rows."""
+    chunk = min(
+        next_power_of_2(max(1, d.combine_splits_per_load)),
+        next_power_of_2(max(1, num_splits)),
+        max(1, d.combine_max_values // block_d),
+    )
+    if chunk == 1:
+        return min(d.combine_max_rows, 16 if block_d <= 128 else 8), 1
+    return max(1, min(d.combine_max_rows, d.combine_max_values // (chunk * block_d))), chunk
