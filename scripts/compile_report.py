@@ -10,8 +10,8 @@ the ones the GPU runs. "stack" is the spill space per thread (bytes; 0 = no spil
 register limit (255 per thread, or what 65,536 registers leave for the block) are marked: most backward
 builds sit there, as did head dim 256's pointer-load forward that was miscompiled for GQA (docs/perf.md),
 so the mark is a fact to read, not a diagnosis. Register counts decide how many blocks share an SM
-(8 warps: two at <= 128 registers). ``--maxnreg kernel=N`` tries a register cap (ptxas maxnreg),
-``--set dkdv@256:block_n=32 ...`` other tiles (the syntax of scripts/features_variant.py).
+(8 warps: two at <= 128 registers). ``--maxnreg kernel=N`` tries a register cap (ptxas maxnreg).
+``--decode`` reports the decode builds of ``python -m tileattn.bench --decode``'s rows instead.
 Compiling takes a few seconds per build on two cores.
 """
 
@@ -132,6 +132,7 @@ def compile_decode(
     ``seqlen_q`` query tokens (not causal); ``rotary`` ("interleaved" or "neox", a full rotary dim): q
     rotated in the kernel (CacheLayout.q_rotary, all tokens at cache_seqlens)."""
     from tileattn.kernels import configs, decode
+    from tileattn.params import AttnParams, CacheLayout
 
     q = torch.empty(batch, seqlen_q, nheads, d, dtype=torch.bfloat16)  # nothing runs: contents do not matter
     seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
@@ -142,13 +143,13 @@ def compile_decode(
         table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     else:
         cache = torch.empty(batch, cache_len, nheads_k, d, dtype=torch.bfloat16)
-    p = configs.AttnParams(batch=batch, seqlen_q=seqlen_q, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
+    p = AttnParams(batch=batch, seqlen_q=seqlen_q, seqlen_k=cache_len, headdim=d, softmax_scale=d**-0.5)
     q_rotary = None
     if rotary:
         cos = torch.empty(cache_len, d // 2, dtype=torch.bfloat16)
         q_rotary = (cos, cos, rotary == "interleaved", False)
-    c = decode.CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len, q_rotary=q_rotary)
-    decode.attn_fwd_kvcache(q, cache, cache, p, c)
+    c = CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=cache_len, q_rotary=q_rotary)
+    decode.attn_fwd_kvcache(q, cache, cache, p, c, configs.current(q.device))
     rows = []
     for name, kernel, kw in _LAUNCHES:
         if name == "_combine":
@@ -201,10 +202,11 @@ def blocks_per_sm(regs: int, shared: int, warps: int) -> int:
 def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, seqlen: int = 4096) -> list[dict]:
     """The builds one call of ``case`` compiles, with their resources."""
     from tileattn.kernels import backward, configs, forward
+    from tileattn.params import AttnParams
 
     kv_div, causal, window, varlen, dropout, softcap_alibi = CASES[case]
     nheads = max(4, 2048 // headdim)
-    block_d = configs.padded_headdim(headdim)
+    block_d = max(16, 1 << (headdim - 1).bit_length())  # the padded head dim, the kernels' BLOCK_D
     q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
     k = torch.zeros(batch, seqlen, nheads // kv_div, headdim, dtype=torch.bfloat16)
     left, right = window
@@ -215,7 +217,7 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
         cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32)
         extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
         q, k = q.flatten(0, 1), k.flatten(0, 1)
-    p = configs.AttnParams(
+    p = AttnParams(
         batch=batch,
         seqlen_q=seqlen,
         seqlen_k=seqlen,
@@ -230,10 +232,10 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
         **extra,
     )
     if "fwd" in kernels:
-        forward.attn_fwd(q, k, k, p)
+        forward.attn_fwd(q, k, k, p, configs.current(q.device))
     if "bwd" in kernels:
         lse = p.new_lse(p.as_4d(q))
-        backward.attn_bwd(q, q, k, k, q, lse, p)
+        backward.attn_bwd(q, q, k, k, q, lse, p, configs.current(q.device))
     rows = []
     for name, kernel, kw in _LAUNCHES:
         cfg = (kw.get("BLOCK_M"), kw.get("BLOCK_N"), kw.get("num_warps"), kw.get("num_stages"), kw.get("maxnreg"))
@@ -283,22 +285,21 @@ def main() -> None:
         default=[],
         help="register caps overriding the tables', e.g. _attn_fwd=128 _attn_bwd_dq=128",
     )
-    ap.add_argument(
-        "--set",
-        nargs="+",
-        default=[],
-        metavar="CHANGE",
-        help="table changes as in scripts/features_variant.py, e.g. dkdv@256:block_n=32",
-    )
     args = ap.parse_args()
-    if args.set:
-        from features_variant import apply
-
-        for change in args.set:
-            apply(change)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     _install({k: int(v) for k, v in (a.split("=") for a in args.maxnreg)})
+    import dataclasses
+
+    from tileattn.kernels import configs
+
+    # the H200's settings, with the programmatic dependent launches it has (CPU tensors stand in for its own)
+    h200 = dataclasses.replace(configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, has_pdl=True))
+    with configs.override(h200):
+        _report(args)
+
+
+def _report(args) -> None:
     if args.decode:
         print(f"{'kernel':>18} {'case':>16} {'tiles':>22} {'grid':>16} regs stack shared blocks/SM tile loop")
         for batch, cache_len, page in DECODE_CASES:

@@ -15,44 +15,34 @@ from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 
-def patch_configs(monkeypatch, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None) -> None:
-    """Makes the kernels launch with their table config changed by these KernelConfig fields (for
-    variants that are off in the tables: tma, warp_spec, q_major)."""
-    import dataclasses
+def builds(backend: str, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None):
+    """Context in which calls on ``backend`` launch the kernels with these KernelConfig fields changed in
+    every table entry of its settings (``configs.with_builds``): the build variants the tables do not
+    pick (tma, warp_spec, q_major, dq_atomic)."""
+    from tileattn.kernels import configs
 
-    from tileattn.kernels import backward, forward
-
-    for module, name, changes in (
-        (forward, "fwd_config", fwd),
-        (backward, "bwd_dkdv_config", dkdv),
-        (backward, "bwd_dq_config", dq),
-    ):
-        if changes:
-            original = getattr(module, name)
-            monkeypatch.setattr(
-                module, name, lambda p, *a, f=original, c=changes, **kw: dataclasses.replace(f(p, *a, **kw), **c)
-            )
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    return configs.override(configs.with_builds(configs.current(device), fwd=fwd, dkdv=dkdv, dq=dq))
 
 
 def record_launches(monkeypatch, *kernels: str) -> list[tuple[str, tuple, dict]]:
-    """Replaces the named Triton kernels of tileattn.kernels' forward / backward modules with recorders
-    (the launchers run as on a GPU, nothing is compiled or launched); returns the list that each launch
-    appends ``(kernel name, grid, keyword arguments)`` to."""
-    from tileattn.kernels import backward, configs, forward
+    """Records the launches of the named Triton kernels instead of running them (the launchers run as on
+    a GPU, nothing is compiled or launched); returns the list that each launch appends ``(kernel name,
+    grid, keyword arguments)`` to. Other kernels run as usual. (Triton's own launch entry point,
+    ``run`` of the kernels' class, is what is replaced: tileattn itself is not patched.)"""
+    from tileattn.kernels import backward, forward
 
     launches = []
+    classes = {type(getattr(forward if hasattr(forward, name) else backward, name)) for name in kernels}
+    for cls in classes:
 
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
+        def run(self, *args, grid, warmup, original=cls.run, **kwargs):
+            if self.__name__ in kernels:
+                launches.append((self.__name__, grid, kwargs))
+                return None
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, grid, kwargs))
-
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    for name in kernels:
-        module = forward if hasattr(forward, name) else backward
-        monkeypatch.setattr(module, name, Recorder(name))
+        monkeypatch.setattr(cls, "run", run)
     return launches
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import tileattn
-from helpers import check_attention, interpreter_skips, on, patch_configs, randn, record_launches
+from helpers import builds, check_attention, interpreter_skips, on, randn, record_launches
+from tileattn.params import AttnParams, KernelConfig
 from tileattn.reference import attention_ref
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
@@ -54,13 +55,21 @@ def _call_kwargs(feats, batch, nheads, device):
     return kwargs
 
 
-def _run_case(backend, case, dtype):
+def _unaligned(t):
+    """A leaf copy of ``t`` whose data starts one element past a 16-byte boundary (TMA cannot read it)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buf[1:].view_as(t).copy_(t).requires_grad_(t.requires_grad)
+
+
+def _run_case(backend, case, dtype, unaligned=False):
     b, sq, sk, h, hk, d, feats = case
     interpreter_skips(backend, dtype)
     ctx, device = on(backend)
     q = randn(b, sq, h, d, dtype=dtype, device=device)
     k = randn(b, sk, hk, d, dtype=dtype, device=device)
     v = randn(b, sk, hk, d, dtype=dtype, device=device)
+    if unaligned:
+        q, k, v = (_unaligned(t.detach()).requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     kwargs = _call_kwargs(feats, b, h, device)
     with ctx:
@@ -110,7 +119,7 @@ def test_zero_and_negative_softmax_scale_decode(backend):
 
 @pytest.mark.parametrize("warp_spec", [False, True], ids=["tma", "tma-ws"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=_case_id)
-def test_tma_variants(backend, case, warp_spec, monkeypatch):
+def test_tma_variants(backend, case, warp_spec):
     if backend == "torch":
         pytest.skip("a kernel variant")
     if warp_spec and backend != "cuda":
@@ -118,8 +127,8 @@ def test_tma_variants(backend, case, warp_spec, monkeypatch):
     fwd = dict(tma=True, warp_spec=warp_spec)
     if warp_spec:  # the dense tiles: Triton 3.6 fails to compile causal 64 x 64, 4-warp tiles warp-specialised
         fwd.update(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    patch_configs(monkeypatch, fwd=fwd, dkdv=dict(tma=True), dq=dict(tma=True))
-    _run_case(backend, case, torch.float16)
+    with builds(backend, fwd=fwd, dkdv=dict(tma=True), dq=dict(tma=True)):
+        _run_case(backend, case, torch.float16)
 
 
 # dQ accumulated by the dK/dV pass (KernelConfig.dq_atomic: 1 fp32 atomic adds, 2 TMA reduce-adds, which
@@ -130,25 +139,23 @@ DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
 @pytest.mark.parametrize("q_major", [False, True], ids=["k-major", "q-major"])
 @pytest.mark.parametrize("mode", [1, 2], ids=["atomic", "tma-reduce"])
 @pytest.mark.parametrize("case", DQ_ATOMIC_CASES, ids=_case_id)
-def test_dq_atomic_variants(backend, case, mode, q_major, monkeypatch):
+def test_dq_atomic_variants(backend, case, mode, q_major):
     if backend == "torch":
         pytest.skip("a kernel variant")
-    patch_configs(monkeypatch, dkdv=dict(dq_atomic=mode, q_major=q_major))
-    _run_case(backend, case, torch.float16)
+    with builds(backend, dkdv=dict(dq_atomic=mode, q_major=q_major)):
+        _run_case(backend, case, torch.float16)
 
 
-def _bwd_launches(monkeypatch, dq_atomic: int, deterministic: bool = False) -> list[tuple[str, int | None]]:
-    """The backward's launches, (kernel, DQ_ATOMIC), at head dim 64 with the dK/dV config asking for
-    ``dq_atomic`` (recorded, nothing compiled)."""
+def _bwd_launches(monkeypatch, dq_atomic: int, deterministic: bool = False, headdim: int = 64):
+    """The backward's launches, (kernel, DQ_ATOMIC), with the H200's settings and the dK/dV config asking
+    for ``dq_atomic`` (recorded, nothing compiled)."""
     from tileattn.kernels import backward, configs
 
     launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
-    patch_configs(monkeypatch, dkdv=dict(dq_atomic=dq_atomic))
-    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
-    p = configs.AttnParams(
-        batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0, deterministic=deterministic
-    )
-    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+    s = configs.with_builds(configs.HOPPER, dkdv=dict(dq_atomic=dq_atomic))
+    q = torch.zeros(1, 128, 2, headdim, dtype=torch.float16)
+    p = AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=headdim, softmax_scale=1.0, deterministic=deterministic)
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p, s)
     return [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches]
 
 
@@ -162,66 +169,99 @@ def test_dq_atomic_not_deterministic(monkeypatch):
 @pytest.mark.parametrize("tma_ok", [True, False], ids=["tma", "no-tma"])
 def test_dq_reduce_add_falls_back_to_the_dq_pass(tma_ok, monkeypatch):
     """dq_atomic=2 (TMA reduce-adds) launches the dK/dV pass alone where TMA can write dQ's fp32 buffer,
-    and the two passes where it cannot: the atomic adds are slower than the dQ pass (launches recorded)."""
-    from tileattn.kernels import backward, common
-
-    monkeypatch.setattr(backward, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: tma_ok)
-    runs = _bwd_launches(monkeypatch, 2)
+    and the two passes where it cannot (head dim 62: rows of 248 bytes, not a multiple of 16): the atomic
+    adds are slower than the dQ pass (launches recorded)."""
+    runs = _bwd_launches(monkeypatch, 2, headdim=64 if tma_ok else 62)
     if tma_ok:
         assert runs == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 2)]
     else:
         assert runs == [("_bwd_preprocess", None), ("_attn_bwd_dkdv", 0), ("_attn_bwd_dq", None)]
 
 
-def test_bwd_dkdv_config_takes_the_causal_table(monkeypatch):
-    """Causal calls without a left window take configs._BWD_DKDV_CAUSAL's entry where one is given; other
+def test_dq_reduce_add_runs_as_atomic_adds_under_the_interpreter(monkeypatch):
+    """The interpreter does not emulate TMA reduce-adds: settings for it (Settings.interpret) launch
+    dq_atomic=2 as fp32 atomic adds (launches recorded)."""
+    import dataclasses
+
+    from tileattn.kernels import backward, configs
+
+    launches = record_launches(monkeypatch, "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
+    s = configs.with_builds(dataclasses.replace(configs.HOPPER, interpret=True), dkdv=dict(dq_atomic=2))
+    q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
+    p = AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p, s)
+    assert [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches] == [
+        ("_bwd_preprocess", None),
+        ("_attn_bwd_dkdv", 1),
+    ]
+
+
+def test_backward_runs_with_the_settings_of_its_call(backend, monkeypatch):
+    """The backward launches the builds of the settings its call ran under (here dQ added by the dK/dV
+    pass), also where autograd runs it on a worker thread (CUDA tensors), so that the tests of build
+    variants test those variants (launches recorded, nothing computed)."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    launches = record_launches(monkeypatch, "_attn_fwd", "_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq")
+    ctx, device = on(backend)
+    q = randn(1, 64, 2, 32, dtype=torch.float16, device=device)
+    with ctx, builds(backend, dkdv=dict(dq_atomic=1)):
+        out = tileattn.flash_attn_func(q, q, q)
+        torch.autograd.grad(out, q, torch.ones_like(out))
+    assert [(name, kw.get("DQ_ATOMIC")) for name, _, kw in launches] == [
+        ("_attn_fwd", None),
+        ("_bwd_preprocess", None),
+        ("_attn_bwd_dkdv", 1),
+    ]
+
+
+def test_bwd_dkdv_config_takes_the_causal_table():
+    """Causal calls without a left window take Settings.bwd_dkdv_causal's entry where one is given; other
     masks, and head dims without an entry, the plain table."""
     import dataclasses
 
     from tileattn.kernels import configs
 
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    causal_cfg = configs.KernelConfig(32, 32, 2, 2, dq_atomic=2)
-    monkeypatch.setattr(configs, "_BWD_DKDV_CAUSAL", {64: causal_cfg})
-    for headdim, cfg in configs._BWD_DKDV.items():
-        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
+    causal_cfg = KernelConfig(32, 32, 2, 2, dq_atomic=2)
+    s = dataclasses.replace(configs.HOPPER, bwd_dkdv_causal={64: causal_cfg})
+    for headdim, cfg in s.bwd_dkdv.items():
+        p = AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
         causal = dataclasses.replace(p, window_right=0)
-        assert configs.bwd_dkdv_config(p) is cfg
-        assert configs.bwd_dkdv_config(causal) is (causal_cfg if headdim == 64 else cfg)
-        assert configs.bwd_dkdv_config(dataclasses.replace(causal, window_left=64)) is cfg
-        assert configs.bwd_dkdv_config(dataclasses.replace(p, window_right=4)) is cfg
-        assert configs.bwd_dkdv_config(dataclasses.replace(causal, deterministic=True)) is cfg
-    monkeypatch.undo()  # the real tables: head dim 128's causal entry adds dQ by TMA reduce-adds
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
-    assert configs.bwd_dkdv_config(p).dq_atomic == 2
-    assert configs.bwd_dkdv_config(dataclasses.replace(p, deterministic=True)).dq_atomic == 0
+        assert configs.bwd_dkdv_config(p, s) is cfg
+        assert configs.bwd_dkdv_config(causal, s) is (causal_cfg if headdim == 64 else cfg)
+        assert configs.bwd_dkdv_config(dataclasses.replace(causal, window_left=64), s) is cfg
+        assert configs.bwd_dkdv_config(dataclasses.replace(p, window_right=4), s) is cfg
+        assert configs.bwd_dkdv_config(dataclasses.replace(causal, deterministic=True), s) is cfg
+    # the H200's tables: head dim 128's causal entry adds dQ by TMA reduce-adds
+    p = AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
+    assert configs.bwd_dkdv_config(p, configs.HOPPER).dq_atomic == 2
+    assert configs.bwd_dkdv_config(dataclasses.replace(p, deterministic=True), configs.HOPPER).dq_atomic == 0
 
 
-def test_bwd_dkdv_config_takes_the_varlen_table(monkeypatch):
-    """Varlen calls without dropout take configs._BWD_DKDV_VARLEN's entry (head dim 256's 32-key tiles);
-    dropout keeps 64-key tiles (its draws cover 64 key columns), and dense calls the plain table."""
+def test_bwd_dkdv_config_takes_the_varlen_table():
+    """Varlen calls without dropout take Settings.bwd_dkdv_varlen's entry (head dim 256's 32-key tiles on
+    the H200); dropout keeps 64-key tiles (its draws cover 64 key columns), and dense calls the plain
+    table."""
     import dataclasses
 
     from tileattn.kernels import configs
 
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    s = configs.HOPPER
     cu = torch.tensor([0, 8], dtype=torch.int32)
     for causal in (-1, 0):
-        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=256, softmax_scale=1.0, window_right=causal)
+        p = AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=256, softmax_scale=1.0, window_right=causal)
         varlen = dataclasses.replace(p, cu_seqlens_q=cu, cu_seqlens_k=cu)
-        assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_VARLEN[256]
-        assert configs.bwd_dkdv_config(varlen).block_n == 32
-        assert configs.bwd_dkdv_config(dataclasses.replace(varlen, dropout_p=0.1)).block_n == 64
-        assert configs.bwd_dkdv_config(p) is configs._BWD_DKDV[256]
-    p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
+        assert configs.bwd_dkdv_config(varlen, s) is s.bwd_dkdv_varlen[256]
+        assert configs.bwd_dkdv_config(varlen, s).block_n == 32
+        assert configs.bwd_dkdv_config(dataclasses.replace(varlen, dropout_p=0.1), s).block_n == 64
+        assert configs.bwd_dkdv_config(p, s) is s.bwd_dkdv[256]
+    p = AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=128, softmax_scale=1.0, window_right=0)
     varlen = dataclasses.replace(p, cu_seqlens_q=cu, cu_seqlens_k=cu)
-    assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_CAUSAL[128]  # no varlen entry at 128
-    both = configs.KernelConfig(32, 32, 2, 2)
-    monkeypatch.setitem(configs._BWD_DKDV_VARLEN, 128, both)
-    assert configs.bwd_dkdv_config(varlen) is configs._BWD_DKDV_CAUSAL[128]  # the causal entry comes first
-    assert configs.bwd_dkdv_config(dataclasses.replace(varlen, window_right=-1)) is both
+    assert configs.bwd_dkdv_config(varlen, s) is s.bwd_dkdv_causal[128]  # no varlen entry at 128
+    both = KernelConfig(32, 32, 2, 2)
+    s = dataclasses.replace(s, bwd_dkdv_varlen={**s.bwd_dkdv_varlen, 128: both})
+    assert configs.bwd_dkdv_config(varlen, s) is s.bwd_dkdv_causal[128]  # the causal entry comes first
+    assert configs.bwd_dkdv_config(dataclasses.replace(varlen, window_right=-1), s) is both
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
@@ -231,13 +271,11 @@ def test_forward_backward_large(case, dtype):
     _run_case("cuda", case, dtype)
 
 
-# The tile tables' builds at the size where one of them was miscompiled: head dim 256's 128 x 64
-# pointer-load forward gave wrong outputs or illegal-address faults for GQA at 4 x 4096 tokens (not at
-# the sizes above), so head dim 256 reads through TMA and falls back to other tiles without it
-# (configs._FWD_POINTER). Every forward table entry (with the backward tables of its head dim), the
-# pointer-load fallbacks of the TMA entries and the long-key entries (configs._FWD_LONG, at 8k tokens),
-# GQA 4:1, forward and backward, for the feature flags that compile separate builds (causal, window,
-# softcap + ALiBi, varlen).
+# The H200's tile tables at the size where one of their builds was miscompiled (head dim 256's 128 x 64
+# pointer-load forward, wrong for GQA at 4 x 4096 tokens only; docs/perf.md): every forward table entry
+# (with the backward tables of its head dim), the pointer-load fallbacks of the TMA entries (inputs TMA
+# cannot read: Settings.fwd_pointer) and the long-key entries (Settings.fwd_long), GQA 4:1, forward and
+# backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
 AT_SCALE_FEATURES = [
     {},
     {"causal": True},
@@ -256,21 +294,22 @@ AT_SCALE_FEATURES = [
     + [(256, "table"), (256, "fallback")],
     ids=str,
 )
-def test_tables_gqa_at_scale(headdim, variant, feats, monkeypatch):
-    from tileattn.kernels import common, configs
+def test_tables_gqa_at_scale(headdim, variant, feats):
+    from tileattn.kernels import configs
 
-    if variant == "fallback":  # inputs TMA cannot read: the pointer-load fallback tiles
-        monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors: False)
-    # the failing size; 2 keeps the fp64 reference small; configs._FWD_LONG from LONG_SEQLEN_K keys on
+    unaligned = variant == "fallback"  # inputs TMA cannot read: the pointer-load fallback tiles
+    # the failing size; 2 keeps the fp64 reference small; Settings.fwd_long from long_seqlen_k keys on
     batch = 4 if headdim == 256 and not feats else 2
     seqlen = 4096
     if variant == "long":
-        batch, seqlen = 1, configs.LONG_SEQLEN_K
+        batch, seqlen = 1, configs.current(torch.device("cuda")).long_seqlen_k
     if "varlen" not in feats:
-        _run_case("cuda", (batch, seqlen, seqlen, 8, 2, headdim, feats), torch.bfloat16)
+        _run_case("cuda", (batch, seqlen, seqlen, 8, 2, headdim, feats), torch.bfloat16, unaligned)
         return
     q = randn(batch, seqlen, 8, headdim, dtype=torch.bfloat16, device="cuda")
     k, v = (randn(batch, seqlen, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    if unaligned:
+        q, k, v = (_unaligned(t.detach()).requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
     causal = feats.get("causal", False)
@@ -280,18 +319,20 @@ def test_tables_gqa_at_scale(headdim, variant, feats, monkeypatch):
 
 
 def test_forward_launch_takes_the_fallback_tiles_without_tma(monkeypatch):
-    """attn_fwd launches head dim 256 with the TMA tiles when TMA can read the inputs, and with
-    configs._FWD_POINTER's tiles (USE_TMA off) when it cannot (launch recorded, nothing compiled)."""
-    from tileattn.kernels import common, configs, forward
+    """attn_fwd launches head dim 256 with the H200's TMA tiles when TMA can read the inputs, and with
+    Settings.fwd_pointer's tiles (USE_TMA off) when it cannot: keys and values one element past a
+    16-byte boundary (launches recorded, nothing compiled)."""
+    from tileattn.kernels import configs, forward
 
+    s = configs.HOPPER
     launches = record_launches(monkeypatch, "_attn_fwd")
     q = torch.zeros(1, 300, 2, 256, dtype=torch.float16)
-    p = configs.AttnParams(batch=1, seqlen_q=300, seqlen_k=300, headdim=256, softmax_scale=1.0)
-    for tma_ok in (True, False):
-        monkeypatch.setattr(common, "use_tma", lambda cfg, *tensors, ok=tma_ok: cfg.tma and ok)
-        forward.attn_fwd(q, q, q, p)
+    p = AttnParams(batch=1, seqlen_q=300, seqlen_k=300, headdim=256, softmax_scale=1.0)
+    forward.attn_fwd(q, q, q, p, s)
+    kv = _unaligned(q)
+    forward.attn_fwd(q, kv, kv, p, s)
     (_, grid_tma, with_tma), (_, grid_ptr, without) = launches
-    tma_cfg, ptr_cfg = configs._FWD[256], configs._FWD_POINTER[256]
+    tma_cfg, ptr_cfg = s.fwd[256], s.fwd_pointer[256]
     assert with_tma["USE_TMA"] and (with_tma["BLOCK_M"], with_tma["num_warps"]) == (tma_cfg.block_m, tma_cfg.num_warps)
     assert not without["USE_TMA"] and without["maxnreg"] == ptr_cfg.maxnreg and with_tma["maxnreg"] == tma_cfg.maxnreg
     assert (without["BLOCK_M"], without["BLOCK_N"], without["num_warps"], without["num_stages"]) == (
@@ -311,12 +352,16 @@ def test_launches_pass_the_register_cap(monkeypatch):
     from tileattn.kernels import backward, configs, forward
 
     launches = record_launches(monkeypatch, "_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_bwd_preprocess")
-    for table, cap in ((configs._FWD, 120), (configs._BWD_DKDV, 168), (configs._BWD_DQ, 128)):
-        monkeypatch.setitem(table, 64, dataclasses.replace(table[64], maxnreg=cap))
+    s = configs.HOPPER
+    capped = {
+        name: {**table, 64: dataclasses.replace(table[64], maxnreg=cap)}
+        for name, table, cap in (("fwd", s.fwd, 120), ("bwd_dkdv", s.bwd_dkdv, 168), ("bwd_dq", s.bwd_dq, 128))
+    }
+    s = dataclasses.replace(s, **capped)
     q = torch.zeros(1, 128, 2, 64, dtype=torch.float16)
-    p = configs.AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
-    forward.attn_fwd(q, q, q, p)
-    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p)
+    p = AttnParams(batch=1, seqlen_q=128, seqlen_k=128, headdim=64, softmax_scale=1.0)
+    forward.attn_fwd(q, q, q, p, s)
+    backward.attn_bwd(q, q, q, q, q, torch.zeros(1, 2, 128), p, s)
     assert {name: kw["maxnreg"] for name, _, kw in launches if "maxnreg" in kw} == {
         "_attn_fwd": 120,
         "_attn_bwd_dkdv": 168,
@@ -324,44 +369,47 @@ def test_launches_pass_the_register_cap(monkeypatch):
     }
 
 
-def test_forward_config_falls_back_without_tma(monkeypatch):
+def test_forward_config_falls_back_without_tma():
     """A forward table entry that reads through TMA has pointer-load tiles for inputs TMA cannot read
-    (configs._FWD_POINTER, else the same tiles without TMA); long key loops take configs._FWD_LONG's
-    tiles, causal calls configs._FWD_CAUSAL's and calls with a left window (without dropout)
-    configs._FWD_WINDOW's where they have them (sentinel entries here)."""
+    (Settings.fwd_pointer, else the same tiles without TMA); long key loops take Settings.fwd_long's
+    tiles, causal calls Settings.fwd_causal's and calls with a left window (without dropout)
+    Settings.fwd_window's where they have them (sentinel entries here, over the H200's tables)."""
     import dataclasses
 
     from tileattn.kernels import configs
 
-    monkeypatch.setattr(configs, "interpreting", lambda: False)
-    long_cfg = configs.KernelConfig(16, 16, 1, 1, tma=True)
-    causal_cfg = configs.KernelConfig(32, 32, 2, 2, tma=True)
-    window_cfg = configs.KernelConfig(32, 16, 2, 2)
-    monkeypatch.setattr(configs, "_FWD_LONG", {d: long_cfg for d in configs._FWD})
-    monkeypatch.setattr(configs, "_FWD_WINDOW", {d: window_cfg for d in configs._FWD})
-    monkeypatch.setattr(configs, "_FWD_CAUSAL", {d: causal_cfg for d in configs._FWD})
-    for headdim, cfg in configs._FWD.items():
-        p = configs.AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
-        assert configs.fwd_config(p) is cfg
-        long = dataclasses.replace(p, seqlen_k=configs.LONG_SEQLEN_K)
-        assert configs.fwd_config(long) is long_cfg
-        pointer = configs._FWD_POINTER.get(headdim, dataclasses.replace(long_cfg, tma=False))
-        assert configs.fwd_config(long, tma_ok=False) == pointer
-        assert configs.fwd_config(dataclasses.replace(long, window_right=0)) is long_cfg  # long causal
-        assert configs.fwd_config(dataclasses.replace(long, window_left=512, window_right=0)) is window_cfg
+    long_cfg = KernelConfig(16, 16, 1, 1, tma=True)
+    causal_cfg = KernelConfig(32, 32, 2, 2, tma=True)
+    window_cfg = KernelConfig(32, 16, 2, 2)
+    s = configs.HOPPER
+    s = dataclasses.replace(
+        s,
+        fwd_long={d: long_cfg for d in s.fwd},
+        fwd_window={d: window_cfg for d in s.fwd},
+        fwd_causal={d: causal_cfg for d in s.fwd},
+    )
+    for headdim, cfg in s.fwd.items():
+        p = AttnParams(batch=1, seqlen_q=8, seqlen_k=8, headdim=headdim, softmax_scale=1.0)
+        assert configs.fwd_config(p, s) is cfg
+        long = dataclasses.replace(p, seqlen_k=s.long_seqlen_k)
+        assert configs.fwd_config(long, s) is long_cfg
+        pointer = s.fwd_pointer.get(headdim, dataclasses.replace(long_cfg, tma=False))
+        assert configs.fwd_config(long, s, tma_ok=False) == pointer
+        assert configs.fwd_config(dataclasses.replace(long, window_right=0), s) is long_cfg  # long causal
+        assert configs.fwd_config(dataclasses.replace(long, window_left=512, window_right=0), s) is window_cfg
         causal = dataclasses.replace(p, window_right=0)
-        assert configs.fwd_config(causal) is causal_cfg
-        assert not configs.fwd_config(causal, tma_ok=False).tma
-        assert configs.fwd_config(dataclasses.replace(causal, window_left=64)) is window_cfg  # not causal
-        assert configs.fwd_config(dataclasses.replace(causal, window_left=64, dropout_p=0.1)) is cfg
-        assert configs.fwd_config(dataclasses.replace(p, window_right=64)) is cfg  # right window only
-        fallback = configs.fwd_config(p, tma_ok=False)
+        assert configs.fwd_config(causal, s) is causal_cfg
+        assert not configs.fwd_config(causal, s, tma_ok=False).tma
+        assert configs.fwd_config(dataclasses.replace(causal, window_left=64), s) is window_cfg  # not causal
+        assert configs.fwd_config(dataclasses.replace(causal, window_left=64, dropout_p=0.1), s) is cfg
+        assert configs.fwd_config(dataclasses.replace(p, window_right=64), s) is cfg  # right window only
+        fallback = configs.fwd_config(p, s, tma_ok=False)
         assert not fallback.tma
         if cfg.tma:
-            assert fallback == configs._FWD_POINTER.get(headdim, dataclasses.replace(cfg, tma=False))
+            assert fallback == s.fwd_pointer.get(headdim, dataclasses.replace(cfg, tma=False))
         else:
             assert fallback is cfg
-    assert configs._FWD[256].tma and not configs._FWD_POINTER[256].tma
+    assert configs.HOPPER.fwd[256].tma and not configs.HOPPER.fwd_pointer[256].tma
 
 
 def test_cpu_path_float32():
@@ -525,10 +573,10 @@ def test_deterministic_backward(backend):
 
 
 def test_host_size_helpers_match_triton():
-    """configs.cdiv / next_power_of_2 (host copies of Triton's constexpr functions) give Triton's values."""
+    """params.cdiv / next_power_of_2 (host copies of Triton's constexpr functions) give Triton's values."""
     import triton
 
-    from tileattn.kernels import configs
+    from tileattn import params
 
-    assert all(configs.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 3000))
-    assert all(configs.cdiv(a, b) == triton.cdiv(a, b) for a in range(-70, 3000) for b in (1, 3, 16, 64, 128))
+    assert all(params.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 3000))
+    assert all(params.cdiv(a, b) == triton.cdiv(a, b) for a in range(-70, 3000) for b in (1, 3, 16, 64, 128))

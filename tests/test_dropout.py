@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import check_attention, interpreter_skips, on, patch_configs, randn
+from helpers import builds, check_attention, interpreter_skips, on, randn
 from tileattn import rng
 from tileattn.kernels import common  # noqa: F401  (used by a kernel defined in a test)
 
@@ -98,20 +98,19 @@ def test_dropout_rate_and_reproducibility(backend):
     ids=str,
 )
 @pytest.mark.parametrize("dq_atomic", [0, 1], ids=["dq-pass", "dq-atomic"])
-def test_dkdv_query_major_tiles(backend, feats, dq_atomic, monkeypatch):
+def test_dkdv_query_major_tiles(backend, feats, dq_atomic):
     """The dK/dV kernel's query x key orientation (KernelConfig.q_major) gives the same gradients as
     the reference, with and without dropout (GQA, odd lengths and head dim); also with dQ added from the
     dK/dV pass (KernelConfig.dq_atomic), where dropout's mask must match the dQ pass's."""
     if backend == "torch":
         pytest.skip("a kernel variant")
-    patch_configs(monkeypatch, dkdv=dict(q_major=True, dq_atomic=dq_atomic))
     ctx, device = on(backend)
     b, sq, sk, h, hk, d = 2, 47, 71, 4, 2, 40
     q = randn(b, sq, h, d, dtype=torch.float16, device=device)
     k = randn(b, sk, hk, d, dtype=torch.float16, device=device)
     v = randn(b, sk, hk, d, dtype=torch.float16, device=device)
     dout = torch.randn_like(q)
-    with ctx:
+    with ctx, builds(backend, dkdv=dict(q_major=True, dq_atomic=dq_atomic)):
         out, _, s_dmask = tileattn.flash_attn_func(q, k, v, return_attn_probs=True, **feats)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     ref_kwargs = dict(feats)

@@ -1,6 +1,7 @@
 """The kernels as compiled for the H200 (sm_90a), checked without a GPU: Triton compiles the launch's
-specialisation for that target (scripts/compile_report.py) and the cubin's resources are read back.
-These are performance properties the tables rely on (docs/perf.md, "Compiler resources")."""
+specialisation for that target (scripts/compile_report.py, with the H200's settings, configs.HOPPER) and
+the cubin's resources are read back. These are performance properties the tables rely on (docs/perf.md,
+"Compiler resources")."""
 
 import json
 import os
@@ -43,9 +44,9 @@ def test_forward_builds_as_the_tables_assume():
     """Head dim 64's dense forward fits two blocks per SM (<= 128 registers, 64 KiB of shared memory)
     without spills; head dim 256's forward is the TMA build of its tiles, under the register limit; head
     dim 128's dense forward is a spill-free TMA build at <= 128 registers, two blocks per SM, its causal
-    forward (the same table entry unless configs._FWD_CAUSAL has one) a spill-free TMA build with two
-    blocks per SM, and from configs.LONG_SEQLEN_K keys on a one-block three-stage TMA build; head dim
-    64's window forward (configs._FWD_WINDOW) spill-free at <= 128 registers, four blocks per SM."""
+    forward (Settings.fwd_causal's entry, else the same) a spill-free TMA build with two blocks per SM,
+    and from Settings.long_seqlen_k keys on a one-block three-stage TMA build; head dim 64's window
+    forward (Settings.fwd_window) spill-free at <= 128 registers, four blocks per SM."""
     hd64, hd256, hd128, hd128_causal, hd128_long, hd64_window = _compiled(FWD_CASES)
     assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
     assert hd64["shared"] <= 64 * 1024 and hd64["blocks_per_sm"] >= 2, hd64
@@ -66,40 +67,51 @@ rows = [r for r in rows if r["kernel"] == "_attn_bwd_dkdv"]
 
 
 def test_varlen_backward_builds_as_the_tables_assume():
-    """Head dim 256's varlen dK/dV pass (configs._BWD_DKDV_VARLEN: 32-key tiles) compiles without spills;
+    """Head dim 256's varlen dK/dV pass (Settings.bwd_dkdv_varlen: 32-key tiles) compiles without spills;
     the plain table's 64-key build (dense calls) spills, which is why varlen has its own entry."""
     dkdv, dense = _compiled(BWD_CASES)
     assert dkdv["config"][:2] == [64, 32] and dkdv["stack"] == 0 and dkdv["regs"] < 255, dkdv
     assert dense["config"][:2] == [64, 64] and dense["stack"] > 0, dense
 
 
-DECODE_CASES = """
-from tileattn.kernels import decode
-decode._has_pdl = lambda device: True  # the stand-in target's tensors are CPU tensors
-rows += compile_report.compile_decode(1, 131072, None)
-rows += compile_report.compile_decode(1, 131072, 16)
-rows += compile_report.compile_decode(1, 131072, 256)
-rows += compile_report.compile_decode(64, 4096, None)
-rows += compile_report.compile_decode(64, 4096, 16)
-rows += compile_report.compile_decode(64, 4096, 256)
-rows += compile_report.compile_decode(1, 8192, None)
-rows += compile_report.compile_decode(1, 8192, 16)
-rows += compile_report.compile_decode(1, 8192, 256)
-rows += compile_report.compile_decode(1, 16384, None)
-rows += compile_report.compile_decode(1, 16384, 16)
+# The H200's settings, planning with programmatic dependent launches (the stand-in target's tensors are
+# CPU tensors, for which the planner would not count on them).
+H200 = """
+import dataclasses
+from tileattn.kernels import configs
+h200 = dataclasses.replace(configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, has_pdl=True))
 """
+
+DECODE_CASES = (
+    H200
+    + """
+with configs.override(h200):
+    rows += compile_report.compile_decode(1, 131072, None)
+    rows += compile_report.compile_decode(1, 131072, 16)
+    rows += compile_report.compile_decode(1, 131072, 256)
+    rows += compile_report.compile_decode(64, 4096, None)
+    rows += compile_report.compile_decode(64, 4096, 16)
+    rows += compile_report.compile_decode(64, 4096, 256)
+    rows += compile_report.compile_decode(1, 8192, None)
+    rows += compile_report.compile_decode(1, 8192, 16)
+    rows += compile_report.compile_decode(1, 8192, 256)
+    rows += compile_report.compile_decode(1, 16384, None)
+    rows += compile_report.compile_decode(1, 16384, 16)
+"""
+)
 
 
 def test_decode_builds_as_the_settings_assume():
     """The decode builds of bench --decode's rows: at 1 x 128k the split kernel (three stages, one block
     per SM) signals its dependent combine (launched with PDL); pages of 16 and 256 take the five-stage
-    pointer-load build (two K/V tiles in flight), spill-free in the shared memory of one block; 64 x 4k's full grid of short programs the two-stage build, two blocks
-    per SM. The paged pointer-load builds' key loop (unmasked tiles) issues at most 15 % more instructions
-    than the contiguous build's in the same grid: its page lookup adds int32 arithmetic for each row a
-    thread loads (one lookup per tile for pages of whole tiles), where 64-bit offsets doubled the loop
-    (docs/perf.md). 1 x 8k's short programs take 64-key tiles; paged builds in grids under two waves prefetch their
-    table sectors into L2. Every attention build is launched as a programmatic dependent and loads nothing
-    before its griddepcontrol.wait."""
+    pointer-load build (two K/V tiles in flight), spill-free in the shared memory of one block; 64 x 4k's
+    full grid of short programs the two-stage build, two blocks per SM. The paged pointer-load builds'
+    key loop (unmasked tiles) issues at most 15 % more instructions than the contiguous build's in the
+    same grid: its page lookup adds int32 arithmetic for each row a thread loads (one lookup per tile for
+    pages of whole tiles), where 64-bit offsets doubled the loop (docs/perf.md). 1 x 8k's short programs
+    take 64-key tiles; paged builds in grids under two waves prefetch their table sectors into L2. Every
+    attention build is launched as a programmatic dependent and loads nothing before its
+    griddepcontrol.wait."""
     rows = _compiled(DECODE_CASES)
     split, combine, paged16, _, paged256, _, full, full16, full256 = rows[:9]
     short, _, short16, _, short256, _, eight, _, eight16, _ = rows[9:]
@@ -117,15 +129,16 @@ def test_decode_builds_as_the_settings_assume():
     for paged in (full16, full256):
         assert not paged["tma"] and paged["blocks_per_sm"] == 2, paged
         assert paged["tile_loop"] <= 1.15 * full["tile_loop"], (paged, full)
-    # 1 x 8k: one wave of programs of four 128-key tiles, built with 64-key tiles (decode.SHORT_BLOCK_N)
+    # 1 x 8k: one wave of programs of four 128-key tiles, built with 64-key tiles (DecodeSettings.short_block_n)
     # at three stages; the paged builds prefetch their table sectors into L2 (a predicated prefetch)
     for build in (short, short16, short256):
         assert build["config"][1:] == [64, 4, 3] and build["grid"] == [1, 8, 16] and build["stack"] == 0, build
     assert not short["table_to_l2"] and short16["table_to_l2"] and short256["table_to_l2"], (short, short16)
-    # 1 x 16k: eight tiles per program; pages smaller than a tile keep 128-key tiles there (SHORT_SMALL_PAGE_TILES)
+    # 1 x 16k: eight tiles per program; pages smaller than a tile keep 128-key tiles there
+    # (DecodeSettings.short_small_page_tiles)
     assert eight["config"][1] == 64 and eight16["config"][1] == 128 and eight16["grid"] == [1, 8, 16], (eight, eight16)
     assert paged16["table_to_l2"] and not full16["table_to_l2"], (paged16, full16)  # (grids under two waves)
-    # every attention build is a programmatic dependent of the kernel ahead (decode.DECODE_PDL_ATTN), which
+    # every attention build is a programmatic dependent of the kernel ahead (DecodeSettings.pdl_attn), which
     # may still be writing its inputs: no global load or async copy before its griddepcontrol.wait
     for build in (split, paged16, paged256, full, full16, full256, short, short16, short256, eight, eight16):
         assert build["kernel"] == "_attn_fwd_kvcache" and build["pdl_launch"] and build["gdc_wait"], build
@@ -133,34 +146,40 @@ def test_decode_builds_as_the_settings_assume():
     assert combine["loads_before_wait"] == 0, combine
 
 
-EDGE_CASES = """
+EDGE_CASES = (
+    H200
+    + """
 import torch
-from tileattn.kernels import configs, decode
-decode._has_pdl = lambda device: True
-rows += compile_report.compile_decode(1, 256, 256)
-rows += compile_report.compile_decode(1, 16, 16)
-decode.OFFS_64_ALWAYS = True
-rows += compile_report.compile_decode(1, 8192, 256, nheads=4, nheads_k=1, d=1)
-rows += compile_report.compile_decode(1, 8192, 16, nheads=4, nheads_k=1, d=1)
+from tileattn.kernels import decode
+from tileattn.params import AttnParams, CacheLayout
+with configs.override(h200):
+    rows += compile_report.compile_decode(1, 256, 256)
+    rows += compile_report.compile_decode(1, 16, 16)
+# 64-bit cache offsets for every call (DecodeSettings.offs_64_always)
+wide = dataclasses.replace(h200, decode=dataclasses.replace(h200.decode, offs_64_always=True))
+with configs.override(wide):
+    rows += compile_report.compile_decode(1, 8192, 256, nheads=4, nheads_k=1, d=1)
+    rows += compile_report.compile_decode(1, 8192, 16, nheads=4, nheads_k=1, d=1)
 # a block table of 2**31 keys: capacity becomes an int64 argument (pages of stride 0: nothing allocated)
 pool = torch.empty(256 * 128, dtype=torch.bfloat16).as_strided((2**23, 256, 1, 128), (0, 128, 128, 1))
 for leftpad in (None, torch.zeros(1, dtype=torch.int32)):
-    c = decode.CacheLayout(seqlens_k=torch.full((1,), 4096, dtype=torch.int32), leftpad=leftpad,
-                           block_table=torch.zeros(1, 2**23, dtype=torch.int32), max_seqlen_k=4096)
-    p = configs.AttnParams(batch=1, seqlen_q=1, seqlen_k=2**31, headdim=128, softmax_scale=0.1)
-    decode.attn_fwd_kvcache(torch.empty(1, 1, 4, 128, dtype=torch.bfloat16), pool, pool, p, c)
+    c = CacheLayout(seqlens_k=torch.full((1,), 4096, dtype=torch.int32), leftpad=leftpad,
+                    block_table=torch.zeros(1, 2**23, dtype=torch.int32), max_seqlen_k=4096)
+    p = AttnParams(batch=1, seqlen_q=1, seqlen_k=2**31, headdim=128, softmax_scale=0.1)
+    decode.attn_fwd_kvcache(torch.empty(1, 1, 4, 128, dtype=torch.bfloat16), pool, pool, p, c, wide)
     rows += [dict(kernel=n, offs_64=kw["OFFS_64"], loads_before_wait=compile_report.loads_before_wait(k.asm["ptx"]))
              for n, k, kw in compile_report._LAUNCHES if "OFFS_64" in kw]
     compile_report._LAUNCHES.clear()
 """
+)
 
 
 def test_decode_compiles_at_the_edges():
     """Triton passes an int argument equal to 1 as a constant, and one of 2**31 or more as int64. The
     decode kernel must compile for a pool of one page (of 256 or of 16 keys: the clamp of table
-    entries, decode._pool_page), for unit strides in its 64-bit offsets (head dim 1, one kv head:
-    decode._wide_product), and for a block table of 2**31 keys with 64-bit offsets (with and without
-    cache_leftpad), loading nothing before its griddepcontrol.wait in either."""
+    entries, decode.paging.pool_page), for unit strides in its 64-bit offsets (head dim 1, one kv head:
+    decode.paging.wide_product), and for a block table of 2**31 keys with 64-bit offsets (with and
+    without cache_leftpad), loading nothing before its griddepcontrol.wait in either."""
     rows = _compiled(EDGE_CASES)
     kernels = [r["kernel"] for r in rows]
     assert kernels.count("_attn_fwd_kvcache") >= 6 and set(kernels) <= {"_attn_fwd_kvcache", "_combine"}, rows
@@ -169,15 +188,17 @@ def test_decode_compiles_at_the_edges():
     assert [r["loads_before_wait"] for r in rows if "offs_64" in r] == [0, 0], rows
 
 
-ROTARY_Q_CASES = """
-from tileattn.kernels import decode
-decode._has_pdl = lambda device: True
-for page in (None, 16):
-    for seqlen_q in (1, 4):
-        for rotary in (None, "interleaved", "neox"):
-            rows += [r for r in compile_report.compile_decode(1, 8192, page, seqlen_q=seqlen_q, rotary=rotary)
-                     if r["kernel"] == "_attn_fwd_kvcache"]
+ROTARY_Q_CASES = (
+    H200
+    + """
+with configs.override(h200):
+    for page in (None, 16):
+        for seqlen_q in (1, 4):
+            for rotary in (None, "interleaved", "neox"):
+                rows += [r for r in compile_report.compile_decode(1, 8192, page, seqlen_q=seqlen_q, rotary=rotary)
+                         if r["kernel"] == "_attn_fwd_kvcache"]
 """
+)
 
 
 def test_decode_builds_that_rotate_q():
@@ -197,8 +218,8 @@ ROTATE_CASE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tileattn.kernels import decode
-fn = decode._rotate_rows
+from tileattn.kernels.decode import append
+fn = append._rotate_rows
 consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, PAGED=False)
 consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False)
 sig, constexprs = {}, {}

@@ -1,10 +1,11 @@
 """``python -m tileattn.bench.tune``: sweeps tile configurations of the forward and backward kernels
 on the current GPU and prints the fastest per head dim, to be copied into ``kernels/configs.py``.
 
-It patches the tables of ``tileattn.kernels.configs`` for the duration of each measurement; each
-candidate is checked against the reference before it is timed, on the timed (dense) inputs and on GQA
-4:1 inputs, which compile a build of their own (one such build, head dim 256's 128 x 64 pointer-load
-forward, was wrong for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
+Each candidate is a ``params.Settings`` value: the device's settings with the candidate in the head
+dim's entry of ``fwd``, ``bwd_dkdv`` or ``bwd_dq``, run under ``configs.override``. Each is checked
+against the reference before it is timed, on the timed (dense) inputs and on GQA 4:1 inputs, which
+compile a build of their own (one such build, head dim 256's 128 x 64 pointer-load forward, was wrong
+for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 import triton
 
 from tileattn.bench.__main__ import check_backend, flops
 from tileattn.kernels import configs
-from tileattn.kernels.configs import KernelConfig
+from tileattn.params import KernelConfig, Settings, padded_headdim
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
@@ -78,6 +80,21 @@ def _usable(cfg: tuple, block_d: int, kind: str, dropout_p: float) -> bool:
     return _smem_ok(cfg, block_d, kind) and (dropout_p == 0 or cfg[1] % 64 == 0)
 
 
+# The tables whose entries take precedence over ``fwd``'s and ``bwd_dkdv``'s for some calls.
+SHAPE_TABLES = ("fwd_long", "fwd_causal", "fwd_window", "bwd_dkdv_causal", "bwd_dkdv_varlen")
+
+
+def _plain(s: Settings, block_d: int) -> Settings:
+    """``s`` without the shape tables' entries for ``block_d``, so that the candidates placed in ``fwd``
+    and ``bwd_dkdv`` are the ones the timed calls take."""
+    return replace(s, **{name: {d: c for d, c in getattr(s, name).items() if d != block_d} for name in SHAPE_TABLES})
+
+
+def _with(s: Settings, table: str, block_d: int, cand: tuple) -> Settings:
+    """``s`` with the candidate ``cand`` (KernelConfig's fields in order) as ``block_d``'s entry of ``table``."""
+    return replace(s, **{table: {**getattr(s, table), block_d: KernelConfig(*cand)}})
+
+
 def _check_grads(name, grads, q, k, v, dout, causal):
     """dq of batch 0's query heads that share kv head 0, and that head's dk and dv, against the
     reference (the tolerance rule, the floor at the largest gradient)."""
@@ -101,7 +118,7 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     import tileattn
 
     batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
-    block_d = configs.padded_headdim(headdim)
+    block_d = padded_headdim(headdim)
     q, k, v = (
         torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -117,16 +134,12 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
     f_bwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd")
     results = []
-    saved = (dict(configs._FWD), dict(configs._BWD_DKDV), dict(configs._BWD_DQ))
-    # the candidates replace _FWD's and _BWD_DKDV's entries; the shape tables would bypass them
-    shape_tables = configs.SHAPE_TABLES
-    shape_saved = [table.pop(block_d, None) for table in shape_tables]
-    try:
-        for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:
-            if not _usable(cand, block_d, "fwd", dropout_p):
-                continue
-            configs._FWD[block_d] = KernelConfig(*cand)
-            try:
+    plain = _plain(configs.current(q.device), block_d)
+    for cand in HD256_CANDIDATES["fwd"] if block_d == 256 else FWD_CANDIDATES:
+        if not _usable(cand, block_d, "fwd", dropout_p):
+            continue
+        try:
+            with configs.override(_with(plain, "fwd", block_d, cand)):
                 out = tileattn.flash_attn_func(q, k, v, causal=causal)
                 check_backend("tileattn", out, q, k, v, causal)
                 check_backend("tileattn GQA", tileattn.flash_attn_func(q, kg, vg, causal=causal), q, kg, vg, causal)
@@ -134,51 +147,33 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
                     lambda: tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal),
                     return_mode="median",
                 )
-                results.append(dict(kind="fwd", cfg=cand, ms=ms, tflops=f_fwd / ms / 1e9))
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just skipped
-                results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
-        configs._FWD.update(saved[0])
-        out = tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
-        out_gqa = tileattn.flash_attn_func(q, kg, vg, causal=causal)
-        for kind, table, cands in (
-            ("dkdv", configs._BWD_DKDV, DKDV_CANDIDATES),
-            ("dq", configs._BWD_DQ, DQ_CANDIDATES),
-        ):
-            if block_d == 256:
-                cands = HD256_CANDIDATES[kind]
-            if kind == "dkdv" and dropout_p > 0:  # both tile orientations (KernelConfig.q_major)
-                cands = [(*c, q_major) for c in cands for q_major in (False, True)]
-            for cand in dict.fromkeys(cands):
-                if not _usable(cand, block_d, kind, dropout_p):
-                    continue
-                table[block_d] = KernelConfig(*cand)
-                try:
+            results.append(dict(kind="fwd", cfg=cand, ms=ms, tflops=f_fwd / ms / 1e9))
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just skipped
+            results.append(dict(kind="fwd", cfg=cand, error=str(exc).splitlines()[0][:120]))
+    for kind, table, cands in (("dkdv", "bwd_dkdv", DKDV_CANDIDATES), ("dq", "bwd_dq", DQ_CANDIDATES)):
+        if block_d == 256:
+            cands = HD256_CANDIDATES[kind]
+        if kind == "dkdv" and dropout_p > 0:  # both tile orientations (KernelConfig.q_major)
+            cands = [(*c, q_major) for c in cands for q_major in (False, True)]
+        for cand in dict.fromkeys(cands):
+            if not _usable(cand, block_d, kind, dropout_p):
+                continue
+            try:
+                # the forward too under the candidate's settings: its backward may take the forward's
+                with configs.override(_with(plain, table, block_d, cand)):
+                    out = tileattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
+                    out_gqa = tileattn.flash_attn_func(q, kg, vg, causal=causal)
 
-                    def bwd():
+                    def bwd(out=out):
                         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
-                    _check_grads(
-                        "tileattn GQA",
-                        torch.autograd.grad(out_gqa, (q, kg, vg), dout, retain_graph=True),
-                        q,
-                        kg,
-                        vg,
-                        dout,
-                        causal,
-                    )
+                    grads_gqa = torch.autograd.grad(out_gqa, (q, kg, vg), dout)
+                    _check_grads("tileattn GQA", grads_gqa, q, kg, vg, dout, causal)
                     bwd()
                     ms = triton.testing.do_bench(bwd, return_mode="median")
-                    results.append(dict(kind=kind, cfg=cand, ms=ms, tflops=f_bwd / ms / 1e9))
-                except Exception as exc:  # noqa: BLE001
-                    results.append(dict(kind=kind, cfg=cand, error=str(exc).splitlines()[0][:120]))
-            table.update(saved[1] if kind == "dkdv" else saved[2])
-    finally:
-        configs._FWD.update(saved[0])
-        configs._BWD_DKDV.update(saved[1])
-        configs._BWD_DQ.update(saved[2])
-        for table, entry in zip(shape_tables, shape_saved):
-            if entry is not None:
-                table[block_d] = entry
+                results.append(dict(kind=kind, cfg=cand, ms=ms, tflops=f_bwd / ms / 1e9))
+            except Exception as exc:  # noqa: BLE001
+                results.append(dict(kind=kind, cfg=cand, error=str(exc).splitlines()[0][:120]))
     return results
 
 

@@ -17,27 +17,19 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, bwd_dkdv_config, bwd_dq_config, cdiv, interpreting
+from tileattn.kernels.configs import bwd_dkdv_config, bwd_dq_config
+from tileattn.params import AttnParams, Settings, cdiv
 
 
 @triton.jit
 def _bwd_preprocess(
-    Out,
-    DOut,
-    Delta,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_db,
-    stride_dh,
+    Out, DOut, Delta,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_db, stride_dh,
     seqlen,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
     """Δ[b, h, i] = Σ_d dO[b, i, h, d] · O[b, i, h, d], in fp32 (rows are tokens of the packed layout
     in varlen mode, where seqlen is the total). Row offsets are 64-bit: a packed batch can span more
     than 2**31 elements."""
@@ -61,53 +53,21 @@ def _bwd_preprocess(
 
 @triton.jit
 def _dkdv_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    Q_base,
-    DO_base,
-    q_desc,
-    do_desc,
-    Lse_base,
-    Delta_base,
-    DQ_base,
-    dq_desc,
-    stride_qm,
-    stride_dom,
-    stride_dqm,
+    dk, dv, k, v,
+    Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
+    stride_qm, stride_dom, stride_dqm,
     sm_scale,
-    offs_m_base,
-    offs_n,
-    offs_d,
-    lo,
-    hi,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    softcap_scale,
-    softcap_log2,
-    slope_log2,
-    window_left,
-    window_right,
-    philox_seed,
-    rng_base,
-    row_groups,
-    dropout_p,
-    HEAD_DIM: tl.constexpr,
-    PAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    offs_m_base, offs_n, offs_d, lo, hi,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2,
+    window_left, window_right,
+    philox_seed, rng_base, row_groups, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    Q_MAJOR: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
-):
+    Q_MAJOR: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):  # fmt: skip
     """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head (Q/dO through
     descriptors with USE_TMA).
 
@@ -150,24 +110,12 @@ def _dkdv_tiles(
             delta_b = delta[None, :]
             dp = tl.dot(v, tl.trans(do))  # [BLOCK_N, BLOCK_M] = v @ dOᵀ
         s, t = common.scores(
-            qk,
-            rows_i,
-            cols_j,
-            seqlen_q,
-            seqlen_k,
-            qk_scale,
-            softcap_scale,
-            softcap_log2,
-            slope_log2,
-            window_left,
-            window_right,
-            MASKED,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
-            MASK_LEFT,
-            MASK_RIGHT,
-        )
-        p = tl.exp2(s - lse_b * 1.4426950408889634)  # 0 for rows with lse=+inf
+            qk, rows_i, cols_j, seqlen_q, seqlen_k,
+            qk_scale, softcap_scale, softcap_log2, slope_log2,
+            window_left, window_right,
+            MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
+        )  # fmt: skip
+        p = tl.exp2(s - lse_b * common.LOG2E)  # 0 for rows with lse=+inf
         pv = p  # the weights dV sees: p with dropout applied
         if HAS_DROPOUT:
             keep = common.dropout_keep(philox_seed, rng_base, offs_m, n_start, row_groups, dropout_p, BLOCK_M, BLOCK_N)
@@ -203,87 +151,42 @@ def _dkdv_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    Lse,
-    Delta,
-    Alibi,
-    CuSeqlensQ,
-    CuSeqlensK,
-    DQacc,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_dkb,
-    stride_dkn,
-    stride_dkh,
-    stride_dvb,
-    stride_dvn,
-    stride_dvh,
-    stride_dqb,
-    stride_dqm,
-    stride_dqh,
-    stride_lb,
-    stride_lh,
+    Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, DQacc,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh,
     stride_ab,
-    batch,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    sm_scale,
-    softcap,
-    window_left,
-    window_right,
-    dropout_p,
-    philox_seed,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
+    sm_scale, softcap,
+    window_left, window_right,
+    dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    BATCH_PAD: tl.constexpr,
-    Q_MAJOR: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
-):
+    IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+    Q_MAJOR: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+):  # fmt: skip
     """Program (key tile, kv head, batch): dK, dV of BLOCK_N keys, summed over the GQA group; with
     DQ_ATOMIC also each query head's dQ, added into the fp32 ``DQacc`` (``_dkdv_tiles``)."""
     pid = tl.program_id(0)
     h_k = tl.program_id(1)
-    seqlen_q_rng = seqlen_q
-    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
+    row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, n_block = common.seq_tile(pid, CuSeqlensK, batch, BLOCK_N, BATCH_PAD)
-        if b >= batch:
+        if b >= batch:  # one of the grid's spare programs
             return
-        q_start = tl.load(CuSeqlensQ + b)
-        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
-        k_start = tl.load(CuSeqlensK + b)
-        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
     else:
         b = tl.program_id(2)
         n_block = pid
-        q_start = 0
-        k_start = 0
+    q_start, seqlen_q, k_start, seqlen_k = common.seq_bounds(
+        b, CuSeqlensQ, CuSeqlensK, max_seqlen_q, max_seqlen_k, IS_VARLEN
+    )
     b64 = b.to(tl.int64)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
     n_start = n_block * BLOCK_N
@@ -301,12 +204,11 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    qk_scale = sm_scale * 1.4426950408889634
-    softcap_scale = 0.0
-    softcap_log2 = 0.0
-    if HAS_SOFTCAP:
-        softcap_scale = sm_scale / softcap
-        softcap_log2 = softcap * 1.4426950408889634
+    # the score constants here, the ALiBi slope and dropout counters for each query head below (the flags
+    # each call turns off leave the other part out)
+    qk_scale, softcap_scale, softcap_log2 = common.prologue(
+        b, h_k, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, False, False
+    )[:3]
     lo, full_lo, full_hi, hi = common.query_range(
         n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
@@ -316,12 +218,9 @@ def _attn_bwd_dkdv(
         DO_base = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dom + h.to(tl.int64) * stride_doh
         Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
         Delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
-        slope_log2 = 0.0
-        if HAS_ALIBI:
-            slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
-        rng_base = 0
-        if HAS_DROPOUT:
-            rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
+        slope_log2, rng_base = common.prologue(
+            b, h, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, False, HAS_ALIBI, HAS_DROPOUT
+        )[3:]
         q_desc = common.rows_desc(Q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         DQ_base = DQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
@@ -329,53 +228,21 @@ def _attn_bwd_dkdv(
         for seg in tl.static_range(3):
             seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
             dk, dv = _dkdv_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                Q_base,
-                DO_base,
-                q_desc,
-                do_desc,
-                Lse_base,
-                Delta_base,
-                DQ_base,
-                dq_desc,
-                stride_qm,
-                stride_dom,
-                stride_dqm,
+                dk, dv, k, v,
+                Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
+                stride_qm, stride_dom, stride_dqm,
                 sm_scale,
-                offs_m,
-                offs_n,
-                offs_d,
-                seg_lo,
-                seg_hi,
-                seqlen_q,
-                seqlen_k,
-                qk_scale,
-                softcap_scale,
-                softcap_log2,
-                slope_log2,
-                window_left,
-                window_right,
-                philox_seed,
-                rng_base,
-                row_groups,
-                dropout_p,
-                HEAD_DIM,
-                PAD_D,
-                BLOCK_M,
-                BLOCK_N,
-                seg != 1,
-                HAS_SOFTCAP,
-                HAS_ALIBI,
+                offs_m, offs_n, offs_d, seg_lo, seg_hi,
+                seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope_log2,
+                window_left, window_right,
+                philox_seed, rng_base, row_groups, dropout_p,
+                HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+                seg != 1, MASK_LEFT, MASK_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI,
                 HAS_DROPOUT,
-                MASK_LEFT,
-                MASK_RIGHT,
-                Q_MAJOR,
-                USE_TMA,
-                DQ_ATOMIC,
-            )
+                Q_MAJOR, USE_TMA, DQ_ATOMIC,
+            )  # fmt: skip
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
     if PAD_D:
@@ -388,46 +255,19 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_tiles(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    K_base,
-    V_base,
-    k_desc,
-    v_desc,
-    stride_kn,
-    stride_vn,
-    offs_m,
-    offs_n_base,
-    offs_d,
-    lo,
-    hi,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    softcap_scale,
-    softcap_log2,
-    slope_log2,
-    window_left,
-    window_right,
-    philox_seed,
-    rng_base,
-    row_groups,
-    dropout_p,
-    HEAD_DIM: tl.constexpr,
-    PAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    dq, q, do, lse2, delta,
+    K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+    offs_m, offs_n_base, offs_d, lo, hi,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2,
+    window_left, window_right,
+    philox_seed, rng_base, row_groups, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
     USE_TMA: tl.constexpr,
-):
+):  # fmt: skip
     """Accumulates dQ of one query block over key tiles [lo, hi) (K/V through descriptors with USE_TMA)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
@@ -439,23 +279,11 @@ def _dq_tiles(
         )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
         s, t = common.scores(
-            qk,
-            offs_m[:, None],
-            offs_n[None, :],
-            seqlen_q,
-            seqlen_k,
-            qk_scale,
-            softcap_scale,
-            softcap_log2,
-            slope_log2,
-            window_left,
-            window_right,
-            MASKED,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
-            MASK_LEFT,
-            MASK_RIGHT,
-        )
+            qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+            qk_scale, softcap_scale, softcap_log2, slope_log2,
+            window_left, window_right,
+            MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
+        )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
         if HAS_DROPOUT:
@@ -471,78 +299,41 @@ def _dq_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    Lse,
-    Delta,
-    Alibi,
-    CuSeqlensQ,
-    CuSeqlensK,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_dob,
-    stride_dom,
-    stride_doh,
-    stride_dqb,
-    stride_dqm,
-    stride_dqh,
-    stride_lb,
-    stride_lh,
+    Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh,
     stride_ab,
-    batch,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    sm_scale,
-    softcap,
-    window_left,
-    window_right,
-    dropout_p,
-    philox_seed,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
+    sm_scale, softcap,
+    window_left, window_right,
+    dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    BATCH_PAD: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr,
-):
+):  # fmt: skip
     """Program (query tile, head, batch): dQ of BLOCK_M query rows of one head."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    seqlen_q_rng = seqlen_q
-    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
+    row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
-        if b >= batch:
+        if b >= batch:  # one of the grid's spare programs
             return
-        q_start = tl.load(CuSeqlensQ + b)
-        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
-        k_start = tl.load(CuSeqlensK + b)
-        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
     else:
         b = tl.program_id(2)
         m_block = pid
         if MASK_RIGHT:
             m_block = tl.num_programs(0) - 1 - pid
-        q_start = 0
-        k_start = 0
+    q_start, seqlen_q, k_start, seqlen_k = common.seq_bounds(
+        b, CuSeqlensQ, CuSeqlensK, max_seqlen_q, max_seqlen_k, IS_VARLEN
+    )
     h_k = h // group_size
     b64 = b.to(tl.int64)
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -562,21 +353,12 @@ def _attn_bwd_dq(
     )  # [BLOCK_M, BLOCK_D]
     mask_m = offs_m < seqlen_q
     lse2 = tl.load(Lse + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=mask_m, other=0.0)
-    lse2 = lse2 * 1.4426950408889634
+    lse2 = lse2 * common.LOG2E
     delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=mask_m, other=0.0)
+    qk_scale, softcap_scale, softcap_log2, slope_log2, rng_base = common.prologue(
+        b, h, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT
+    )
 
-    qk_scale = sm_scale * 1.4426950408889634
-    softcap_scale = 0.0
-    softcap_log2 = 0.0
-    if HAS_SOFTCAP:
-        softcap_scale = sm_scale / softcap
-        softcap_log2 = softcap * 1.4426950408889634
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
-    rng_base = 0
-    if HAS_DROPOUT:
-        rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
@@ -586,46 +368,19 @@ def _attn_bwd_dq(
     for seg in tl.static_range(3):
         seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
         dq = _dq_tiles(
-            dq,
-            q,
-            do,
-            lse2,
-            delta,
-            K_base,
-            V_base,
-            k_desc,
-            v_desc,
-            stride_kn,
-            stride_vn,
-            offs_m,
-            offs_n,
-            offs_d,
-            seg_lo,
-            seg_hi,
-            seqlen_q,
-            seqlen_k,
-            qk_scale,
-            softcap_scale,
-            softcap_log2,
-            slope_log2,
-            window_left,
-            window_right,
-            philox_seed,
-            rng_base,
-            row_groups,
-            dropout_p,
-            HEAD_DIM,
-            PAD_D,
-            BLOCK_M,
-            BLOCK_N,
-            seg != 1,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
+            dq, q, do, lse2, delta,
+            K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, seg_lo, seg_hi,
+            seqlen_q, seqlen_k,
+            qk_scale, softcap_scale, softcap_log2, slope_log2,
+            window_left, window_right,
+            philox_seed, rng_base, row_groups, dropout_p,
+            HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+            seg != 1, MASK_LEFT, MASK_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI,
             HAS_DROPOUT,
-            MASK_LEFT,
-            MASK_RIGHT,
             USE_TMA,
-        )
+        )  # fmt: skip
     dq = dq * sm_scale
     mask = mask_m[:, None]
     if PAD_D:
@@ -642,9 +397,11 @@ def attn_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     p: AttnParams,
+    s: Settings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches preprocess, dK/dV and dQ. Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv),
-    contiguous, in the inputs' dtype."""
+    """Launches preprocess, dK/dV and dQ with the tiles ``s`` gives (``configs.bwd_dkdv_config``,
+    ``configs.bwd_dq_config``). Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv), contiguous, in
+    the inputs' dtype."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
@@ -652,48 +409,33 @@ def attn_bwd(
 
     delta = torch.empty_like(lse)
     rows = q4.shape[1]
-    block_pre = 16 if interpreting() else 64
+    block_pre = 16 if s.interpret else 64
     _bwd_preprocess[(cdiv(rows, block_pre), nheads, q4.shape[0])](
-        o4,
-        do4,
-        delta,
+        o4, do4, delta,
         *o4.stride()[:3],
         *do4.stride()[:3],
         *p.lse_strides(delta),
         rows,
-        HEAD_DIM=headdim,
-        BLOCK_D=p.block_d,
-        BLOCK_M=block_pre,
-    )
+        HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=block_pre,
+    )  # fmt: skip
 
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
-    common_args = (
-        p.alibi_batch_stride(),
-        batch,
-        nheads,
-        nheads // nheads_k,
-        p.seqlen_q,
-        p.seqlen_k,
-        p.softmax_scale,
-        p.softcap,
-        p.window_left,
-        p.window_right,
-        p.dropout_p,
-        p.philox_seed,
-    )
+    # the arguments after the pointers and strides, as both kernels take them
+    sizes_and_scalars = (
+        batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
+        p.softmax_scale, p.softcap,
+        p.window_left, p.window_right,
+        p.dropout_p, p.philox_seed,
+    )  # fmt: skip
     flags = dict(
-        HEAD_DIM=headdim,
-        BLOCK_D=p.block_d,
-        MASK_LEFT=p.window_left >= 0,
-        MASK_RIGHT=p.window_right >= 0,
-        HAS_SOFTCAP=p.softcap > 0,
-        HAS_ALIBI=p.alibi_slopes is not None,
+        HEAD_DIM=headdim, BLOCK_D=p.block_d,
+        MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
         HAS_DROPOUT=p.dropout_p > 0,
-        IS_VARLEN=p.is_varlen,
-        BATCH_PAD=p.batch_pad,
-    )
+        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+    )  # fmt: skip
 
-    cfg = bwd_dkdv_config(p)
+    cfg = bwd_dkdv_config(p, s)
     # dQ from the dK/dV pass through fp32 adds (not with deterministic: their order varies), or a dQ pass
     dq_atomic = 0 if p.deterministic else cfg.dq_atomic
     dq_acc = None
@@ -701,7 +443,7 @@ def attn_bwd(
         dq_acc = torch.empty(q4.shape, device=q4.device, dtype=torch.float32)
         # TMA reduce-adds need sm90+ and aligned rows, else the dQ pass (faster than atomic adds); the
         # interpreter does not emulate them and runs the atomic adds in their place
-        if dq_atomic == 2 and interpreting():
+        if dq_atomic == 2 and s.interpret:
             dq_atomic = 1
         elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
             dq_atomic, dq_acc = 0, None
@@ -712,17 +454,7 @@ def attn_bwd(
     else:
         grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
     _attn_bwd_dkdv[grid](
-        q4,
-        k4,
-        v4,
-        do4,
-        dk4,
-        dv4,
-        lse,
-        delta,
-        alibi,
-        p.cu_seqlens_q,
-        p.cu_seqlens_k,
+        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
         dq_acc if dq_acc is not None else dk4,
         *p.strides(q4),
         *p.strides(k4),
@@ -732,50 +464,35 @@ def attn_bwd(
         *p.strides(dv4),
         *(p.strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
         *p.lse_strides(lse),
-        *common_args,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        maxnreg=cfg.maxnreg,
-        Q_MAJOR=cfg.q_major,
-        USE_TMA=common.use_tma(cfg, q4, do4),
-        DQ_ATOMIC=dq_atomic,
+        p.alibi_batch_stride(),
+        *sizes_and_scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic,
         **flags,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
     if dq_acc is not None:
         dq4.copy_(dq_acc)
         return dq, dk, dv
 
-    cfg = bwd_dq_config(p)
+    cfg = bwd_dq_config(p, s)
     if p.is_varlen:
         grid = (cdiv(rows, cfg.block_m) + batch, nheads, 1)
     else:
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     _attn_bwd_dq[grid](
-        q4,
-        k4,
-        v4,
-        do4,
-        dq4,
-        lse,
-        delta,
-        alibi,
-        p.cu_seqlens_q,
-        p.cu_seqlens_k,
+        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
         *p.strides(do4),
         *p.strides(dq4),
         *p.lse_strides(lse),
-        *common_args,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        maxnreg=cfg.maxnreg,
+        p.alibi_batch_stride(),
+        *sizes_and_scalars,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_TMA=common.use_tma(cfg, k4, v4),
         **flags,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
     return dq, dk, dv

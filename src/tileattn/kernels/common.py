@@ -1,5 +1,5 @@
-"""Shared ``@triton.jit`` helpers: work scheduling, tile loads, mask predicates, loop bounds, score
-modifiers (scale, softcap, ALiBi) and Philox dropout. Every kernel that needs one of these calls it from
+"""Shared ``@triton.jit`` helpers: work scheduling, the kernels' prologue, tile loads, mask predicates, loop
+bounds, score modifiers (scale, softcap, ALiBi) and Philox dropout. Every kernel that needs one of these calls it from
 here; the mask semantics are those of ``tileattn.reference.local_mask``.
 
 Conventions: ``i`` is a query row and ``j`` a key column, both counted from the start of their own
@@ -13,7 +13,11 @@ import triton.language as tl
 
 from tileattn.kernels.launch import ensure_scratch_allocator
 
-LOG2E = 1.4426950408889634
+# log2(e) and ln(2): scores live in the log2 domain, the LSE leaves in natural log. Constexpr globals, the
+# only globals a kernel may read (an annotation ``LOG2E: tl.constexpr = ...`` passes the interpreter but
+# not the compiler); host code reads ``LOG2E.value``.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def use_tma(cfg, *tensors: torch.Tensor) -> bool:
@@ -57,6 +61,54 @@ def seq_tile(
     seq = tl.sum((cum_blocks <= pid).to(tl.int32), 0)
     block = pid - tl.sum(tl.where(offs_b < seq, n_blocks, 0), 0)
     return seq, block
+
+
+@triton.jit
+def seq_bounds(b, CuSeqlensQ, CuSeqlensK, max_seqlen_q, max_seqlen_k, IS_VARLEN: tl.constexpr):
+    """``(q_start, seqlen_q, k_start, seqlen_k)`` of sequence ``b``: its first query and key row in the
+    packed layout and its own lengths (varlen), or 0 and the call's lengths (dense)."""
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+        k_start = tl.load(CuSeqlensK + b)
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
+    else:
+        q_start = 0
+        seqlen_q = max_seqlen_q
+        k_start = 0
+        seqlen_k = max_seqlen_k
+    return q_start, seqlen_q, k_start, seqlen_k
+
+
+@triton.jit
+def prologue(
+    b, h, nheads, max_seqlen_q, row_groups,
+    Alibi, stride_ab,
+    sm_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """The constants of query head ``h`` of sequence ``b``, ``(qk_scale, softcap_scale, softcap_log2,
+    slope_log2, rng_base)``: the score constants of ``scores`` (sm_scale·log2(e); with a softcap
+    sm_scale / softcap and softcap·log2(e), else 0.0), the ALiBi slope·log2(e) (else 0.0) and the first
+    Philox counter of the head's dropout draws (``dropout_keep``; else 0). Counters are laid out by the
+    padded lengths, ``row_groups = 4·ceil(max_seqlen_k / 64)`` per query row and ``max_seqlen_q`` rows a
+    head (varlen: the max lengths), so each sequence of a packed batch draws from its own range.
+
+    The kernels call it where these values were computed inline before (after their first tile loads):
+    ptxas schedules around a helper's boundaries, so elsewhere it would change the compiled kernels."""
+    qk_scale = sm_scale * LOG2E
+    softcap_scale = 0.0
+    softcap_log2 = 0.0
+    if HAS_SOFTCAP:
+        softcap_scale = sm_scale / softcap
+        softcap_log2 = softcap * LOG2E
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h) * LOG2E
+    rng_base = 0
+    if HAS_DROPOUT:
+        rng_base = (b.to(tl.int64) * nheads + h) * max_seqlen_q * row_groups
+    return qk_scale, softcap_scale, softcap_log2, slope_log2, rng_base
 
 
 @triton.jit
@@ -230,7 +282,7 @@ def query_range(
 @triton.jit
 def tanh(x):
     """tanh through exp2 (no libdevice, so it also runs under the interpreter); saturates to ±1."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -319,7 +371,7 @@ def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M
     h < 2) of counter ``(row, j, c)``: in Hopper's MMA accumulator layout one thread holds exactly these
     columns of its row, so the compiler evaluates each Philox counter once, in the thread that needs it,
     instead of converting the mask's layout or recomputing a draw in several lanes.
-    rng_base = (b * nheads + h) * seqlen_q_rng * row_groups (int64), row_groups = 4 * ceil(seqlen_k_rng / 64)."""
+    ``rng_base`` and ``row_groups`` come from ``head_constants``."""
     tl.static_assert(BLOCK_N % 64 == 0, "dropout needs key tiles of a multiple of 64 columns")
     J: tl.constexpr = BLOCK_N // 64
     g = (start_n // 64 + tl.arange(0, J))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [J, C]

@@ -9,52 +9,25 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.configs import AttnParams, cdiv, fwd_config
+from tileattn.kernels.configs import fwd_config
+from tileattn.params import AttnParams, Settings, cdiv
 
 
 @triton.jit
 def _fwd_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    K_base,
-    V_base,
-    k_desc,
-    v_desc,
-    stride_kn,
-    stride_vn,
-    i,
-    offs_n_base,
-    offs_d,
-    lo,
-    hi,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    softcap_scale,
-    softcap_log2,
-    slope_log2,
-    window_left,
-    window_right,
-    philox_seed,
-    rng_base,
-    row_groups,
-    dropout_p,
-    HEAD_DIM: tl.constexpr,
-    PAD_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    acc, l_i, m_i, q,
+    K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+    i, offs_n_base, offs_d, lo, hi,
+    seqlen_q, seqlen_k,
+    qk_scale, softcap_scale, softcap_log2, slope_log2,
+    window_left, window_right,
+    philox_seed, rng_base, row_groups, dropout_p,
+    HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
-    DEFER_SCALE: tl.constexpr,
-):
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+):  # fmt: skip
     """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block.
 
     With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
@@ -71,23 +44,11 @@ def _fwd_tiles(
         )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
         s, _ = common.scores(
-            qk,
-            i[:, None],
-            offs_n[None, :],
-            seqlen_q,
-            seqlen_k,
-            1.0 if DEFER_SCALE else qk_scale,
-            softcap_scale,
-            softcap_log2,
-            slope_log2,
-            window_left,
-            window_right,
-            MASKED,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
-            MASK_LEFT,
-            MASK_RIGHT,
-        )
+            qk, i[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+            1.0 if DEFER_SCALE else qk_scale, softcap_scale, softcap_log2, slope_log2,
+            window_left, window_right,
+            MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
+        )  # fmt: skip
         # p: [BLOCK_M, BLOCK_N]
         p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         if HAS_DROPOUT:
@@ -100,81 +61,45 @@ def _fwd_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    Alibi,
-    CuSeqlensQ,
-    CuSeqlensK,
-    stride_qb,
-    stride_qm,
-    stride_qh,
-    stride_kb,
-    stride_kn,
-    stride_kh,
-    stride_vb,
-    stride_vn,
-    stride_vh,
-    stride_ob,
-    stride_om,
-    stride_oh,
-    stride_lb,
-    stride_lh,
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
     stride_ab,
-    batch,
-    nheads,
-    group_size,
-    seqlen_q,
-    seqlen_k,
-    sm_scale,
-    softcap,
-    window_left,
-    window_right,
-    dropout_p,
-    philox_seed,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
+    sm_scale, softcap,
+    window_left, window_right,
+    dropout_p, philox_seed,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-    BATCH_PAD: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
-    DEFER_SCALE: tl.constexpr,
-):
+    IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+):  # fmt: skip
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
     Dense: tile = query block, reversed when MASK_RIGHT so the longest causal rows start first.
-    Varlen: tile is a flat index over all sequences' query blocks (``common.seq_tile``); ``seqlen_q``
-    and ``seqlen_k`` arrive as the max lengths (used for dropout offsets) and are replaced by each
-    sequence's own.
+    Varlen: tile is a flat index over all sequences' query blocks (``common.seq_tile``); the max lengths
+    lay out the dropout counters, and each sequence's own lengths bound its rows and keys.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    seqlen_q_rng = seqlen_q
-    row_groups = 4 * ((seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
+    row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
         b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
-        if b >= batch:
+        if b >= batch:  # one of the grid's spare programs
             return
-        q_start = tl.load(CuSeqlensQ + b)
-        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
-        k_start = tl.load(CuSeqlensK + b)
-        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_start
     else:
         b = tl.program_id(2)
         m_block = pid
         if MASK_RIGHT:
             m_block = tl.num_programs(0) - 1 - pid
-        q_start = 0
-        k_start = 0
+    q_start, seqlen_q, k_start, seqlen_k = common.seq_bounds(
+        b, CuSeqlensQ, CuSeqlensK, max_seqlen_q, max_seqlen_k, IS_VARLEN
+    )
     h_k = h // group_size
     b64 = b.to(tl.int64)
     Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
@@ -191,19 +116,9 @@ def _attn_fwd(
     q = common.load_tile(
         Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
     )  # [BLOCK_M, BLOCK_D]
-
-    qk_scale = sm_scale * 1.4426950408889634
-    softcap_scale = 0.0
-    softcap_log2 = 0.0
-    if HAS_SOFTCAP:
-        softcap_scale = sm_scale / softcap
-        softcap_log2 = softcap * 1.4426950408889634
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + h) * 1.4426950408889634
-    rng_base = 0
-    if HAS_DROPOUT:
-        rng_base = (b64 * nheads + h) * seqlen_q_rng * row_groups
+    qk_scale, softcap_scale, softcap_log2, slope_log2, rng_base = common.prologue(
+        b, h, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT
+    )
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -220,47 +135,19 @@ def _attn_fwd(
     for seg in tl.static_range(3):
         seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
         acc, l_i, m_i = _fwd_tiles(
-            acc,
-            l_i,
-            m_i,
-            q,
-            K_base,
-            V_base,
-            k_desc,
-            v_desc,
-            stride_kn,
-            stride_vn,
-            offs_m,
-            offs_n,
-            offs_d,
-            seg_lo,
-            seg_hi,
-            seqlen_q,
-            seqlen_k,
-            qk_scale,
-            softcap_scale,
-            softcap_log2,
-            slope_log2,
-            window_left,
-            window_right,
-            philox_seed,
-            rng_base,
-            row_groups,
-            dropout_p,
-            HEAD_DIM,
-            PAD_D,
-            BLOCK_M,
-            BLOCK_N,
-            seg != 1,
-            HAS_SOFTCAP,
-            HAS_ALIBI,
+            acc, l_i, m_i, q,
+            K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, seg_lo, seg_hi,
+            seqlen_q, seqlen_k,
+            qk_scale, softcap_scale, softcap_log2, slope_log2,
+            window_left, window_right,
+            philox_seed, rng_base, row_groups, dropout_p,
+            HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+            seg != 1, MASK_LEFT, MASK_RIGHT,
+            HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
             HAS_DROPOUT,
-            MASK_LEFT,
-            MASK_RIGHT,
-            USE_TMA,
-            WARP_SPEC,
-            DEFER_SCALE,
-        )
+            USE_TMA, WARP_SPEC,
+        )  # fmt: skip
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
     # pass's exp(s - lse) is 0 for it (the flash_attn convention).
@@ -270,7 +157,7 @@ def _attn_fwd(
         acc = acc / (l_safe * (1.0 - dropout_p))[:, None]
     else:
         acc = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * common.LN2, float("inf"))
     mask_m = offs_m < seqlen_q
     tl.store(Lse_base + offs_m, lse, mask=mask_m)
     o_ptrs = O_base + offs_m[:, None] * stride_om + offs_d[None, :]
@@ -280,65 +167,44 @@ def _attn_fwd(
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None])
 
 
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches ``_attn_fwd``. Dense tensors are ``(batch, seqlen, nheads, headdim)``; varlen tensors
-    (``p.cu_seqlens_q`` set) are ``(total, nheads, headdim)``. Returns ``(out, lse)`` with lse fp32
-    ``(batch, nheads, seqlen_q)`` dense or ``(nheads, total_q)`` varlen."""
+def attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches ``_attn_fwd`` with the tiles ``s`` gives (``configs.fwd_config``). Dense tensors are
+    ``(batch, seqlen, nheads, headdim)``; varlen tensors (``p.cu_seqlens_q`` set) are ``(total, nheads,
+    headdim)``. Returns ``(out, lse)`` with lse fp32 ``(batch, nheads, seqlen_q)`` dense or ``(nheads,
+    total_q)`` varlen."""
     out = torch.empty_like(q)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     lse = p.new_lse(q4)
-    cfg = fwd_config(p)
+    cfg = fwd_config(p, s)
     use_tma = common.use_tma(cfg, k4, v4)
     if cfg.tma and not use_tma:
-        cfg = fwd_config(p, tma_ok=False)
+        cfg = fwd_config(p, s, tma_ok=False)
     if p.is_varlen:
         grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
     else:
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     _attn_fwd[grid](
-        q4,
-        k4,
-        v4,
-        o4,
-        lse,
-        alibi,
-        p.cu_seqlens_q,
-        p.cu_seqlens_k,
+        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
         *p.strides(o4),
         *p.lse_strides(lse),
         p.alibi_batch_stride(),
-        batch,
-        nheads,
-        nheads // k4.shape[2],
-        p.seqlen_q,
-        p.seqlen_k,
-        p.softmax_scale,
-        p.softcap,
-        p.window_left,
-        p.window_right,
-        p.dropout_p,
-        p.philox_seed,
-        HEAD_DIM=headdim,
-        BLOCK_D=p.block_d,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        MASK_LEFT=p.window_left >= 0,
-        MASK_RIGHT=p.window_right >= 0,
-        HAS_SOFTCAP=p.softcap > 0,
-        HAS_ALIBI=p.alibi_slopes is not None,
+        batch, nheads, nheads // k4.shape[2], p.seqlen_q, p.seqlen_k,
+        p.softmax_scale, p.softcap,
+        p.window_left, p.window_right,
+        p.dropout_p, p.philox_seed,
+        HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
+        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, DEFER_SCALE=p.defer_scale,
         HAS_DROPOUT=p.dropout_p > 0,
-        IS_VARLEN=p.is_varlen,
-        BATCH_PAD=p.batch_pad,
-        USE_TMA=use_tma,
-        WARP_SPEC=cfg.warp_spec,
-        DEFER_SCALE=p.defer_scale,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        maxnreg=cfg.maxnreg,
-    )
+        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+        USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+    )  # fmt: skip
     return out, lse
