@@ -12,6 +12,7 @@ Writes ``results.json``, ``paper.md`` (tables) and PNG plots into --out.
 
     python scripts/reproduce_paper.py --out paper_results            # GPU
     python scripts/reproduce_paper.py --smoke --out /tmp/smoke       # tiny settings, any machine
+    python scripts/reproduce_paper.py --parts gpt2 --attn-dropout 0  # GPT-2 without attention dropout
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def train_steps(make_model, make_batch, steps: int, warmup: int, device: str):
         _reset_memory()
 
 
-def gpt2(impl: str, n_positions: int, smoke: bool):
+def gpt2(impl: str, n_positions: int, smoke: bool, attn_pdrop: float | None = None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    extra = {} if attn_pdrop is None else {"attn_pdrop": attn_pdrop}  # None: GPT-2's own 0.1
     if smoke:
-        cfg = GPT2Config(vocab_size=512, n_positions=n_positions, n_embd=64, n_layer=2, n_head=4)
+        cfg = GPT2Config(vocab_size=512, n_positions=n_positions, n_embd=64, n_layer=2, n_head=4, **extra)
     else:
-        cfg = GPT2Config(n_positions=n_positions)  # GPT-2 small: 12 layers, 12 heads, 768 wide
+        cfg = GPT2Config(n_positions=n_positions, **extra)  # GPT-2 small: 12 layers, 12 heads, 768 wide
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg).to(dtype=torch.float32), cfg, impl
 
@@ -93,7 +95,7 @@ def run_gpt2(args, device):
         for impl in IMPLS:
 
             def make_model(impl=impl, seqlen=seqlen):
-                model, cfg, _ = gpt2(impl, seqlen, args.smoke)
+                model, cfg, _ = gpt2(impl, seqlen, args.smoke, args.attn_dropout)
                 model.config._attn_implementation = impl
                 model.set_attn_implementation(impl)
                 return model
@@ -119,10 +121,13 @@ def run_bert(args, device):
     for impl in IMPLS:
 
         def make_model(impl=impl):
+            extra = {} if args.attn_dropout is None else {"attention_probs_dropout_prob": args.attn_dropout}
             if args.smoke:
-                cfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+                cfg = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **extra)
             else:
-                cfg = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+                cfg = BertConfig(
+                    hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, **extra
+                )
             torch.manual_seed(0)
             model = BertForMaskedLM(cfg)
             model.set_attn_implementation(impl)
@@ -188,7 +193,7 @@ def run_longest(args, device):
         for seqlen in args.long_seqlens:
 
             def make_model(impl=impl, seqlen=seqlen):
-                model, _, _ = gpt2(impl, seqlen, args.smoke)
+                model, _, _ = gpt2(impl, seqlen, args.smoke, args.attn_dropout)
                 model.set_attn_implementation(impl)
                 return model
 
@@ -308,6 +313,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--bert-batch", type=int, default=16)
+    ap.add_argument(
+        "--attn-dropout",
+        type=float,
+        default=None,
+        help="the models' attention dropout (default: their own, 0.1); 0 times the kernels without it",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:

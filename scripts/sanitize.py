@@ -8,14 +8,14 @@ Without PyTorch's caching allocator each tensor is its own allocation, so an acc
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
 with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
 kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
-and in-loop variants, paged prefill, TMA and 64-bit offset builds), with odd head dims and ragged tails."""
+and in-loop variants, paged prefill, long programs), with odd head dims and ragged tails. The builds only
+settings select (TMA reads of decode caches, 64-bit offsets below 2**31 elements) are not run here."""
 
 import sys
 
 import torch
 
 import tileattn
-from tileattn.kernels import decode
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
@@ -29,7 +29,7 @@ if not KVCACHE_ONLY:
         (1, 129, 65, 2, 1, 96, dict(causal=True)),  # first 64 rows see no key
         (2, 257, 301, 4, 2, 128, dict(causal=True)),  # dQ by TMA reduce-adds from the dK/dV pass
         (2, 257, 301, 4, 2, 128, dict(causal=True, deterministic=True)),  # the two-pass backward
-        (2, 203, 331, 4, 2, 64, dict(window_size=(70, 9))),  # head dim 64's window tiles (configs._FWD_WINDOW)
+        (2, 203, 331, 4, 2, 64, dict(window_size=(70, 9))),  # head dim 64's window tiles
     ]
     for b, sq, sk, h, hk, d, kw in CASES:
         q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
@@ -45,7 +45,7 @@ if not KVCACHE_ONLY:
     for kw in (dict(causal=True), dict(window_size=(3, 9), dropout_p=0.1)):
         out = tileattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
         torch.autograd.grad(out, (q, k), torch.randn_like(out))
-    # head dim 256's varlen dK/dV tiles (configs._BWD_DKDV_VARLEN: 32 keys), with empty and length-1 sequences
+    # head dim 256's varlen dK/dV tiles (32 keys), with empty and length-1 sequences
     q = torch.randn(sum(lens_q), 4, 256, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(sum(lens_k), 2, 256, device=dev, dtype=dt, requires_grad=True)
     for kw in (dict(causal=True), dict()):
@@ -85,13 +85,11 @@ q = torch.randn(64, 1, 8, 64, device=dev, dtype=dt)
 tileattn.flash_attn_with_kvcache(
     q, kc, kc, cache_seqlens=torch.randint(0, 129, (64,), dtype=torch.int32, device=dev), block_table=table
 )
-# TMA reads of long programs (decode.DECODE_TMA_TILES): a contiguous cache with cache_batch_idx (its TMA
-# build turned on here: off by default) and pages of 256 (their tiles lie in one page), sequences of odd
-# lengths whose last tiles are masked
+# long programs: a contiguous cache with cache_batch_idx and pages of 256 (their tiles lie in one page),
+# sequences of odd lengths whose last tiles are masked
 q = torch.randn(3, 1, 8, 64, device=dev, dtype=dt)
 lens = torch.tensor([4001, 2100, 3333], dtype=torch.int32, device=dev)
 kc = torch.randn(4, 4096, 2, 64, device=dev, dtype=dt)
-decode.DECODE_TMA = True
 for splits in (1, 2):
     tileattn.flash_attn_with_kvcache(
         q,
@@ -101,16 +99,12 @@ for splits in (1, 2):
         cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev),
         num_splits=splits,
     )
-decode.DECODE_TMA = False
 kc = torch.randn(3 * 16 + 1, 256, 2, 64, device=dev, dtype=dt)
 table = torch.randperm(3 * 16 + 1, device=dev)[: 3 * 16].view(3, 16).int()
-decode.PAGED_TMA = True  # (off by default since the int32 offsets)
 for splits in (1, 2):
     tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, num_splits=splits)
-decode.PAGED_TMA = False
-# 64-bit offsets (decode.OFFS_64_ALWAYS; pools past 2**31 elements take them): pages of 256 (one lookup per
-# tile), of 16 and of 5 with cache_leftpad (lookups per row), v_cache with other strides than k_cache's
-decode.OFFS_64_ALWAYS = True
+# pages of 256 (one lookup per tile), of 16 and of 5 with cache_leftpad (lookups per row), v_cache with
+# other strides than k_cache's
 for page in (256, 16, 5):
     pages = -(-4096 // page)
     kc = torch.randn(3 * pages + 1, page, 2, 64, device=dev, dtype=dt)
@@ -119,6 +113,5 @@ for page in (256, 16, 5):
     extra = dict(cache_leftpad=torch.tensor([0, 9, 1000], dtype=torch.int32, device=dev)) if page == 5 else {}
     for splits in (1, 2):
         tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits, **extra)
-decode.OFFS_64_ALWAYS = False
 torch.cuda.synchronize()
 print("sanitize workload done")

@@ -1,11 +1,9 @@
-"""The benchmark's own arithmetic: the work a masked problem does (``--features`` divides by it), and
-the feature harness on the CPU path."""
+"""The benchmark's own arithmetic (the work a masked problem does, which ``--features`` divides by) and
+its harnesses on the CPU path: features, decode A/B, host time, dropout, and the CLI's options."""
 
-import importlib.util
+import ast
 import itertools
-import os
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -89,64 +87,6 @@ def test_tuner_gradient_check_catches_a_wrong_group():
         _check_grads("cpu", (bad, *grads[1:]), q, k, v, dout, True)
 
 
-def _script(name):
-    """scripts/<name>.py as a module (the scripts import their neighbours, so scripts/ is on the path
-    while it loads)."""
-    scripts = pathlib.Path(__file__).parents[1] / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(scripts))
-    return module
-
-
-def test_features_variant_changes_the_tables(monkeypatch):
-    """scripts/features_variant.py (table variants for GPU runs): a field per head dim, and the forward's
-    TMA off takes the pointer-load tiles where the table reads through TMA."""
-    import dataclasses
-
-    from tileattn.kernels import configs
-
-    for name in (
-        "_FWD",
-        "_FWD_LONG",
-        "_FWD_CAUSAL",
-        "_FWD_WINDOW",
-        "_BWD_DKDV",
-        "_BWD_DKDV_CAUSAL",
-        "_BWD_DKDV_VARLEN",
-        "_BWD_DQ",
-    ):
-        monkeypatch.setattr(configs, name, dict(getattr(configs, name)))
-    variant = _script("features_variant")
-    before, before_dq = dict(configs._FWD), dict(configs._BWD_DQ)
-    variant.apply("fwd@64:maxnreg=96")
-    variant.apply("dq@16,32:maxnreg=120")
-    variant.apply("fwd:tma=0")
-    assert configs._FWD[64] == dataclasses.replace(before[64], maxnreg=96)
-    assert configs._BWD_DQ[32].maxnreg == 120 and configs._BWD_DQ[64] == before_dq[64]
-    assert configs._FWD[256] == configs._FWD_POINTER[256]
-    assert configs._FWD[128] == dataclasses.replace(before[128], tma=False)
-    variant.apply("fwdcausal@64:block_m=64")
-    assert configs._FWD_CAUSAL[64] == dataclasses.replace(configs._FWD[64], block_m=64)
-    variant.apply("fwdlong:maxnreg=0")  # no head dims named: every forward head dim
-    assert set(configs._FWD_LONG) == set(configs._FWD) and all(c.maxnreg is None for c in configs._FWD_LONG.values())
-    variant.apply("fwdcausal@256:tma=1")
-    variant.apply("fwdcausal@256:tma=0")  # the pointer-load tiles, not head dim 256's miscompiled build
-    assert configs._FWD_CAUSAL[256] == configs._FWD_POINTER[256]
-    variant.apply("dkdvcausal@64:dq_atomic=2")
-    assert configs._BWD_DKDV_CAUSAL[64] == dataclasses.replace(configs._BWD_DKDV[64], dq_atomic=2)
-    variant.apply("fwdwindow@128:block_m=64")
-    assert configs._FWD_WINDOW[128] == dataclasses.replace(configs._FWD[128], block_m=64)
-    variant.apply("dkdvvarlen@128:block_n=32")
-    assert configs._BWD_DKDV_VARLEN[128] == dataclasses.replace(configs._BWD_DKDV[128], block_n=32)
-    with pytest.raises(SystemExit):
-        variant.apply("fwd:colour=1")
-
-
 @pytest.mark.parametrize("order", ["shuffled", "in order", "lockstep", 2])
 def test_decode_pool_reference_follows_the_table(order):
     """The decode benchmark's paged rows check each backend against ``_pool``'s reference keys: the
@@ -197,30 +137,194 @@ def test_decode_fa4_rows_need_flash_attn_cute():
             DECODE_BACKENDS[name](q, k, k, torch.full((1,), 32, dtype=torch.int32))
 
 
-def test_decode_variant_settings_restore_the_sm_count():
-    """decode_variants_settings.apply: ``sms=N`` plans the splits for N SMs inside the block only, and
-    the module's settings come back after it, also when the block raises."""
-    from tileattn.kernels import decode
+def test_cli_keeps_its_options_and_defaults():
+    """The grid's, --decode's, --features' and --varlen's options parse as before; the new modes are off
+    unless asked for."""
+    from tileattn.bench.__main__ import parse_args
 
-    settings = _script("decode_variants_settings")
-    before, stages = decode._sm_count, decode.DECODE_STAGES
-    with pytest.raises(RuntimeError), settings.apply("sms=120,stages=4"):
-        assert decode._sm_count(torch.device("cuda")) == 120 and decode.DECODE_STAGES == 4
-        assert decode.choose_splits(8, 131072, 128, decode._sm_count(None)) == 15
-        raise RuntimeError
-    assert decode._sm_count is before and decode.DECODE_STAGES == stages
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the probe's check runs in the interpreter")
-def test_decode_tail_probe_matches_torch():
-    """scripts/decode_tail.py's probe kernel (a K/V stream shaped like the split kernel) computes what its
-    torch reference does, for 1-3 splits of five tiles, in runs or dealt in turn, with and without the
-    online softmax."""
-    _script("decode_tail")._check()
+    args = parse_args([])
+    assert args.headdim == [64, 128, 256] and args.seqlen == [512, 1024, 2048, 4096, 8192, 16384]
+    assert (args.tokens, args.hidden, args.causal, args.mode) == (16384, 2048, "both", "fwd+bwd")
+    assert str(args.out) == "bench_results/results.jsonl" and args.backends is None and args.dtype is None
+    assert not any((args.quick, args.plot, args.varlen, args.decode, args.features))
+    assert not any((args.decode_ab, args.host, args.dropout))
+    args = parse_args(["--decode-ab", "--rows", "64x4096", "--layouts", "tileattn append", "--anchors", "fa4"])
+    assert args.decode_ab and args.rows == ["64x4096"] and args.layouts == ["tileattn append"]
+    assert args.anchors == ["fa4"] and (args.rounds, args.replays) == (5, 5)
+    assert parse_args(["--dropout", "--dropout-p", "0.2"]).dropout_p == 0.2
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the probes' check runs in the interpreter")
-def test_decode_pages_probes_match_torch():
-    """scripts/decode_pages_probe.py's probes (a shuffled pool read a kv head at a time, or a whole page
-    for all kv heads at a time) compute what their torch reference does, for one to three splits."""
-    _script("decode_pages_probe")._check()
+def _tiny_ab(layouts, anchors, calls, **kwargs):
+    """run_decode_ab on the CPU path: 2 sequences of 64 keys, GQA 4/2, head dim 16, two input copies; the
+    timer returns a fixed ms per replayed graph (by the order of the graphs' first use) and logs each
+    replay's outputs' owner."""
+    from tileattn.bench.decode import run_decode_ab
+
+    order = []
+
+    def timer(replay, n, replays, device):
+        assert device.type == "cpu" and n == 2 and replays == 3
+        outs = replay()
+        order.append(id(replay))
+        assert len(outs) == n
+        return calls.setdefault(id(replay), 0.25 * (len(calls) + 1))
+
+    rows = run_decode_ab(
+        [(2, 64)],
+        layouts,
+        anchors,
+        rounds=2,
+        replays=3,
+        dtype=torch.float32,
+        nheads=4,
+        nheads_k=2,
+        headdim=16,
+        device="cpu",
+        progress=lambda line: None,
+        time_replay=timer,
+        touch_bytes=2 * 2 * 64 * 2 * 16 * 4 * 2,  # two copies of the K+V bytes
+        **kwargs,
+    )
+    return rows, order
+
+
+def test_decode_ab_on_the_cpu_path():
+    """--decode-ab's harness: every layout (paged, pages in table order, a kernel ahead, the append step)
+    passes its reference check; each layout's graphs and its anchor's take turns in every round; GB/s is
+    the K+V bytes over the timer's ms, with the rounds' median and range; the table prints each layout's
+    ratio to the anchor."""
+    from tileattn.bench.decode import format_decode_ab
+
+    layouts = ["tileattn paged16", "tileattn paged16 lockstep", "tileattn after a kernel", "tileattn paged16 append"]
+    calls = {}
+    rows, order = _tiny_ab(layouts, ("tileattn",), calls)
+    assert all("error" not in r for r in rows), rows
+    assert [(r["case"], r["backend"]) for r in rows] == [(lay, name) for lay in layouts for name in (lay, "tileattn")]
+    # per layout: two graphs (layout, anchor), taking turns over two rounds
+    assert len(order) == 2 * 2 * len(layouts)
+    for i in range(len(layouts)):
+        a, b = order[4 * i], order[4 * i + 1]
+        assert a != b and order[4 * i : 4 * i + 4] == [a, b, a, b]
+    kv_bytes = 2 * 2 * 64 * 2 * 16 * 4
+    for r in rows:
+        assert r["gbps"] == pytest.approx(kv_bytes / r["ms"] / 1e6) and r["gbps_min"] == r["gbps_max"] == r["gbps"]
+        assert len(r["gbps_rounds"]) == 2
+    first = {(r["case"], r["backend"]): r["gbps"] for r in rows}
+    table = format_decode_ab(rows)
+    ratio = (
+        first[("tileattn paged16 append", "tileattn paged16 append")] / first[("tileattn paged16 append", "tileattn")]
+    )
+    assert f"{ratio:.3f}" in table and "tileattn paged16 lockstep" in table
+
+
+def test_decode_ab_reports_a_wrong_layout(monkeypatch):
+    """A layout whose output is wrong is an error row and is not timed, its anchor neither; an append
+    step's check refuses a cache the step did not write."""
+    from tileattn.bench import decode
+
+    def wrong(q, k_cache, v_cache, seqlens):
+        run, expected = decode.AB_LAYOUTS["tileattn"](q, k_cache, v_cache, seqlens)
+        return (lambda: run() * 1.01), expected
+
+    monkeypatch.setitem(decode.AB_LAYOUTS, "wrong", wrong)
+    rows, order = _tiny_ab(["wrong", "tileattn"], ("tileattn paged16",), {})
+    assert [r["backend"] for r in rows if r["case"] == "wrong"] == ["wrong"] and "error" in rows[0]
+    assert [r["backend"] for r in rows if r["case"] == "tileattn"] == ["tileattn", "tileattn paged16"]
+    assert len(order) == 4  # the second layout's two graphs only
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, 16, generator=gen)
+    k, v = (torch.randn(1, 64, 2, 16, generator=gen) for _ in range(2))
+    run, expected = decode.AB_LAYOUTS["tileattn append"](q, k, v, torch.full((1,), 64, dtype=torch.int32))
+    with pytest.raises(AssertionError):
+        expected()  # the new token is not in the cache before the step runs
+    run()
+    expected()
+
+
+def test_host_on_the_cpu_path():
+    """--host's harness: every call it times, each output checked first (a wrong output fails the check),
+    host time per call measured (no device time off CUDA)."""
+    from tileattn.bench.host import decode_cases, format_host, run_host, training_cases
+
+    cpu = torch.device("cpu")
+    shape = (2, 64, 4, 2, 16)
+    for call, check in [
+        *training_cases(cpu, torch.float32, (2, 32, 4, 16)).values(),
+        *decode_cases(cpu, torch.float32, shape).values(),
+    ]:
+        if check is None:
+            continue
+        out = call()
+        check(out)
+        with pytest.raises(AssertionError):
+            check(out.detach() * 1.01)
+    rows = run_host(
+        cpu,
+        torch.float32,
+        calls=2,
+        rounds=2,
+        training_shape=(2, 32, 4, 16),
+        decode_shape=shape,
+        progress=lambda s: None,
+    )
+    assert [(r["case"], r["backend"]) for r in rows] == [
+        ("training", "tileattn fwd"),
+        ("training", "tileattn fwd+bwd"),
+        ("training", "tileattn fwd+bwd p=0.1"),
+        ("training", "sdpa fwd"),
+        ("training", "sdpa fwd+bwd"),
+        ("training", "sdpa fwd+bwd p=0.1"),
+        ("decode", "tileattn"),
+        ("decode", "tileattn paged16"),
+        ("decode", "tileattn append"),
+        ("decode", "sdpa"),
+    ]
+    assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)
+    assert "tileattn paged16" in format_host(rows)
+
+
+def test_dropout_on_the_cpu_path(tmp_path):
+    """--dropout's harness: tileattn with and without dropout (SDPA's FlashAttention-2 is CUDA only), the
+    ratios over the dropout call's times, and the CLI writing its rows."""
+    from tileattn.bench.__main__ import main
+    from tileattn.bench.dropout import format_dropout, run_dropout
+
+    times = itertools.cycle([2.0, 8.0, 0.5, 2.0])  # p=0.1 fwd, fwd+bwd; p=0 fwd, fwd+bwd
+
+    def fake_time(fn, device):
+        assert device == "cpu"
+        fn()
+        return next(times)
+
+    rows = run_dropout(fake_time, 0.25, [(16, 32, True)], tokens=64, hidden=64, dtype=torch.float32, device="cpu")
+    assert [r["backend"] for r in rows] == ["tileattn p=0.25", "tileattn p=0"]
+    assert rows[1]["fwd_ratio"] == 0.25 and rows[1]["fwd_bwd_ratio"] == 0.25 and rows[0]["fwd_ratio"] == 1.0
+    assert (rows[0]["batch"], rows[0]["nheads"], rows[0]["dropout_p"]) == (2, 4, 0.25)
+    assert "0.25" in format_dropout(rows)
+
+    out = tmp_path / "r.jsonl"
+    argv = ["--dropout", "--device", "cpu", "--headdim", "16", "--seqlen", "32", "--causal", "no"]
+    assert main([*argv, "--tokens", "64", "--hidden", "32", "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and all('"kind": "dropout"' in line for line in lines)
+    assert main(["--decode-ab", "--device", "cpu"]) == 1 and main(["--host", "--device", "cpu"]) == 1
+
+
+def test_bench_uses_the_public_api_only():
+    """The bench modules (the tuner aside, which sweeps the kernels' tables) import tileattn's public
+    modules only, so they measure what users call."""
+    public = {"tileattn", "tileattn.reference", "tileattn.testing", "tileattn.cache", "tileattn.rotary"}
+    bench = pathlib.Path(__file__).parents[1] / "src" / "tileattn" / "bench"
+    for path in sorted(bench.glob("*.py")):
+        if path.name == "tune.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.startswith("tileattn") and not name.startswith("tileattn.bench"):
+                    assert name in public, f"{path.name} imports {name}"

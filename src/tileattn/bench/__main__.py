@@ -8,6 +8,11 @@ tolerance rule. Results are appended to a JSON-lines file; ``--plot`` draws PNG 
 
 On a machine without a GPU, ``--quick`` compares the CPU path with eager attention (time and peak
 memory), so the command always does something useful.
+
+Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
+(packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
+``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
+cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-bound sizes).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 import tileattn
 from tileattn.bench.backends import BACKENDS, Unavailable
+from tileattn.bench.decode import AB_DEFAULT_LAYOUTS, AB_LAYOUTS, DECODE_BACKENDS
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
@@ -419,6 +425,32 @@ def parse_args(argv=None):
         action="store_true",
         help="tileattn with causal, GQA, windows, varlen and padded head dims against its dense speed",
     )
+    ab = ap.add_argument_group("--decode-ab: the decode rows timed in turn with their anchors, over rounds")
+    ab.add_argument("--decode-ab", action="store_true", help="interleaved CUDA-graph A/B of decode layouts")
+    ab.add_argument("--rounds", type=int, default=5, help="rounds in which the graphs take turns")
+    ab.add_argument("--replays", type=int, default=5, help="graph replays per graph and round (their median)")
+    ab.add_argument("--layouts", nargs="+", default=list(AB_DEFAULT_LAYOUTS), choices=list(AB_LAYOUTS))
+    ab.add_argument(
+        "--anchors",
+        nargs="+",
+        default=["sdpa-cudnn"],
+        choices=list(DECODE_BACKENDS),
+        help="timed in every layout's rounds",
+    )
+    ab.add_argument(
+        "--rows", nargs="+", metavar="BxN", help="batch x cache length rows, as 64x4096 (default: --decode's)"
+    )
+    ap.add_argument(
+        "--dropout",
+        action="store_true",
+        help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
+    )
+    ap.add_argument("--dropout-p", type=float, default=0.1, help="the dropout probability of --dropout")
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="host time per call at launch-bound sizes (BERT-large's attention, decode at 1 x 8k) against SDPA",
+    )
     return ap.parse_args(argv)
 
 
@@ -452,6 +484,44 @@ def main(argv=None) -> int:
         rows = run_decode(dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
         append_results(args.out, rows)
         print(format_decode(rows))
+        return 0
+    if args.decode_ab:
+        if device != "cuda":
+            print("--decode-ab times CUDA graphs; no GPU here")
+            return 1
+        from tileattn.bench.decode import format_decode_ab, run_decode_ab
+
+        rows = [tuple(int(n) for n in row.lower().split("x")) for row in args.rows] if args.rows else None
+        rows = run_decode_ab(
+            rows,
+            args.layouts,
+            args.anchors,
+            args.rounds,
+            args.replays,
+            dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16,
+        )
+        append_results(args.out, rows)
+        print(format_decode_ab(rows))
+        return 0
+    if args.host:
+        if device != "cuda":
+            print("--host times CUDA launches; no GPU here")
+            return 1
+        from tileattn.bench.host import format_host, run_host
+
+        rows = run_host(device, dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
+        append_results(args.out, rows)
+        print(format_host(rows))
+        return 0
+    if args.dropout:
+        from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout
+
+        cases = DROPOUT_CASES
+        if args.headdim != [64, 128, 256] or args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] or args.quick:
+            cases = [(d, s, c) for d in args.headdim for s in args.seqlen for c in causals]
+        rows = run_dropout(time_ms, args.dropout_p, cases, args.tokens, args.hidden, dtype=dtype, device=device)
+        append_results(args.out, rows)
+        print(format_dropout(rows))
         return 0
     if args.features:
         if device != "cuda":
