@@ -1,4 +1,6 @@
-"""Bad input is refused with a clear exception naming the argument, before anything runs."""
+"""Bad input is refused with a clear exception naming the argument, before anything runs; the values of
+index tensors (cu_seqlens, cache_seqlens, block tables) are read on the host once until they change
+(tileattn.checks.checked_once)."""
 
 import pytest
 import torch
@@ -412,3 +414,108 @@ def test_paged_varlen_bad_input(call, words):
         call()
     for word in words:
         assert word in str(info.value), f"{word!r} not in message: {info.value}"
+
+
+def test_empty_pool_refused():
+    """A paged cache of no pages cannot serve a block table with columns: refused up front (the kernels
+    clamp table entries to the pool's pages, which needs one)."""
+    q = torch.randn(1, 1, 4, 16, dtype=F16)
+    empty = torch.zeros(0, 16, 2, 16, dtype=F16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no pages"):
+        tileattn.flash_attn_with_kvcache(q, empty, empty, cache_seqlens=0, block_table=table)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="holds no pages"):
+        tileattn.flash_attn_varlen_func(q[0], empty, empty, cu, cu, 1, 1, block_table=table)
+
+
+def test_cu_seqlens_checked_once_until_modified():
+    """The values of a cu_seqlens tensor are read on the host once (a device sync), not once per layer:
+    later calls with the same, unmodified tensor reuse the result; an in-place change is checked again."""
+    from tileattn.checks import checked_once
+
+    q = torch.randn(9, 2, 16)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = cu_q.clone()
+    runs = checked_once.runs
+    for _ in range(3):
+        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 5, 5)
+    assert checked_once.runs - runs == 2  # cu_seqlens_q and cu_seqlens_k, once each
+    tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)  # another max_seqlen: checked again
+    assert checked_once.runs - runs == 4
+    cu_k[1] = 10  # now decreasing
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)
+
+
+def test_checked_once_keeps_the_latest_entries_when_full():
+    """A full table of remembered checks drops its oldest entry, never the ones just made: the layers
+    of a step keep sharing one check however many other tensors were checked before."""
+    from tileattn.checks import CheckedOnce
+
+    checked = CheckedOnce(limit=3)
+    tensors = [torch.zeros(1) for _ in range(5)]
+    calls = []
+    for t in tensors:
+        checked((t,), (), lambda: calls.append(1))
+    checked((tensors[3],), (), lambda: calls.append(1))
+    checked((tensors[4],), (), lambda: calls.append(1))
+    assert len(calls) == 5 and len(checked) == 3
+
+
+def test_cache_values_checked_once_per_step():
+    """cache_seqlens and block_table are read on the host (a device sync) once until they change, not
+    once per layer: calls with the same, unmodified tensors reuse the check; an in-place update (the
+    next decode step) is checked again, and bad values are still refused with the caches unchanged."""
+    from tileattn.checks import checked_once
+
+    class _Reads:  # the host reads since the test began
+        def __init__(self):
+            self.start = checked_once.runs
+
+        def __len__(self):
+            return checked_once.runs - self.start
+
+    reads = _Reads()
+    page, hk, d = 4, 2, 16
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32)
+    layers = [(torch.zeros(6, page, hk, d, dtype=F16), torch.zeros(6, page, hk, d, dtype=F16)) for _ in range(3)]
+    q = torch.randn(2, 1, 4, d, dtype=F16)
+    k_new, v_new = (torch.randn(2, 1, hk, d, dtype=F16) for _ in range(2))
+    for kc, vc in layers:  # one decode step over three layers
+        tileattn.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == 1
+    seqlens += 1  # the next step
+    for kc, vc in layers:
+        tileattn.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == 2
+    assert all(torch.equal(kc[1, 0], k_new[0, 0]) and torch.equal(kc[5, 0], k_new[1, 0]) for kc, _ in layers)
+    table[1, 2] = 9  # a page that does not exist, now covering sequence 1's new token
+    before = [t.clone() for t in layers[0]]
+    with pytest.raises(ValueError, match="block_table"):
+        tileattn.flash_attn_with_kvcache(q, *layers[0], k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert all(torch.equal(a, b) for a, b in zip(before, layers[0]))
+    with torch.inference_mode():  # no version counter: checked on every call
+        s = torch.tensor([1, 1], dtype=torch.int32)
+        for _ in range(2):
+            tileattn.flash_attn_with_kvcache(q, *layers[0], cache_seqlens=s, block_table=table[:, :1].clone())
+    assert len(reads) == 5
+
+
+def test_paged_prefill_values_checked_once():
+    """The paged varlen call checks cu_seqlens and the block table once until they change."""
+    from tileattn.checks import checked_once
+
+    runs = checked_once.runs
+    kp = torch.randn(4, 4, 2, 16, dtype=F16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32)
+    q = torch.randn(5, 4, 16, dtype=F16)
+    for _ in range(3):
+        tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)
+    assert checked_once.runs - runs == 3  # cu_seqlens_q, cu_seqlens_k and the table, once each
+    table[1, 1] = 7
+    with pytest.raises(ValueError, match="block_table"):
+        tileattn.flash_attn_varlen_func(q, kp, kp, cu_q, cu_k, 3, 7, block_table=table)

@@ -5,16 +5,12 @@ import pytest
 import torch
 
 import tileattn
-from helpers import builds, interpreter_skips, on, randn
+from attention_cases import LENGTHS, _check_varlen, _cu
+from helpers import on, randn
 from tileattn.bert_padding import pad_input, unpad_input
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
-# Per-sequence (seqlen_q, seqlen_k), with empty and length-1 sequences and q/k lengths that differ.
-LENGTHS = {
-    "mixed": [(17, 17), (0, 0), (1, 1), (45, 45), (3, 3)],
-    "qk-differ": [(5, 31), (40, 12), (0, 7), (1, 1), (23, 64), (6, 0)],
-}
 FEATURES = [
     {},
     {"causal": True},
@@ -24,68 +20,11 @@ FEATURES = [
 ]
 
 
-def _cu(lengths, device):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
-
-
 @pytest.mark.parametrize("feats", FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_varlen_matches_per_sequence_reference(backend, lengths, feats, dtype):
     _check_varlen(backend, lengths, feats, dtype)
-
-
-@pytest.mark.parametrize("variant", ["tma", "dq-atomic"])
-@pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
-@pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
-def test_varlen_tma_variant(backend, lengths, feats, variant):
-    """The kernels' TMA reads (KernelConfig.tma) on packed batches: descriptors per sequence, empty ones
-    included, rows past a sequence read as zeros; and dQ added from the dK/dV pass (KernelConfig.dq_atomic:
-    TMA reduce-adds on the GPU, atomic adds under the interpreter) at each sequence's rows."""
-    if backend == "torch":
-        pytest.skip("a kernel variant")
-    if variant == "tma":
-        variant_builds = builds(backend, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
-    else:
-        variant_builds = builds(backend, dkdv=dict(dq_atomic=2))
-    with variant_builds:
-        _check_varlen(backend, lengths, feats, torch.float16)
-
-
-def _check_varlen(backend, lengths, feats, dtype):
-    interpreter_skips(backend, dtype)
-    ctx, device = on(backend)
-    seqs = LENGTHS[lengths]
-    h, hk, d = 4, 2, 40
-    lq, lk = [s[0] for s in seqs], [s[1] for s in seqs]
-    q = randn(sum(lq), h, d, dtype=dtype, device=device)
-    k = randn(sum(lk), hk, d, dtype=dtype, device=device)
-    v = randn(sum(lk), hk, d, dtype=dtype, device=device)
-    dout = torch.randn_like(q)
-    kwargs = {key: val for key, val in feats.items() if key != "alibi"}
-    if "alibi" in feats:
-        shape = (h,) if feats["alibi"] == "head" else (len(seqs), h)
-        kwargs["alibi_slopes"] = torch.rand(shape, device=device) * 0.5
-    with ctx:
-        out = tileattn.flash_attn_varlen_func(q, k, v, _cu(lq, device), _cu(lk, device), max(lq), max(lk), **kwargs)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-
-    # The reference, one sequence at a time, assembled into packed tensors.
-    refs, lowps = [], []
-    for b, (sq, sk) in enumerate(seqs):
-        oq, ok = sum(lq[:b]), sum(lk[:b])
-        qs, ks, vs = (t[None, o : o + n] for t, o, n in ((q, oq, sq), (k, ok, sk), (v, ok, sk)))
-        ref_kwargs = dict(kwargs, window_seqlen_k=max(lk))  # (the call's window is resolved at max_seqlen_k)
-        if "alibi_slopes" in kwargs and kwargs["alibi_slopes"].dim() == 2:
-            ref_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
-        refs.append(attention_ref(qs, ks, vs, upcast=torch.float64, **ref_kwargs)[0][0])
-        lowps.append(attention_ref(qs, ks, vs, upcast=False, **ref_kwargs)[0][0])
-    ref, ref_lowp = torch.cat(refs), torch.cat(lowps)
-    check_close("varlen out", out, ref, ref_lowp)
-    g_ref = torch.autograd.grad(ref, (q, k, v), dout)
-    g_lowp = torch.autograd.grad(ref_lowp, (q, k, v), dout)
-    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
-        check_close(f"varlen {name}", g, gr, gl)
 
 
 @pytest.mark.parametrize("headdim", [111, 256])
@@ -189,37 +128,3 @@ def test_varlen_schedule_one_long_many_short(backend):
             0
         ]
         check_close(f"seq {b}", out[o : o + n], ref, lowp)
-
-
-def test_cu_seqlens_checked_once_until_modified():
-    """The values of a cu_seqlens tensor are read on the host once (a device sync), not once per layer:
-    later calls with the same, unmodified tensor reuse the result; an in-place change is checked again."""
-    from tileattn.checks import checked_once
-
-    q = torch.randn(9, 2, 16)
-    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
-    cu_k = cu_q.clone()
-    runs = checked_once.runs
-    for _ in range(3):
-        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 5, 5)
-    assert checked_once.runs - runs == 2  # cu_seqlens_q and cu_seqlens_k, once each
-    tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)  # another max_seqlen: checked again
-    assert checked_once.runs - runs == 4
-    cu_k[1] = 10  # now decreasing
-    with pytest.raises(ValueError, match="non-decreasing"):
-        tileattn.flash_attn_varlen_func(q, q, q, cu_q, cu_k, 6, 6)
-
-
-def test_checked_once_keeps_the_latest_entries_when_full():
-    """A full table of remembered checks drops its oldest entry, never the ones just made: the layers
-    of a step keep sharing one check however many other tensors were checked before."""
-    from tileattn.checks import CheckedOnce
-
-    checked = CheckedOnce(limit=3)
-    tensors = [torch.zeros(1) for _ in range(5)]
-    calls = []
-    for t in tensors:
-        checked((t,), (), lambda: calls.append(1))
-    checked((tensors[3],), (), lambda: calls.append(1))
-    checked((tensors[4],), (), lambda: calls.append(1))
-    assert len(calls) == 5 and len(checked) == 3

@@ -315,7 +315,7 @@ def test_bench_uses_the_public_api_only():
     """The bench modules (the tuner aside, which sweeps the kernels' tables) import tileattn's public
     modules only, so they measure what users call."""
     public = {"tileattn", "tileattn.reference", "tileattn.testing", "tileattn.cache", "tileattn.rotary"}
-    bench = pathlib.Path(__file__).parents[1] / "src" / "tileattn" / "bench"
+    bench = pathlib.Path(__file__).parents[2] / "src" / "tileattn" / "bench"
     for path in sorted(bench.glob("*.py")):
         if path.name == "tune.py":
             continue

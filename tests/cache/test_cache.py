@@ -143,7 +143,7 @@ def test_steps_pad_short_table_rows_with_no_page(backend):
 
 
 def _example():
-    path = Path(__file__).parent.parent / "examples" / "paged_decode.py"
+    path = Path(__file__).parents[2] / "examples" / "paged_decode.py"
     spec = importlib.util.spec_from_file_location("paged_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -16,7 +16,7 @@ def _compiled(cases: str) -> list[dict]:
     script = "\n".join(
         [
             "import json, sys",
-            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[1] / 'scripts')!r})",
+            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[2] / 'scripts')!r})",
             "import compile_report",
             "compile_report._install()",
             "rows = []",

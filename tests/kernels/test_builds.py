@@ -1,0 +1,138 @@
+"""Build variants the tile tables do not pick (KernelConfig.tma, warp_spec, dq_atomic, q_major, through
+helpers.builds), dense and varlen, with and without dropout, against the reference on the kernels (the
+GPU or the interpreter); and on the GPU the tables' own builds at the size where one was miscompiled."""
+
+import pytest
+import torch
+
+import tileattn
+from attention_cases import CASES, LENGTHS, _case_id, _check_varlen, _run_case, _unaligned
+from helpers import builds, check_attention, on, randn
+
+# The kernels' TMA variant (row tiles through tensor descriptors; a head dim of 59 is not 16-byte
+# aligned and falls back to pointer loads) and, on the GPU, the forward's warp-specialised key loop.
+TMA_CASES = [CASES[i] for i in (1, 3, 4, 5, 9, 10, 16, 18)]
+
+
+@pytest.mark.parametrize("warp_spec", [False, True], ids=["tma", "tma-ws"])
+@pytest.mark.parametrize("case", TMA_CASES, ids=_case_id)
+def test_tma_variants(backend, case, warp_spec):
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    if warp_spec and backend != "cuda":
+        pytest.skip("warp specialisation is a compiler schedule; the interpreter runs the tma case")
+    fwd = dict(tma=True, warp_spec=warp_spec)
+    if warp_spec:  # the dense tiles: Triton 3.6 fails to compile causal 64 x 64, 4-warp tiles warp-specialised
+        fwd.update(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    with builds(backend, fwd=fwd, dkdv=dict(tma=True), dq=dict(tma=True)):
+        _run_case(backend, case, torch.float16)
+
+
+# dQ accumulated by the dK/dV pass (KernelConfig.dq_atomic: 1 fp32 atomic adds, 2 TMA reduce-adds, which
+# the interpreter does not emulate: it runs mode 2 as atomic adds), in both score orientations (q_major).
+DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
+
+
+@pytest.mark.parametrize("q_major", [False, True], ids=["k-major", "q-major"])
+@pytest.mark.parametrize("mode", [1, 2], ids=["atomic", "tma-reduce"])
+@pytest.mark.parametrize("case", DQ_ATOMIC_CASES, ids=_case_id)
+def test_dq_atomic_variants(backend, case, mode, q_major):
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    with builds(backend, dkdv=dict(dq_atomic=mode, q_major=q_major)):
+        _run_case(backend, case, torch.float16)
+
+
+@pytest.mark.parametrize("variant", ["tma", "dq-atomic"])
+@pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
+def test_varlen_tma_variant(backend, lengths, feats, variant):
+    """The kernels' TMA reads (KernelConfig.tma) on packed batches: descriptors per sequence, empty ones
+    included, rows past a sequence read as zeros; and dQ added from the dK/dV pass (KernelConfig.dq_atomic:
+    TMA reduce-adds on the GPU, atomic adds under the interpreter) at each sequence's rows."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    if variant == "tma":
+        variant_builds = builds(backend, fwd=dict(tma=True), dkdv=dict(tma=True), dq=dict(tma=True))
+    else:
+        variant_builds = builds(backend, dkdv=dict(dq_atomic=2))
+    with variant_builds:
+        _check_varlen(backend, lengths, feats, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "feats",
+    [
+        {"dropout_p": 0.17, "causal": True},
+        {"dropout_p": 0.17, "softcap": 3.0, "window_size": (20, 5)},
+        {"causal": True},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dq_atomic", [0, 1], ids=["dq-pass", "dq-atomic"])
+def test_dkdv_query_major_tiles(backend, feats, dq_atomic):
+    """The dK/dV kernel's query x key orientation (KernelConfig.q_major) gives the same gradients as
+    the reference, with and without dropout (GQA, odd lengths and head dim); also with dQ added from the
+    dK/dV pass (KernelConfig.dq_atomic), where dropout's mask must match the dQ pass's."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    ctx, device = on(backend)
+    b, sq, sk, h, hk, d = 2, 47, 71, 4, 2, 40
+    q = randn(b, sq, h, d, dtype=torch.float16, device=device)
+    k = randn(b, sk, hk, d, dtype=torch.float16, device=device)
+    v = randn(b, sk, hk, d, dtype=torch.float16, device=device)
+    dout = torch.randn_like(q)
+    with ctx, builds(backend, dkdv=dict(q_major=True, dq_atomic=dq_atomic)):
+        out, _, s_dmask = tileattn.flash_attn_func(q, k, v, return_attn_probs=True, **feats)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_kwargs = dict(feats)
+    if "dropout_p" in feats:
+        ref_kwargs["dropout_mask"] = s_dmask >= 0
+    check_attention("q-major dkdv", out, grads, q, k, v, dout, ref_kwargs)
+
+
+# The H200's tile tables at the size where one of their builds was miscompiled (head dim 256's 128 x 64
+# pointer-load forward, wrong for GQA at 4 x 4096 tokens only; docs/perf.md): every forward table entry
+# (with the backward tables of its head dim), the pointer-load fallbacks of the TMA entries (inputs TMA
+# cannot read: Settings.fwd_pointer) and the long-key entries (Settings.fwd_long), GQA 4:1, forward and
+# backward, for the feature flags that compile separate builds (causal, window, softcap + ALiBi, varlen).
+AT_SCALE_FEATURES = [
+    {},
+    {"causal": True},
+    {"window_size": (512, 0)},
+    {"softcap": 30.0, "alibi": "head"},
+    {"varlen": True},
+    {"varlen": True, "causal": True},
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
+@pytest.mark.parametrize("feats", AT_SCALE_FEATURES, ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize(
+    "headdim,variant",
+    [(16, "table"), (32, "table"), (64, "table"), (128, "table"), (128, "fallback"), (128, "long")]
+    + [(256, "table"), (256, "fallback")],
+    ids=str,
+)
+def test_tables_gqa_at_scale(headdim, variant, feats):
+    from tileattn.kernels import configs
+
+    unaligned = variant == "fallback"  # inputs TMA cannot read: the pointer-load fallback tiles
+    # the failing size; 2 keeps the fp64 reference small; Settings.fwd_long from long_seqlen_k keys on
+    batch = 4 if headdim == 256 and not feats else 2
+    seqlen = 4096
+    if variant == "long":
+        batch, seqlen = 1, configs.current(torch.device("cuda")).long_seqlen_k
+    if "varlen" not in feats:
+        _run_case("cuda", (batch, seqlen, seqlen, 8, 2, headdim, feats), torch.bfloat16, unaligned)
+        return
+    q = randn(batch, seqlen, 8, headdim, dtype=torch.bfloat16, device="cuda")
+    k, v = (randn(batch, seqlen, 2, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    if unaligned:
+        q, k, v = (_unaligned(t.detach()).requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    causal = feats.get("causal", False)
+    out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
+    check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {"causal": causal})
