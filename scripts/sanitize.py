@@ -8,14 +8,16 @@ Without PyTorch's caching allocator each tensor is its own allocation, so an acc
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
 with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
 kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
-and in-loop variants, paged prefill, long programs), with odd head dims and ragged tails. The builds only
-settings select (TMA reads of decode caches, 64-bit offsets below 2**31 elements) are not run here."""
+and in-loop variants, paged prefill, TMA and 64-bit offset builds, which only settings select here,
+through ``configs.override``), with odd head dims and ragged tails."""
 
+import dataclasses
 import sys
 
 import torch
 
 import tileattn
+from tileattn.kernels import configs
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
@@ -85,33 +87,46 @@ q = torch.randn(64, 1, 8, 64, device=dev, dtype=dt)
 tileattn.flash_attn_with_kvcache(
     q, kc, kc, cache_seqlens=torch.randint(0, 129, (64,), dtype=torch.int32, device=dev), block_table=table
 )
-# long programs: a contiguous cache with cache_batch_idx and pages of 256 (their tiles lie in one page),
-# sequences of odd lengths whose last tiles are masked
+
+
+def with_decode(**changes) -> configs.Settings:
+    """The GPU's settings with these DecodeSettings fields changed (builds the defaults do not select)."""
+    s = configs.current(torch.device(dev))
+    return dataclasses.replace(s, decode=dataclasses.replace(s.decode, **changes))
+
+
+# TMA reads of long programs (DecodeSettings.tma_tiles): a contiguous cache with cache_batch_idx and pages
+# of 256 (their tiles lie in one page), sequences of odd lengths whose last tiles are masked
 q = torch.randn(3, 1, 8, 64, device=dev, dtype=dt)
 lens = torch.tensor([4001, 2100, 3333], dtype=torch.int32, device=dev)
 kc = torch.randn(4, 4096, 2, 64, device=dev, dtype=dt)
-for splits in (1, 2):
-    tileattn.flash_attn_with_kvcache(
-        q,
-        kc,
-        kc,
-        cache_seqlens=lens,
-        cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev),
-        num_splits=splits,
-    )
+with configs.override(with_decode(tma=True)):
+    for splits in (1, 2):
+        tileattn.flash_attn_with_kvcache(
+            q,
+            kc,
+            kc,
+            cache_seqlens=lens,
+            cache_batch_idx=torch.tensor([3, 0, 1], dtype=torch.int32, device=dev),
+            num_splits=splits,
+        )
 kc = torch.randn(3 * 16 + 1, 256, 2, 64, device=dev, dtype=dt)
 table = torch.randperm(3 * 16 + 1, device=dev)[: 3 * 16].view(3, 16).int()
-for splits in (1, 2):
-    tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, num_splits=splits)
-# pages of 256 (one lookup per tile), of 16 and of 5 with cache_leftpad (lookups per row), v_cache with
-# other strides than k_cache's
-for page in (256, 16, 5):
-    pages = -(-4096 // page)
-    kc = torch.randn(3 * pages + 1, page, 2, 64, device=dev, dtype=dt)
-    vc = torch.randn(3 * pages + 1, page, 2, 72, device=dev, dtype=dt)[..., :64]
-    table = torch.randperm(3 * pages + 1, device=dev)[: 3 * pages].view(3, pages).int()
-    extra = dict(cache_leftpad=torch.tensor([0, 9, 1000], dtype=torch.int32, device=dev)) if page == 5 else {}
+with configs.override(with_decode(paged_tma=True)):
     for splits in (1, 2):
-        tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits, **extra)
+        tileattn.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, num_splits=splits)
+# 64-bit offsets (pools past 2**31 elements take them; forced here): pages of 256 (one lookup per tile), of
+# 16 and of 5 with cache_leftpad (lookups per row), v_cache with other strides than k_cache's
+with configs.override(with_decode(offs_64_always=True)):
+    for page in (256, 16, 5):
+        pages = -(-4096 // page)
+        kc = torch.randn(3 * pages + 1, page, 2, 64, device=dev, dtype=dt)
+        vc = torch.randn(3 * pages + 1, page, 2, 72, device=dev, dtype=dt)[..., :64]
+        table = torch.randperm(3 * pages + 1, device=dev)[: 3 * pages].view(3, pages).int()
+        extra = dict(cache_leftpad=torch.tensor([0, 9, 1000], dtype=torch.int32, device=dev)) if page == 5 else {}
+        for splits in (1, 2):
+            tileattn.flash_attn_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits, **extra
+            )
 torch.cuda.synchronize()
 print("sanitize workload done")
