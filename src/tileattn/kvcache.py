@@ -121,7 +121,7 @@ def flash_attn_with_kvcache(
             return_softmax_lse,
         )
         if key is not None:
-            remember(calls, key, call, _MAXcalls)
+            remember(calls, key, call, _MAX_CALLS)
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens_value = None
         seqlens = cache_seqlens.contiguous()
@@ -160,7 +160,7 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
-_MAXcalls = 1024  # call keys remembered (see flash_attn_with_kvcache); beyond that the oldest go
+_MAX_CALLS = 1024  # call keys remembered (see flash_attn_with_kvcache); beyond that the oldest go
 calls: dict[tuple, _Call] = {}
 
 

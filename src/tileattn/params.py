@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 import torch
 
@@ -146,6 +147,12 @@ class Settings:
     # the kernels run in Triton's interpreter: small tiles that still cross several tiles, one config
     interpret: bool = False
 
+    def __post_init__(self) -> None:  # the tables read-only too, so that a Settings value never changes
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                object.__setattr__(self, f.name, MappingProxyType(dict(value)))
+
 
 @dataclass
 class AttnParams:
@@ -230,8 +237,8 @@ class CacheLayout:
     ``(batch,)`` start, or None for 0; batch_idx: int32 ``(batch,)`` cache row of each sequence, or None
     for row b; block_table: int32 ``(batch, max_pages)`` or None; num_splits: 0 = heuristic;
     max_seqlen_k: the longest key range if known on the host (else the capacity is assumed); plans: a
-    dict in which the launches of calls with the same metadata as this one are planned once (the ops
-    layer keeps one per call signature), or None to plan them for this call only; q_rotary: ``(cos,
+    dict in which the launches of calls with the same metadata as this one are planned once (the API
+    layer keeps one per call signature, ``kvcache.calls``), or None to plan them for this call only; q_rotary: ``(cos,
     sin, interleaved, per_token)`` to rotate q at ``seqlens_k[b]`` (plus its token index if per_token)
     as it is read (dense q only), or None."""
 

@@ -371,7 +371,7 @@ def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M
     h < 2) of counter ``(row, j, c)``: in Hopper's MMA accumulator layout one thread holds exactly these
     columns of its row, so the compiler evaluates each Philox counter once, in the thread that needs it,
     instead of converting the mask's layout or recomputing a draw in several lanes.
-    ``rng_base`` and ``row_groups`` come from ``head_constants``."""
+    ``rng_base`` comes from ``prologue``; ``row_groups`` is the kernels' own."""
     tl.static_assert(BLOCK_N % 64 == 0, "dropout needs key tiles of a multiple of 64 columns")
     J: tl.constexpr = BLOCK_N // 64
     g = (start_n // 64 + tl.arange(0, J))[:, None] * 4 + tl.arange(0, 4)[None, :]  # [J, C]

@@ -69,8 +69,10 @@ _OVERRIDE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("til
 
 @functools.cache
 def _for_device(kind: str, index: int | None) -> Settings:
+    if interpreting():  # (CUDA tensors too: the interpreter runs every kernel on the host)
+        return INTERPRETER
     if kind != "cuda":
-        return INTERPRETER if interpreting() else PORTABLE
+        return PORTABLE
     major, _ = torch.cuda.get_device_capability(index)
     return HOPPER if major == 9 else PORTABLE
 
@@ -89,7 +91,9 @@ def current(device: torch.device) -> Settings:
 @contextlib.contextmanager
 def override(settings: Settings) -> Iterator[Settings]:
     """Runs the calls made inside the block with ``settings`` (the tuner's candidates, the bench's
-    variants, tests of builds the tables do not pick)."""
+    variants, tests of builds the tables do not pick). It holds in this thread or task: an eager
+    backward takes its forward's settings (``ops.attention``), but a compiled graph's backward, or a
+    checkpoint's recomputation, runs with the defaults unless it runs inside the block too."""
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a tileattn.params.Settings, got {type(settings).__name__}")
     token = _OVERRIDE.set(settings)

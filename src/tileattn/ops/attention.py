@@ -81,7 +81,7 @@ def forward_impl(
     if cu_seqlens_q is not None:
         checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
         checks.cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    if dropout_p > 0 and q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if dropout_p > 0 and backend.capturing(q.device):
         raise NotImplementedError(
             "dropout_p > 0 under CUDA graph capture: the dropout seed is drawn on the host, so every replay "
             "would drop the same elements; capture with dropout_p=0 or run the dropout call outside the graph"
