@@ -18,6 +18,7 @@ import time
 import torch
 
 import tileattn
+from tileattn.bench.backends import check_backend
 from tileattn.bench.decode import AB_LAYOUTS
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
@@ -61,13 +62,6 @@ def _sdpa(q, k, v, causal=False, dropout_p=0.0, cudnn=False):
     return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, **kwargs).transpose(1, 2)
 
 
-def _check(name, out, q, k, v):
-    """The tolerance rule on the first (batch, head) slice (GQA: its kv head)."""
-    ref = attention_ref(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], upcast=torch.float64)[0]
-    lowp = attention_ref(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], upcast=False)[0]
-    check_close(name, out[:1, :, :1], ref, lowp)
-
-
 def training_cases(device: torch.device, dtype: torch.dtype, shape=TRAINING_SHAPE):
     """``{name: (call, check)}``: ``check(out)`` raises when the forward is wrong; None for dropout."""
     batch, seqlen, nheads, headdim = shape
@@ -82,7 +76,7 @@ def training_cases(device: torch.device, dtype: torch.dtype, shape=TRAINING_SHAP
         return torch.autograd.grad(out, (q, k, v), dout)
 
     def check(name):
-        return lambda out: _check(name, out.detach(), q.detach(), k.detach(), v.detach())
+        return lambda out: check_backend(name, out.detach(), q.detach(), k.detach(), v.detach())
 
     return {
         "tileattn fwd": (lambda: tileattn.flash_attn_func(q, k, v), check("tileattn fwd")),
@@ -114,7 +108,10 @@ def decode_cases(device: torch.device, dtype: torch.dtype, shape=DECODE_SHAPE):
 
         cases[name] = (call, check)
     sdpa = "sdpa cudnn" if device.type == "cuda" else "sdpa"
-    cases[sdpa] = (lambda: _sdpa(q, kc, vc, cudnn=device.type == "cuda"), lambda out: _check(sdpa, out, q, kc, vc))
+    cases[sdpa] = (
+        lambda: _sdpa(q, kc, vc, cudnn=device.type == "cuda"),
+        lambda out: check_backend(sdpa, out, q, kc, vc),
+    )
     return cases
 
 

@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 import triton
 
-from tileattn.bench.__main__ import check_backend, flops
+from tileattn.bench.__main__ import flops
+from tileattn.bench.backends import check_backend
 from tileattn.kernels import configs
 from tileattn.params import KernelConfig, Settings, padded_headdim
 from tileattn.reference import attention_ref
