@@ -146,6 +146,12 @@ class Settings:
     decode: DecodeSettings = DecodeSettings()
     # the kernels run in Triton's interpreter: small tiles that still cross several tiles, one config
     interpret: bool = False
+    # packed batches of up to this many sequences map tiles to sequences in registers; larger ones by a
+    # binary search over tile counts summed on the device (``kernels.common.varlen_schedule``)
+    varlen_scan_batch: int = 2048
+    # CUDA grids hold at most 65,535 programs along y and z: dense batches (grid z) beyond this run as a
+    # packed batch of equal lengths, whose tiles are flat along x
+    grid_z_batch: int = 65535
 
     def __post_init__(self) -> None:  # the tables read-only too, so that a Settings value never changes
         for f in fields(self):
@@ -184,10 +190,6 @@ class AttnParams:
     def block_d(self) -> int:
         """``padded_headdim`` of this call's head dim."""
         return padded_headdim(self.headdim)
-
-    @property
-    def batch_pad(self) -> int:
-        return next_power_of_2(self.batch) if self.is_varlen else 1
 
     def as_4d(self, t: torch.Tensor) -> torch.Tensor:
         """Varlen ``(total, nheads, d)`` tensors are seen as one batch of ``total`` rows."""

@@ -151,7 +151,7 @@ def _dkdv_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dkdv(
-    Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, DQacc,
+    Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds, DQacc,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -178,7 +178,7 @@ def _attn_bwd_dkdv(
     h_k = tl.program_id(1)
     row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
-        b, n_block = common.seq_tile(pid, CuSeqlensK, batch, BLOCK_N, BATCH_PAD)
+        b, n_block = common.seq_tile(pid, CuSeqlensK, TileEnds, batch, BLOCK_N, BATCH_PAD)
         if b >= batch:  # one of the grid's spare programs
             return
     else:
@@ -299,7 +299,7 @@ def _dq_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dq(
-    Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -323,7 +323,7 @@ def _attn_bwd_dq(
     h = tl.program_id(1)
     row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
-        b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
+        b, m_block = common.seq_tile(pid, CuSeqlensQ, TileEnds, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:  # one of the grid's spare programs
             return
     else:
@@ -402,6 +402,8 @@ def attn_bwd(
     """Launches preprocess, dK/dV and dQ with the tiles ``s`` gives (``configs.bwd_dkdv_config``,
     ``configs.bwd_dq_config``). Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv), contiguous, in
     the inputs' dtype."""
+    if not p.is_varlen and p.batch > s.grid_z_batch:
+        return _dense_as_packed(dout, q, k, v, out, lse, p, s)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
@@ -432,7 +434,7 @@ def attn_bwd(
         MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
         HAS_DROPOUT=p.dropout_p > 0,
-        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+        IS_VARLEN=p.is_varlen,
     )  # fmt: skip
 
     cfg = bwd_dkdv_config(p, s)
@@ -453,8 +455,9 @@ def attn_bwd(
         grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
     else:
         grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
+    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_k, batch, cfg.block_n, s.varlen_scan_batch)
     _attn_bwd_dkdv[grid](
-        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
         dq_acc if dq_acc is not None else dk4,
         *p.strides(q4),
         *p.strides(k4),
@@ -467,7 +470,7 @@ def attn_bwd(
         p.alibi_batch_stride(),
         *sizes_and_scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic,
+        Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic, BATCH_PAD=batch_pad,
         **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
@@ -480,8 +483,9 @@ def attn_bwd(
         grid = (cdiv(rows, cfg.block_m) + batch, nheads, 1)
     else:
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
     _attn_bwd_dq[grid](
-        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
@@ -491,8 +495,25 @@ def attn_bwd(
         p.alibi_batch_stride(),
         *sizes_and_scalars,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        USE_TMA=common.use_tma(cfg, k4, v4),
+        USE_TMA=common.use_tma(cfg, k4, v4), BATCH_PAD=batch_pad,
         **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _dense_as_packed(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+    s: Settings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``forward._dense_as_packed``: a dense batch too large for the grid's z axis."""
+    rows = [t.reshape(-1, *t.shape[2:]) for t in (dout, q, k, v, out)]
+    lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (nheads, batch * seqlen_q)
+    dq, dk, dv = attn_bwd(*rows, lse, common.packed_lengths(p, q.device), s)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

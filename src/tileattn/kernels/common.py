@@ -7,11 +7,14 @@ sequence; the diagonal sits at ``j = i + seqlen_k - seqlen_q`` (bottom-right ali
 in the log2 domain (natural-log scores times log2(e)) so the softmax uses ``exp2``.
 """
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from tileattn.kernels.launch import ensure_scratch_allocator
+from tileattn.params import AttnParams, next_power_of_2
 
 # log2(e) and ln(2): scores live in the log2 domain, the LSE leaves in natural log. Constexpr globals, the
 # only globals a kernel may read (an annotation ``LOG2E: tl.constexpr = ...`` passes the interpreter but
@@ -42,6 +45,7 @@ def use_tma(cfg, *tensors: torch.Tensor) -> bool:
 def seq_tile(
     pid,
     CuSeqlens,
+    TileEnds,
     batch,
     BLOCK: tl.constexpr,
     BATCH_PAD: tl.constexpr,
@@ -51,16 +55,53 @@ def seq_tile(
     The grid has ``cdiv(total, BLOCK) + batch`` programs, an upper bound of the real tile count
     ``sum_b cdiv(len_b, BLOCK)``, so every program has work except a few at the end (which get
     ``seq == batch``): one long sequence among many short ones leaves no program idle.
+
+    Up to ``BATCH_PAD`` sequences, the program counts the tiles of every sequence from ``CuSeqlens`` in
+    registers. ``BATCH_PAD == 0`` (batches beyond what registers hold, ``tile_ends``): ``TileEnds`` holds
+    each sequence's inclusive prefix sum of tiles, and a binary search finds the sequence.
     """
-    offs_b = tl.arange(0, BATCH_PAD)
-    mask_b = offs_b < batch
-    starts = tl.load(CuSeqlens + offs_b, mask=mask_b, other=0)
-    ends = tl.load(CuSeqlens + offs_b + 1, mask=mask_b, other=0)
-    n_blocks = (ends - starts + BLOCK - 1) // BLOCK  # [BATCH_PAD]
-    cum_blocks = tl.cumsum(n_blocks, 0)  # inclusive prefix sum
-    seq = tl.sum((cum_blocks <= pid).to(tl.int32), 0)
-    block = pid - tl.sum(tl.where(offs_b < seq, n_blocks, 0), 0)
+    if BATCH_PAD == 0:
+        seq = 0  # first sequence whose tiles end after pid
+        hi = batch
+        while seq < hi:
+            mid = (seq + hi) // 2
+            if tl.load(TileEnds + mid) <= pid:
+                seq = mid + 1
+            else:
+                hi = mid
+        block = pid - tl.load(TileEnds + seq - 1, mask=seq > 0, other=0)
+    else:
+        offs_b = tl.arange(0, BATCH_PAD)
+        mask_b = offs_b < batch
+        starts = tl.load(CuSeqlens + offs_b, mask=mask_b, other=0)
+        ends = tl.load(CuSeqlens + offs_b + 1, mask=mask_b, other=0)
+        n_blocks = (ends - starts + BLOCK - 1) // BLOCK  # [BATCH_PAD]
+        cum_blocks = tl.cumsum(n_blocks, 0)  # inclusive prefix sum
+        seq = tl.sum((cum_blocks <= pid).to(tl.int32), 0)
+        block = pid - tl.sum(tl.where(offs_b < seq, n_blocks, 0), 0)
     return seq, block
+
+
+def varlen_schedule(cu_seqlens: torch.Tensor | None, batch: int, block: int, scan_limit: int):
+    """``(TileEnds, BATCH_PAD)`` for ``seq_tile``: batches of up to ``scan_limit`` sequences are scanned
+    in registers (``BATCH_PAD`` = next power of two, ``TileEnds`` unused); larger ones get the int32
+    inclusive prefix sums of their tile counts, computed on the device (no host sync), and
+    ``BATCH_PAD = 0``. Dense calls: ``(None, 1)``."""
+    if cu_seqlens is None:
+        return None, 1
+    if batch <= scan_limit:
+        return cu_seqlens, next_power_of_2(batch)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.cumsum(torch.div(lengths + (block - 1), block, rounding_mode="floor"), 0, dtype=torch.int32), 0
+
+
+def packed_lengths(p: AttnParams, device: torch.device) -> AttnParams:
+    """``p`` of a dense batch, restated as a packed batch of equal lengths (``cu_seqlens`` on ``device``).
+    Dropout counters and masks depend only on (sequence, row, column) and the max lengths, so the
+    packed call computes exactly what the dense one would."""
+    cu_q = torch.arange(0, p.batch + 1, device=device, dtype=torch.int32) * p.seqlen_q
+    cu_k = torch.arange(0, p.batch + 1, device=device, dtype=torch.int32) * p.seqlen_k
+    return replace(p, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ def _fwd_tiles(
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -89,7 +89,7 @@ def _attn_fwd(
     h = tl.program_id(1)
     row_groups = 4 * ((max_seqlen_k + 63) // 64)  # dropout counters per row: 16 columns per Philox draw
     if IS_VARLEN:
-        b, m_block = common.seq_tile(pid, CuSeqlensQ, batch, BLOCK_M, BATCH_PAD)
+        b, m_block = common.seq_tile(pid, CuSeqlensQ, TileEnds, batch, BLOCK_M, BATCH_PAD)
         if b >= batch:  # one of the grid's spare programs
             return
     else:
@@ -174,6 +174,8 @@ def attn_fwd(
     ``(batch, seqlen, nheads, headdim)``; varlen tensors (``p.cu_seqlens_q`` set) are ``(total, nheads,
     headdim)``. Returns ``(out, lse)`` with lse fp32 ``(batch, nheads, seqlen_q)`` dense or ``(nheads,
     total_q)`` varlen."""
+    if not p.is_varlen and p.batch > s.grid_z_batch:
+        return _dense_as_packed(q, k, v, p, s)
     out = torch.empty_like(q)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
@@ -187,8 +189,9 @@ def attn_fwd(
     else:
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
     _attn_fwd[grid](
-        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k,
+        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
@@ -203,8 +206,24 @@ def attn_fwd(
         MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, DEFER_SCALE=p.defer_scale,
         HAS_DROPOUT=p.dropout_p > 0,
-        IS_VARLEN=p.is_varlen, BATCH_PAD=p.batch_pad,
+        IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
         USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, lse
+
+
+def _dense_as_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense batch too large for the grid's z axis, run as a packed batch of equal lengths."""
+    if p.batch * max(p.seqlen_q, p.seqlen_k) >= 2**31:
+        raise NotImplementedError(
+            f"batch {p.batch} x seqlen {max(p.seqlen_q, p.seqlen_k)}: batches above {s.grid_z_batch} run as a packed "
+            "batch with int32 offsets, which needs fewer than 2**31 tokens; split the batch into several calls"
+        )
+    packed = common.packed_lengths(p, q.device)
+    rows = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    out, lse = attn_fwd(*rows, packed, s)
+    lse = lse.view(lse.shape[0], p.batch, p.seqlen_q).transpose(0, 1).contiguous()  # (batch, nheads, seqlen_q)
+    return out.view(q.shape), lse
