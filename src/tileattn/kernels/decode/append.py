@@ -74,7 +74,8 @@ def _rotate_rows(
             row = tl.load(BatchIdx + b)
         in_range = in_range & (row >= 0) & (row < num_rows)
         dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h64 * sdh
-    tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=mask_d & in_range)
+    # (!= 0: a boolean mask under the interpreter too, where the scalar in_range broadcasts as int32)
+    tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=(mask_d & in_range) != 0)
 
 
 LAUNCHER = Launcher(_rotate_rows)

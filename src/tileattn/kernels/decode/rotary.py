@@ -39,7 +39,9 @@ def rotated(
     the other channels are x itself. ``X``, ``pos`` and ``enabled`` broadcast against x without its
     channel axis (scalars for one row, ``[rows, 1]`` for a block)."""
     partner, freq, sign = rotary_pairs(offs_d, rot_half, INTERLEAVED)
-    rot = (offs_d < 2 * rot_half) & enabled
+    # (!= 0 keeps the mask boolean under Triton's interpreter, which broadcasts a scalar comparison such
+    # as the append's ``enabled`` as int32: Triton 3.9's interpreter refuses that as a mask. No-op compiled.)
+    rot = ((offs_d < 2 * rot_half) & enabled) != 0
     row_c = tl.minimum(tl.maximum(pos, 0), rot_len - 1).to(tl.int64) * stride_c
     xp = tl.load(X + partner, mask=rot, other=0.0).to(tl.float32)
     c = tl.load(Cos + row_c + freq, mask=rot, other=1.0).to(tl.float32)

@@ -233,12 +233,12 @@ def _attn_fwd_kvcache(
         mask_q = mask_q & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + row_q[:, None] + offs_d[None, :], mask=mask_q, other=0.0)  # [BLOCK_M, BLOCK_D]
     if ROTARY_Q:
-        pos = cached
+        pos = cached  # (a scalar: the same position for every row)
         if ROT_PER_TOKEN:
-            pos = cached + i
+            pos = (cached + i)[:, None]  # [BLOCK_M, 1]
         q = rotary.rotated(
             q, Q + row_q[:, None], Cos, Sin,
-            pos[:, None], rot_len, stride_rot,
+            pos, rot_len, stride_rot,
             offs_d, rot_half, mask_r[:, None],
             ROT_INTERLEAVED,
         ).to(q.dtype)  # fmt: skip
