@@ -11,11 +11,14 @@ from tileattn.api import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from tileattn.checks import InvalidArgument, InvalidArgumentType
 from tileattn.kvcache import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InvalidArgument",
+    "InvalidArgumentType",
     "__version__",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -1,10 +1,13 @@
 """The public API: a drop-in superset of the ``flash_attn`` 2.x Python functions (dense and varlen).
 
 Every argument is validated (``tileattn.checks``, one place for every error message) before anything
-runs or is written. The call is then normalised into a ``params.AttnParams`` and handed to the
-``tileattn::fwd`` custom op (``tileattn.ops.attention``), which routes it: CUDA tensors run the Triton
-kernels; CPU tensors run the blockwise PyTorch path (``tileattn.cpu``), or the Triton kernels through
-Triton's interpreter when ``TRITON_INTERPRET=1`` is set (fp16 only).
+runs or is written; a refused argument raises ``tileattn.InvalidArgument``, a ValueError that is also
+the RuntimeError flash_attn raises (``dense_call``, ``varlen_call`` and ``paged_call`` do this for the
+public functions here and for flash_attn's internal ones in ``tileattn.interface``). The call is then
+normalised into a ``params.AttnParams`` and handed to the ``tileattn::fwd`` custom op
+(``tileattn.ops.attention``), which routes it: CUDA tensors run the Triton kernels; CPU tensors run the
+blockwise PyTorch path (``tileattn.cpu``), or the Triton kernels through Triton's interpreter when
+``TRITON_INTERPRET=1`` is set (fp16 only).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ __all__ = [
 ]
 
 
-def _params(
+def attn_params(
     q: torch.Tensor,
     batch: int,
     seqlen_q: int,
@@ -45,6 +48,7 @@ def _params(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> AttnParams:
+    """The validated options of one call (``checks.check_options``, ``checks.check_alibi``) as AttnParams."""
     dropout_p, softmax_scale, left, right, softcap = checks.check_options(
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, seqlen_k=seqlen_k
     )
@@ -81,25 +85,69 @@ _DENSE_DOC_ARGS = """
         window_size: ``(left, right)`` sliding window around that diagonal; query i sees keys in
             ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``; -1 = unbounded, and
             as in flash_attn a side at least ``seqlen_k`` wide (``max_seqlen_k`` in varlen calls, the cache
-            capacity in ``flash_attn_with_kvcache``) is unbounded too.
+            capacity in ``flash_attn_with_kvcache``) is unbounded too. Any pair of integers: a tuple or
+            list, NumPy integers, 0-d integer tensors or a 1-D integer tensor of two.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (before ALiBi and masking).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores.
         deterministic: the backward's dQ by a separate pass, bitwise reproducible run to run. Without it
             the tables may add dQ from the dK/dV pass by fp32 reduce-adds, whose order varies (causal
             calls at head dim 128, which are faster that way); dK and dV are reproducible either way.
-        return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (for testing).
+        return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (see Returns).
 """
 
 _RETURNS_DOC = """
     Returns:
         out ``{out_shape}``, the inputs' dtype. If ``return_attn_probs``: ``(out, softmax_lse,
         S_dmask)`` where softmax_lse is fp32 ``{lse_shape}``, the natural-log sum of exp of each row's
-        scores (``+inf`` for a row that sees no key, whose output is 0), and S_dmask is fp32
-        ``(batch, nheads, {sq}, {sk})`` holding the attention probabilities the forward pass used
-        (before dropout scaling), negated where dropout removed them and 0 where masked. S_dmask is
-        materialised N×N from softmax_lse: use it for tests only.
+        scores (``+inf`` for a row that sees no key, whose output is 0). As in flash_attn, S_dmask is
+        computed only with dropout: with ``dropout_p == 0`` it is an empty tensor (shape ``(0,)``, the
+        inputs' dtype), so ``return_attn_probs=True`` costs nothing beyond returning the LSE. With
+        dropout it is fp32 ``(batch, nheads, {sq}, {sk})`` holding the attention probabilities the
+        forward pass used (before dropout scaling), negated where dropout removed them and 0 where
+        masked, materialised N×N from softmax_lse: use it for tests only.
 """
+
+
+def dense_call(
+    q: object,
+    k: object,
+    v: object,
+    dropout_p: object,
+    softmax_scale: object,
+    causal: object,
+    window_size: object,
+    softcap: object,
+    alibi_slopes: object,
+    deterministic: object,
+    return_attn_probs: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
+    """Validates a dense call (q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k,
+    nheads_k, headdim)``): q, k, v contiguous in their last dimension, and the call's AttnParams."""
+    q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
+    k = checks.check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
+    v = checks.check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
+    q, k, v = checks.check_qkv(q, k, v)
+    batch, seqlen_q, nheads, headdim = q.shape
+    if k.shape[0] != batch:
+        raise checks.InvalidArgument(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
+    checks.check_extent(seqlen_q, {"q": q})
+    checks.check_extent(k.shape[1], {"k": k, "v": v})
+    p = attn_params(
+        q,
+        batch,
+        seqlen_q,
+        k.shape[1],
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+    return q, k, v, p
 
 
 def flash_attn_func(
@@ -115,30 +163,8 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ):
-    q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
-    k = checks.check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
-    v = checks.check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
-    checks.check_qkv(q, k, v)
-    batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
-    if batch > checks.MAX_DENSE_BATCH:
-        raise NotImplementedError(f"batch {batch} is above {checks.MAX_DENSE_BATCH}; split it into several calls")
-    checks.check_extent(seqlen_q, {"q": q})
-    checks.check_extent(k.shape[1], {"k": k, "v": v})
-    p = _params(
-        q,
-        batch,
-        seqlen_q,
-        k.shape[1],
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+    q, k, v, p = dense_call(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
@@ -149,8 +175,8 @@ flash_attn_func.__doc__ = (
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)``, float16 or bfloat16 (float32 too on CPU).
         k, v: ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0`` (MQA/GQA: query head
-            i uses kv head ``i // (nheads // nheads_k)``). headdim may be anything from 1 to 256. The last
-            dimension must be contiguous; other strides are free."""
+            i uses kv head ``i // (nheads // nheads_k)``). headdim may be anything from 1 to 256. Strides
+            are free; a last dimension that is not contiguous is copied first (as flash_attn does)."""
     + _DENSE_DOC_ARGS
     + _RETURNS_DOC.format(
         out_shape="(batch, seqlen_q, nheads, headdim)",
@@ -176,7 +202,7 @@ def flash_attn_qkvpacked_func(
     the gradient flows back into ``qkv``. Other arguments and returns as in ``flash_attn_func``."""
     qkv = checks.check_tensor("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        raise checks.InvalidArgument(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
@@ -199,11 +225,89 @@ def flash_attn_kvpacked_func(
     flows back into ``kv``. Other arguments and returns as in ``flash_attn_func``."""
     kv = checks.check_tensor("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+        raise checks.InvalidArgument(
+            f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}"
+        )
     k, v = kv.unbind(2)
     return flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
     )
+
+
+def paged_call(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    block_table: object,
+    options: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged prefill (``block_table``): validates q ``(total_q, nheads, headdim)`` and the page pools k, v
+    ``(num_pages, page_block_size, nheads_k, headdim)``, then runs ``kvcache.paged_varlen_fwd``;
+    returns ``(out, softmax_lse)``."""
+    q = checks.check_tensor("q", q, "(total_q, nheads, headdim)")
+    k = checks.check_tensor("k", k, "paged (num_pages, page_block_size, nheads_k, headdim)")
+    v = checks.check_tensor("v", v, "paged (num_pages, page_block_size, nheads_k, headdim)")
+    q, k, v = checks.check_qkv(q, k, v)
+    return kvcache.paged_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options
+    )
+
+
+def varlen_call(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+    dropout_p: object,
+    softmax_scale: object,
+    causal: object,
+    window_size: object,
+    softcap: object,
+    alibi_slopes: object,
+    deterministic: object,
+    return_attn_probs: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
+    """Validates a packed call (q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k,
+    headdim)``, int32 cu_seqlens): q, k, v contiguous in their last dimension, and the call's
+    AttnParams. The cu_seqlens values are checked where the kernels run (``ops.attention``)."""
+    q = checks.check_tensor("q", q, "(total_q, nheads, headdim)")
+    k = checks.check_tensor("k", k, "(total_k, nheads_k, headdim)")
+    v = checks.check_tensor("v", v, "(total_k, nheads_k, headdim)")
+    q, k, v = checks.check_qkv(q, k, v)
+    checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.device)
+    checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise checks.InvalidArgument(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel() - 1} and "
+            f"{cu_seqlens_k.numel() - 1} sequences"
+        )
+    batch = cu_seqlens_q.numel() - 1
+    checks.check_extent(int(max_seqlen_q), {"q": q})
+    checks.check_extent(int(max_seqlen_k), {"k": k, "v": v})
+    p = attn_params(
+        q,
+        batch,
+        int(max_seqlen_q),
+        int(max_seqlen_k),
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        cu_seqlens_q=cu_seqlens_q.contiguous(),
+        cu_seqlens_k=cu_seqlens_k.contiguous(),
+    )
+    return q, k, v, p
 
 
 def flash_attn_varlen_func(
@@ -224,11 +328,7 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
 ):
-    q = checks.check_tensor("q", q, "(total_q, nheads, headdim)")
     if block_table is not None:
-        k = checks.check_tensor("k", k, "paged (num_pages, page_block_size, nheads_k, headdim)")
-        v = checks.check_tensor("v", v, "paged (num_pages, page_block_size, nheads_k, headdim)")
-        checks.check_qkv(q, k, v)
         options = dict(
             dropout_p=dropout_p,
             softmax_scale=softmax_scale,
@@ -239,32 +339,16 @@ def flash_attn_varlen_func(
             deterministic=deterministic,
             return_attn_probs=return_attn_probs,
         )
-        return kvcache.paged_varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options
-        )
-    k = checks.check_tensor("k", k, "(total_k, nheads_k, headdim)")
-    v = checks.check_tensor("v", v, "(total_k, nheads_k, headdim)")
-    checks.check_qkv(q, k, v)
-    checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.device)
-    checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, q.device)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel() - 1} and "
-            f"{cu_seqlens_k.numel() - 1} sequences"
-        )
-    batch = cu_seqlens_q.numel() - 1
-    if batch > checks.MAX_VARLEN_BATCH:
-        raise NotImplementedError(
-            f"cu_seqlens_q describes {batch} sequences; at most {checks.MAX_VARLEN_BATCH} per call are supported, "
-            "split the batch into several calls"
-        )
-    checks.check_extent(int(max_seqlen_q), {"q": q})
-    checks.check_extent(int(max_seqlen_k), {"k": k, "v": v})
-    p = _params(
+        out, lse = paged_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options)
+        return (out, lse, attention.no_probs(q)) if return_attn_probs else out
+    q, k, v, p = varlen_call(
         q,
-        batch,
-        int(max_seqlen_q),
-        int(max_seqlen_k),
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
         dropout_p,
         softmax_scale,
         causal,
@@ -273,8 +357,6 @@ def flash_attn_varlen_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
-        cu_seqlens_q=cu_seqlens_q.contiguous(),
-        cu_seqlens_k=cu_seqlens_k.contiguous(),
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
@@ -287,7 +369,8 @@ flash_attn_varlen_func.__doc__ = (
         k, v: ``(total_k, nheads_k, headdim)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, cumulative sequence lengths starting at 0:
             sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``. Empty sequences are
-            allowed. Their values are read on the host to validate them before the kernels run, once
+            allowed, and so is padding after the last sequence (``cu_seqlens_q[-1] < total_q``): those rows'
+            outputs and gradients are 0. Any number of sequences. Their values are read on the host to validate them before the kernels run, once
             per tensor: later calls with the same tensor (every layer of a model) reuse the check until
             a torch op changes it. Writes that bypass PyTorch's version counter (``.data``,
             ``.numpy()``, DLPack, your own kernels, a CUDA graph's replay) are not seen: pass a new
@@ -297,8 +380,8 @@ flash_attn_varlen_func.__doc__ = (
     + _DENSE_DOC_ARGS
     + """        block_table: int32 ``(batch, max_pages)``: paged prefill. k and v are then page pools
             ``(num_pages, page_block_size, nheads_k, headdim)`` and sequence b's keys are the first
-            ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages. Forward only (no dropout,
-            no return_attn_probs, no gradient).
+            ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages. Forward only, as in
+            flash_attn 2.8.3 (whose varlen backward takes no block_table); no dropout.
 """
     + _RETURNS_DOC.format(
         out_shape="(total_q, nheads, headdim)", lse_shape="(nheads, total_q)", sq="max_seqlen_q", sk="max_seqlen_k"
@@ -323,7 +406,7 @@ def flash_attn_varlen_qkvpacked_func(
     ``cu_seqlens``/``max_seqlen`` for queries and keys."""
     qkv = checks.check_tensor("qkv", qkv, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
-        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        raise checks.InvalidArgument(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(
         q,
@@ -363,7 +446,7 @@ def flash_attn_varlen_kvpacked_func(
     """``flash_attn_varlen_func`` with ``kv`` of shape ``(total_k, 2, nheads_k, headdim)``."""
     kv = checks.check_tensor("kv", kv, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
-        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+        raise checks.InvalidArgument(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(
         q,

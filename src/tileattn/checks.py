@@ -1,7 +1,8 @@
 """Every check of the public functions' arguments, in one place: each message names the argument and
 what is allowed. Metadata checks (shapes, dtypes, devices, options) run in the API layer, where tracing
 sees them; checks of index *values* (cu_seqlens, cache_seqlens, block tables), which read the device,
-run in the ops layer before any kernel, once per unmodified tensor (``checked_once``).
+run in the ops layer before any kernel, once per unmodified tensor (``checked_once``). Refusals raise
+``InvalidArgument`` (a ValueError and a RuntimeError) or ``InvalidArgumentType`` (also a TypeError).
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ import torch
 from tileattn import reference, rng
 from tileattn.params import remember
 
+
+class InvalidArgument(ValueError, RuntimeError):
+    """An argument tileattn refuses. A ``ValueError``, and a ``RuntimeError`` as flash_attn raises for the
+    same calls (its C++ checks surface as RuntimeError): code that catches either keeps working."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of the wrong type or dtype: an ``InvalidArgument`` that is also a ``TypeError``."""
+
+
 MAX_HEADDIM = 256
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -22,35 +33,46 @@ _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+        raise InvalidArgumentType(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
     rank = layout.count(",") + 1
     if t.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}")
+        raise InvalidArgument(f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}")
     return t
 
 
-def check_inputs(named: dict[str, torch.Tensor]) -> tuple[torch.dtype, torch.device]:
-    """Dtype, device and stride checks shared by q, k, v (and their packed forms)."""
+def contiguous_last(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy contiguous in its last (head) dimension when it is not (flash_attn's
+    ``maybe_contiguous``): for tensors that are only read. Autograd carries gradients through the copy."""
+    return t.contiguous() if t.shape[-1] > 1 and t.stride(-1) != 1 else t
+
+
+def check_inputs(named: dict[str, torch.Tensor], in_place: tuple[str, ...] = ()) -> tuple[torch.dtype, torch.device]:
+    """Dtype and device checks shared by q, k, v (and their packed forms, and the caches). Tensors only
+    read may have any strides (the caller copies them with ``contiguous_last``); those named in
+    ``in_place`` are written and must be contiguous in their last dimension, as flash_attn requires
+    (a copy would hide the write from the caller)."""
     (first_name, first), *rest = named.items()
+    for name in in_place:
+        t = named[name]
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise InvalidArgument(
+                f"{name} is written in place and must be contiguous in its last (head) dimension, got strides "
+                f"{tuple(t.stride())} (flash_attn requires this too)"
+            )
     for name, t in named.items():
         if t.dtype not in _CPU_DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16 (or float32 on CPU), got {t.dtype}")
+            raise InvalidArgumentType(f"{name} must be float16 or bfloat16 (or float32 on CPU), got {t.dtype}")
         if t.dtype not in _GPU_DTYPES and t.is_cuda:
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"{name} is a CUDA tensor of dtype {t.dtype}; on CUDA only float16 and bfloat16 are supported"
-            )
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be contiguous in its last (head) dimension, got strides {tuple(t.stride())}; "
-                f"call .contiguous() first"
             )
     for name, t in rest:
         if t.dtype != first.dtype:
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; all inputs must share one dtype"
             )
         if t.device != first.device:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{name} is on {t.device} but {first_name} is on {first.device}; all inputs must share one device"
             )
     return first.dtype, first.device
@@ -58,21 +80,19 @@ def check_inputs(named: dict[str, torch.Tensor]) -> tuple[torch.dtype, torch.dev
 
 def check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headdim_v: int) -> None:
     if nheads < 1 or nheads_k < 1:
-        raise ValueError(f"nheads and nheads_k must be at least 1, got nheads={nheads}, nheads_k={nheads_k}")
+        raise InvalidArgument(f"nheads and nheads_k must be at least 1, got nheads={nheads}, nheads_k={nheads_k}")
     if nheads % nheads_k != 0:
-        raise ValueError(f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
+        raise InvalidArgument(f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
     if headdim_k != headdim or headdim_v != headdim:
-        raise ValueError(f"q, k and v must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
+        raise InvalidArgument(f"q, k and v must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
     if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+        raise InvalidArgument(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
 
 
 _INT32_LIMIT = 2**31
-# CUDA grids hold at most 65,535 programs along y and z (dense batches run along z); the varlen scheduler
-# keeps one cu_seqlens entry per sequence in registers, a vector of next_pow2(batch) entries, run on the
-# GPU at 2,048 entries.
+# CUDA grids hold at most 65,535 programs along y and z: the decode kernels run batches along z
+# (attention's forward and backward run larger batches as packed ones, ``kernels.forward``).
 MAX_DENSE_BATCH = 65535
-MAX_VARLEN_BATCH = 2048
 
 
 def check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
@@ -87,13 +107,15 @@ def check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
             )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Checks shared by the dense and varlen layouts: dtypes, devices and strides, k and v alike, head
-    counts and head dims (the last two dims of every layout)."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks shared by the dense and varlen layouts: dtypes and devices, k and v alike, head counts and
+    head dims (the last two dims of every layout). Returns q, k, v contiguous in their last dimension
+    (copied where they are not, as flash_attn does)."""
     check_inputs({"q": q, "k": k, "v": v})
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise InvalidArgument(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     check_heads(q.shape[-2], k.shape[-2], q.shape[-1], k.shape[-1], v.shape[-1])
+    return contiguous_last(q), contiguous_last(k), contiguous_last(v)
 
 
 def is_real(x: object) -> bool:
@@ -103,6 +125,39 @@ def is_real(x: object) -> bool:
 
 def is_int(x: object) -> bool:
     return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
+def _integer_dtype(t: object) -> bool:
+    """A torch tensor or NumPy array of integers (not bools)."""
+    if isinstance(t, torch.Tensor):
+        return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+    kind = getattr(getattr(t, "dtype", None), "kind", None)  # NumPy, without importing it
+    return type(t).__module__ == "numpy" and kind in ("i", "u")
+
+
+def check_window(window_size: object) -> tuple[int, int]:
+    """``window_size`` as two Python ints ``(left, right)``, each >= -1. Any pair of integers is taken, as
+    flash_attn takes it: a tuple or list of two ints, NumPy integers or 0-d integer tensors, or a 1-D
+    integer tensor or array of two (flash_attn's own tests draw it with ``torch.randint``); bools, floats
+    and anything else are refused."""
+    pair = window_size
+    if type(pair) is not tuple or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not int:
+        if _integer_dtype(pair) and pair.ndim == 1 and pair.shape[0] == 2:
+            pair = pair.tolist()  # (a CUDA tensor: a device read)
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgument(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+        ints = []
+        for w in pair:
+            if _integer_dtype(w) and w.ndim == 0:
+                w = w.item()
+            if not is_int(w):
+                raise InvalidArgument(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+            ints.append(int(w))
+        pair = tuple(ints)
+    left, right = pair
+    if left < -1 or right < -1:
+        raise InvalidArgument(f"window_size entries must be >= -1 (-1 = unbounded), got {pair}")
+    return left, right
 
 
 def check_options(
@@ -119,24 +174,20 @@ def check_options(
     """Scalar options; returns (dropout_p, softmax_scale, window_left, window_right, softcap). The window
     as ``reference.causal_window`` resolves it against the call's key length ``seqlen_k``."""
     if not is_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        raise InvalidArgument(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if softmax_scale is not None and (not is_real(softmax_scale) or not math.isfinite(float(softmax_scale))):
-        raise TypeError(f"softmax_scale must be None or a finite real number, got {softmax_scale!r}")
+        raise InvalidArgumentType(f"softmax_scale must be None or a finite real number, got {softmax_scale!r}")
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(is_int(w) for w in window_size):
-        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
+            raise InvalidArgumentType(f"{name} must be a bool, got {flag!r}")
+    left, right = check_window(window_size)
     if not is_real(softcap) or not math.isfinite(float(softcap)) or softcap < 0:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
+        raise InvalidArgument(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     left, right = reference.causal_window(causal, (left, right), seqlen_k)
     scale = None if softmax_scale is None else float(softmax_scale)
     quantized = rng.quantize_dropout_p(float(dropout_p))
     if dropout_p > 0 and quantized == 0:
-        raise ValueError(
+        raise InvalidArgument(
             f"dropout_p={dropout_p!r} rounds to 0 at the dropout draws' resolution of 2**-8 (p is rounded to a "
             "multiple of 1/256); pass 0, or more than 1/512 for a rate of at least 1/256"
         )
@@ -147,16 +198,16 @@ def check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.dev
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}")
+        raise InvalidArgumentType(f"alibi_slopes must be None or a float32 tensor, got {type(alibi_slopes).__name__}")
     if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        raise InvalidArgumentType(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(
+        raise InvalidArgument(
             f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), "
             f"got {tuple(alibi_slopes.shape)}"
         )
     if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+        raise InvalidArgument(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
     return alibi_slopes.contiguous()
 
 
@@ -164,15 +215,17 @@ def check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, d
     """cu_seqlens must be an int32 (batch + 1,) tensor on q's device and max_seqlen an int. Their values
     are checked by ``cu_values`` where the kernels run (tracing sees no values)."""
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 tensor of shape (batch + 1,), got {type(cu).__name__}")
+        raise InvalidArgumentType(f"{name} must be an int32 tensor of shape (batch + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        raise InvalidArgumentType(f"{name} must be int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
+        raise InvalidArgument(f"{name} must be 1-D of shape (batch + 1,), got shape {tuple(cu.shape)}")
     if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not is_int(max_seqlen):
-        raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
+        raise InvalidArgument(f"{name} is on {cu.device} but q is on {device}")
+    # flash_attn takes a 0-dim integer tensor too (transformers passes ``cu_seqlens.diff().max()``)
+    scalar_tensor = isinstance(max_seqlen, torch.Tensor) and max_seqlen.dim() == 0 and _integer_dtype(max_seqlen)
+    if not (is_int(max_seqlen) or scalar_tensor):
+        raise InvalidArgumentType(f"{max_name} must be an int or a 0-dim integer tensor, got {max_seqlen!r}")
 
 
 class CheckedOnce:
@@ -219,8 +272,8 @@ checked_once = CheckedOnce()
 
 
 def cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
-    """cu_seqlens must start at 0, never decrease and end at the token count (``total``, if given);
-    max_seqlen must cover every sequence. Returns the lengths (read on the host once per unmodified
+    """cu_seqlens must start at 0, never decrease and end at most at the token count (``total``, if given;
+    rows past the end are padding, as flash_attn allows); max_seqlen must cover every sequence. Returns the lengths (read on the host once per unmodified
     tensor: ``checked_once``)."""
     return checked_once(
         (cu,), ("cu_seqlens", total, max_seqlen), lambda: cu_lengths(name, cu, total, max_name, max_seqlen)
@@ -230,14 +283,14 @@ def cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max
 def cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     values = cu.tolist()
     if values[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {values[0]}")
+        raise InvalidArgument(f"{name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     if any(n < 0 for n in lengths):
-        raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if total is not None and values[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {values[-1]}")
+        raise InvalidArgument(f"{name} must be non-decreasing, got {values}")
+    if total is not None and values[-1] > total:
+        raise InvalidArgument(f"{name}[-1] must be at most the number of tokens ({total}), got {values[-1]}")
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+        raise InvalidArgument(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
     return lengths
 
 
@@ -248,57 +301,144 @@ def resolve_scale(softmax_scale: float | None, headdim: int) -> float:
 
 def check_int32(name: str, t: object, shape: tuple[int, ...], layout: str, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 tensor of shape {layout}, got {type(t).__name__}")
+        raise InvalidArgumentType(f"{name} must be an int32 tensor of shape {layout}, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
+        raise InvalidArgumentType(f"{name} must be int32, got {t.dtype}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {layout} = {shape}, got {tuple(t.shape)}")
+        raise InvalidArgument(f"{name} must have shape {layout} = {shape}, got {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+        raise InvalidArgument(f"{name} is on {t.device} but q is on {device}")
     return t.contiguous()
 
 
 def check_table(block_table: object, batch: int, num_pages: int, device: torch.device) -> torch.Tensor:
     if isinstance(block_table, torch.Tensor) and block_table.dim() != 2:
-        raise ValueError(f"block_table must be 2-D (batch, max_pages), got shape {tuple(block_table.shape)}")
+        raise InvalidArgument(f"block_table must be 2-D (batch, max_pages), got shape {tuple(block_table.shape)}")
     max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
     table = check_int32("block_table", block_table, (batch, max_pages), "(batch, max_pages)", device)
     if num_pages == 0 and table.numel() > 0:  # (no entry could be valid; the kernels clamp to the pool)
-        raise ValueError(f"k_cache holds no pages (shape[0] == 0) for a block_table of {max_pages} columns")
+        raise InvalidArgument(f"k_cache holds no pages (shape[0] == 0) for a block_table of {max_pages} columns")
     return table
 
 
 def check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+        raise InvalidArgumentType(f"{name} must be a bool, got {value!r}")
+
+
+def check_grad_inputs(
+    dout: object, out: object, softmax_lse: object, q: torch.Tensor, lse_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's results handed to a backward (flash_attn's ``_flash_attn_backward``): dout and out
+    shaped and typed as q, softmax_lse fp32 of ``lse_shape``. Returns dout and out contiguous in their
+    last dimension and softmax_lse contiguous (each copied if need be)."""
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentType(f"{name} must be a torch.Tensor shaped like q, got {type(t).__name__}")
+        if t.shape != q.shape:
+            raise InvalidArgument(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise InvalidArgumentType(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise InvalidArgument(f"{name} is on {t.device} but q is on {q.device}")
+    lse = softmax_lse
+    if not isinstance(lse, torch.Tensor):
+        raise InvalidArgumentType(
+            f"softmax_lse must be a float32 tensor of shape {lse_shape}, got {type(lse).__name__}"
+        )
+    if tuple(lse.shape) != tuple(lse_shape):
+        raise InvalidArgument(f"softmax_lse must have shape {tuple(lse_shape)}, got {tuple(lse.shape)}")
+    if lse.dtype != torch.float32:
+        raise InvalidArgumentType(f"softmax_lse must be float32 (as the forward returns it), got {lse.dtype}")
+    if lse.device != q.device:
+        raise InvalidArgument(f"softmax_lse is on {lse.device} but q is on {q.device}")
+    return contiguous_last(dout), contiguous_last(out), lse.contiguous()
+
+
+def check_grad_buffer(name: str, buf: object, like_name: str, like: torch.Tensor) -> None:
+    """A caller's gradient buffer (dq, dk, dv) that the backward writes in place: None (nothing written)
+    or a tensor of ``like``'s shape, dtype and device, any strides."""
+    if buf is None:
+        return
+    if not isinstance(buf, torch.Tensor):
+        raise InvalidArgumentType(f"{name} must be None or a tensor shaped like {like_name}, got {type(buf).__name__}")
+    if buf.shape != like.shape:
+        raise InvalidArgument(f"{name} must have {like_name}'s shape {tuple(like.shape)}, got {tuple(buf.shape)}")
+    if buf.dtype != like.dtype:
+        raise InvalidArgumentType(f"{name} must have {like_name}'s dtype {like.dtype}, got {buf.dtype}")
+    if buf.device != like.device:
+        raise InvalidArgument(f"{name} is on {buf.device} but {like_name} is on {like.device}")
+
+
+def check_rng_state(rng_state: object, dropout_p: float) -> torch.Tensor | None:
+    """The ``rng_state`` a forward returned (int64 ``(2,)``: the dropout seed and offset), needed by a
+    backward with dropout to regenerate the forward's mask. None is allowed without dropout."""
+    if rng_state is None:
+        if dropout_p > 0:
+            raise InvalidArgument(
+                "rng_state is required with dropout_p > 0: pass the rng_state the forward returned, from which "
+                "the backward regenerates the forward's dropout mask"
+            )
+        return None
+    if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,):
+        got = (
+            f"{rng_state.dtype} of shape {tuple(rng_state.shape)}"
+            if isinstance(rng_state, torch.Tensor)
+            else type(rng_state).__name__
+        )
+        raise InvalidArgumentType(f"rng_state must be the int64 tensor of shape (2,) the forward returned, got {got}")
+    return rng_state
+
+
+def key_spans(
+    lengths: list[int], leftpad_k: object, seqused_k: object, batch: int, device: torch.device
+) -> list[tuple[int, int]]:
+    """The keys a packed call reads of each sequence with ``leftpad_k`` / ``seqused_k`` (int32
+    ``(batch,)``, as flash_attn's varlen forward takes them): positions ``[leftpad_k[b], seqused_k[b])``
+    of sequence b's ``lengths[b]`` keys (seqused_k defaults to the length, leftpad_k to 0). Returns
+    ``(start, length)`` within each sequence; reads the values on the host."""
+    pads = [0] * batch
+    used = list(lengths)
+    if leftpad_k is not None:
+        pads = check_int32("leftpad_k", leftpad_k, (batch,), "(batch,)", device).tolist()
+    if seqused_k is not None:
+        used = check_int32("seqused_k", seqused_k, (batch,), "(batch,)", device).tolist()
+    for b, (pad, end, n) in enumerate(zip(pads, used, lengths)):
+        if not 0 <= end <= n:
+            raise InvalidArgument(
+                f"seqused_k[{b}] = {end} must be in [0, {n}], the length of sequence {b} in cu_seqlens_k"
+            )
+        if not 0 <= pad <= end:
+            raise InvalidArgument(f"leftpad_k[{b}] = {pad} must be in [0, {end}] (the keys sequence {b} uses)")
+    return [(pad, end - pad) for pad, end in zip(pads, used)]
 
 
 def check_rotary(cos: object, sin: object, q: torch.Tensor, has_new: bool) -> None:
     if cos is None and sin is None:
         return
     if cos is None or sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together")
+        raise InvalidArgument("rotary_cos and rotary_sin must be given together")
     if not has_new:
-        raise ValueError(
+        raise InvalidArgument(
             "rotary_cos/rotary_sin rotate the new tokens at their cache positions: pass k and v with them "
             "(rotate q yourself with tileattn.rotary.apply_rotary_emb when nothing is appended)"
         )
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2)")
+            raise InvalidArgument(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2)")
         if t.dtype not in (q.dtype, torch.float32):
-            raise TypeError(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}")
+            raise InvalidArgumentType(f"{name} must have q's dtype ({q.dtype}) or float32, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+            raise InvalidArgument(f"{name} is on {t.device} but q is on {q.device}")
     if cos.shape != sin.shape:
-        raise ValueError(
+        raise InvalidArgument(
             f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)}, {tuple(sin.shape)}"
         )
     if cos.shape[0] == 0:
-        raise ValueError("rotary_cos and rotary_sin have no rows (seqlen_ro = 0): they need a row per position")
+        raise InvalidArgument("rotary_cos and rotary_sin have no rows (seqlen_ro = 0): they need a row per position")
     rotary_dim = 2 * cos.shape[1]
     if not 2 <= rotary_dim <= q.shape[-1]:
-        raise ValueError(
+        raise InvalidArgument(
             f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be between 2 and the head dim ({q.shape[-1]})"
         )
 
@@ -343,37 +483,39 @@ def cache_values(
     flags = iter(values[2:])
     if lowest < 0:
         b = first_bad(seqlens < 0)
-        raise ValueError(f"{seqlens_name} must be >= 0, got {int(seqlens[b])} at batch entry {b}")
+        raise InvalidArgument(f"{seqlens_name} must be >= 0, got {int(seqlens[b])} at batch entry {b}")
     if longest > capacity:
         b = first_bad(ends > capacity)
-        raise ValueError(
+        raise InvalidArgument(
             f"{seqlens_name}[{b}] + seqlen_new = {int(seqlens[b])} + {seqlen_new} exceeds the cache capacity "
             f"{capacity} (seqlen of k_cache, or block_table.shape[1] * page_block_size)"
         )
     if leftpad is not None and next(flags):
         b = first_bad((leftpad < 0) | (leftpad > seqlens))
-        raise ValueError(
+        raise InvalidArgument(
             f"cache_leftpad must be in [0, cache_seqlens], got {int(leftpad[b])} with cache_seqlens "
             f"{int(seqlens[b])} at batch entry {b}"
         )
     if batch_idx is not None and next(flags):
         b = first_bad((batch_idx < 0) | (batch_idx >= batch_cache))
-        raise ValueError(f"cache_batch_idx must be in [0, {batch_cache}), got {int(batch_idx[b])} at batch entry {b}")
+        raise InvalidArgument(
+            f"cache_batch_idx must be in [0, {batch_cache}), got {int(batch_idx[b])} at batch entry {b}"
+        )
     if batch_idx is not None and seqlen_new and next(flags):
         rows = batch_idx.tolist()
         b = next(i for i, row in enumerate(rows) if row in rows[:i])
-        raise ValueError(
+        raise InvalidArgument(
             f"cache_batch_idx[{b}] = {rows[b]} repeats an earlier entry: with new k and v each batch entry "
             "must append into a cache row of its own"
         )
     if block_table is not None and next(flags):
         b, j = (int(x) for x in bad_pages.nonzero()[0])
-        raise ValueError(
+        raise InvalidArgument(
             f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache: entries covering "
             f"a sequence's keys must be in [0, {num_pages})"
         )
     if rotary_len is not None and lowest >= 0 and longest - seqlen_new + rotary_span > rotary_len:
-        raise ValueError(
+        raise InvalidArgument(
             f"rotary_cos/rotary_sin have {rotary_len} positions but position "
             f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + the new tokens, or + the "
             "query tokens when q rotates per token and is longer)"

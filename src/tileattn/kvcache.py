@@ -128,14 +128,16 @@ def flash_attn_with_kvcache(
     else:  # an int, or None: the whole capacity
         seqlens_value = call.capacity if cache_seqlens is None else int(cache_seqlens)
         if not 0 <= seqlens_value <= call.capacity:  # (int32 below; the new tokens are checked with the rest)
-            raise ValueError(f"cache_seqlens must be in [0, {call.capacity}] (the cache capacity), got {seqlens_value}")
+            raise checks.InvalidArgument(
+                f"cache_seqlens must be in [0, {call.capacity}] (the cache capacity), got {seqlens_value}"
+            )
         seqlens = torch.full((call.batch,), seqlens_value, dtype=torch.int32, device=q.device)
     args = (
-        q,
+        checks.contiguous_last(q),  # (q, k and v are only read: copied if need be, as flash_attn does)
         k_cache,
         v_cache,
-        k,
-        v,
+        checks.contiguous_last(k) if k is not None else None,
+        checks.contiguous_last(v) if v is not None else None,
         rotary_cos.contiguous() if rotary_cos is not None else None,  # (the kernel reads both with one stride)
         rotary_sin.contiguous() if rotary_sin is not None else None,
         seqlens,
@@ -180,9 +182,9 @@ def _call_key(tensors: tuple, scalars: tuple, return_lse: object) -> tuple | Non
     (Triton specialises on 16-byte alignment); None as None; any other object by type (the checks
     refuse those but an int cache_seqlens, whose value is read per call). Scalars enter with their types
     (True == 1 and 1.0 == 1 as keys). None: no key (a tensor subclass, or a window_size that is not a
-    tuple): the call is checked in full."""
+    tuple of two ints): the call is checked in full."""
     scale, causal, window, softcap, interleaved, num_splits = scalars
-    if type(window) is not tuple:
+    if type(window) is not tuple or len(window) != 2 or type(window[0]) is not int or type(window[1]) is not int:
         return None
     tensor = torch.Tensor
     try:
@@ -229,14 +231,14 @@ def _check_call(
     v_cache = checks.check_tensor("v_cache", v_cache, layout)
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values to append), or neither")
+        raise checks.InvalidArgument("k and v must be given together (the new keys and values to append), or neither")
     has_new = k is not None
     if has_new:
         named["k"] = checks.check_tensor("k", k, "(batch, seqlen_new, nheads_k, headdim)")
         named["v"] = checks.check_tensor("v", v, "(batch, seqlen_new, nheads_k, headdim)")
-    dtype, device = checks.check_inputs(named)
+    dtype, device = checks.check_inputs(named, in_place=("k_cache", "v_cache"))
     if k_cache.shape != v_cache.shape:
-        raise ValueError(
+        raise checks.InvalidArgument(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     batch, seqlen_q, nheads, headdim = q.shape
@@ -247,7 +249,7 @@ def _check_call(
         expected = (batch, seqlen_new, nheads_k, headdim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != expected:
-                raise ValueError(
+                raise checks.InvalidArgument(
                     f"{name} must have shape (batch, seqlen_new, nheads_k, headdim) = {expected} to match q and "
                     f"the cache, got {tuple(t.shape)}"
                 )
@@ -256,23 +258,25 @@ def _check_call(
         block_table = checks.check_table(block_table, batch, k_cache.shape[0], device)
         max_pages = block_table.shape[1]
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps pages)")
+            raise checks.InvalidArgument(
+                "cache_batch_idx cannot be combined with block_table (the table already maps pages)"
+            )
         page_size = k_cache.shape[1]
         if page_size < 1:
-            raise ValueError(f"k_cache: page_block_size must be at least 1, got {page_size}")
+            raise checks.InvalidArgument(f"k_cache: page_block_size must be at least 1, got {page_size}")
         capacity = max_pages * page_size
     else:
         capacity, batch_cache = k_cache.shape[1], k_cache.shape[0]
         checks.check_extent(capacity, {"k_cache": k_cache, "v_cache": v_cache})
         if cache_batch_idx is None and batch_cache < batch:
-            raise ValueError(
+            raise checks.InvalidArgument(
                 f"k_cache holds {batch_cache} sequences but q has batch {batch}; pass cache_batch_idx to map them"
             )
     if cache_batch_idx is not None:
         checks.check_int32("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)", device)
     if cache_seqlens is None:
         if has_new:
-            raise ValueError("cache_seqlens is required with k and v: it says where the new tokens go")
+            raise checks.InvalidArgument("cache_seqlens is required with k and v: it says where the new tokens go")
     elif not isinstance(cache_seqlens, torch.Tensor) and checks.is_int(cache_seqlens):
         pass  # (its value is checked with the other index values)
     else:
@@ -281,7 +285,9 @@ def _check_call(
         checks.check_int32("cache_leftpad", cache_leftpad, (batch,), "(batch,)", device)
     checks.check_rotary(rotary_cos, rotary_sin, q, has_new)
     if not checks.is_int(num_splits) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
+        raise checks.InvalidArgument(
+            f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}"
+        )
     checks.check_flag("rotary_interleaved", rotary_interleaved)
     checks.check_flag("return_softmax_lse", return_softmax_lse)
     # (as flash_attn: window sides as wide as the cache are unbounded, in the mask and q's rotation)
@@ -332,16 +338,19 @@ def paged_varlen_fwd(
     max_seqlen_k: int,
     block_table: Tensor,
     p_options: dict,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     """``flash_attn_varlen_func`` with ``block_table``: queries packed by cu_seqlens_q, the keys of
     sequence b are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages in
-    ``k``/``v (num_pages, page_block_size, nheads_k, headdim)``. Forward only."""
+    ``k``/``v (num_pages, page_block_size, nheads_k, headdim)``. Forward only, as in flash_attn 2.8.3.
+    Returns ``(out, softmax_lse)``, the LSE fp32 ``(nheads, total_q)``."""
     device = q.device
     checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, device)
     checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, device)
     batch = cu_seqlens_q.numel() - 1
     if cu_seqlens_k.numel() != batch + 1:
-        raise ValueError(f"cu_seqlens_k must have batch + 1 = {batch + 1} entries, got {cu_seqlens_k.numel()}")
+        raise checks.InvalidArgument(
+            f"cu_seqlens_k must have batch + 1 = {batch + 1} entries, got {cu_seqlens_k.numel()}"
+        )
     if batch > checks.MAX_DENSE_BATCH:
         raise NotImplementedError(f"cu_seqlens_q describes {batch} sequences; at most {checks.MAX_DENSE_BATCH}")
     block_table = checks.check_table(block_table, batch, k.shape[0], device)
@@ -349,10 +358,12 @@ def paged_varlen_fwd(
         raise NotImplementedError(
             "flash_attn_varlen_func: dropout with a paged KV cache (block_table) is not supported"
         )
-    if p_options["return_attn_probs"]:
-        raise NotImplementedError("flash_attn_varlen_func: return_attn_probs with block_table is not supported")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (no backward through pages)")
+        raise NotImplementedError(
+            "flash_attn_varlen_func with block_table is forward only (no backward through pages), as in flash_attn "
+            "2.8.3, whose varlen backward takes no block_table; run it under torch.no_grad() or pass tensors that "
+            "do not require grad"
+        )
     _, scale, left, right, softcap = checks.check_options(
         0.0,
         p_options["softmax_scale"],
@@ -360,7 +371,7 @@ def paged_varlen_fwd(
         p_options["window_size"],
         p_options["softcap"],
         p_options["deterministic"],
-        False,
+        p_options["return_attn_probs"],
         seqlen_k=int(max_seqlen_k),
     )
     op = ops.fwd_paged_varlen_impl if backend.direct(q, k, v) else torch.ops.tileattn.fwd_paged_varlen

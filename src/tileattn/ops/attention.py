@@ -1,10 +1,13 @@
 """Attention forward and backward as ``torch.library`` custom ops, so ``torch.compile`` sees them as
 single opaque nodes (no graph break) with fake (meta) implementations for tracing and registered autograd.
 
-``tileattn::fwd`` returns ``(out, softmax_lse, rng_state)``: rng_state is an int64 CPU tensor holding
-the dropout seed the forward drew, which ``tileattn::bwd`` takes to regenerate the same mask. The public
-functions in ``tileattn.api`` validate metadata (works on fake tensors while tracing) and call ``run``;
-checks that need tensor *values* (cu_seqlens) run here, in the real implementation, before any kernel.
+``tileattn::fwd`` returns ``(out, softmax_lse, rng_state)``: rng_state is an int64 CPU tensor
+``[seed, offset]`` (flash_attn's layout) holding the Philox seed the forward drew for dropout and the
+offset of its counters, always 0 (each call's counters start at 0: the seed alone decides the mask), which
+``tileattn::bwd`` takes to regenerate the same mask. The public functions in ``tileattn.api`` validate
+metadata (works on fake tensors while tracing) and call ``run``; flash_attn's internal functions in
+``tileattn.interface`` call ``forward`` and ``backward``. Checks that need tensor *values* (cu_seqlens)
+run here, in the real implementation, before any kernel.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def _like(t: Tensor, ref: Tensor) -> Tensor:
     return out.copy_(t)
 
 
+def _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
+    """The query and key rows the sequences of a packed batch use (``cu_seqlens[-1]``, which may stop
+    short of the tensors' first dim: the rest is padding), after checking the cu_seqlens values
+    (``checks.cu_values``, once per unmodified tensor). Dense calls: the whole first dim."""
+    if cu_seqlens_q is None:
+        return q.shape[0], k.shape[0]
+    lengths_q = checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+    lengths_k = checks.cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    return sum(lengths_q), sum(lengths_k)
+
+
 def forward_impl(
     q: Tensor,
     k: Tensor,
@@ -78,9 +92,7 @@ def forward_impl(
     dropout_p: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if cu_seqlens_q is not None:
-        checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-        checks.cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dropout_p > 0 and backend.capturing(q.device):
         raise NotImplementedError(
             "dropout_p > 0 under CUDA graph capture: the dropout seed is drawn on the host, so every replay "
@@ -107,7 +119,10 @@ def forward_impl(
     else:
         with backend.on_device(q):
             out, lse = backend.implementation(q).attn_fwd(q, k, v, p, configs.current(q.device))
-    return _like(out, q), lse, torch.tensor([seed], dtype=torch.int64)
+    if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key
+        out[tokens_q:] = 0
+        lse[:, tokens_q:] = float("inf")
+    return _like(out, q), lse, torch.tensor([seed, 0], dtype=torch.int64)
 
 
 attn_fwd = torch.library.custom_op("tileattn::fwd", forward_impl, mutates_args=())
@@ -120,7 +135,7 @@ def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *args):
         lse = q.new_empty((nheads, q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[0], nheads, q.shape[1]), dtype=torch.float32)
-    return torch.empty_like(q), lse, torch.empty(1, dtype=torch.int64)
+    return torch.empty_like(q), lse, torch.empty(2, dtype=torch.int64)
 
 
 def backward_impl(
@@ -164,6 +179,12 @@ def backward_impl(
         dout = dout.contiguous()
     with backend.on_device(q):
         dq, dk, dv = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
+    tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if tokens_q < q.shape[0]:  # padding rows
+        dq[tokens_q:] = 0
+    if tokens_k < k.shape[0]:
+        dk[tokens_k:] = 0
+        dv[tokens_k:] = 0
     return _like(dq, q), _like(dk, k), _like(dv, v)
 
 
@@ -217,16 +238,21 @@ class EagerAttention(torch.autograd.Function):
 
 
 def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, p: AttnParams) -> Tensor:
-    """S_dmask of ``return_attn_probs`` (materialised N×N, for tests)."""
+    """S_dmask of ``return_attn_probs`` with dropout (materialised N×N, for tests)."""
     p.philox_seed = int(rng_state[0])
     return cpu.attn_probs(q.detach(), k.detach(), lse, p)
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):
-    """Calls ``tileattn::fwd``, which carries the autograd, or in eager mode on plain tensors the same
-    implementation without the op's dispatch (``backend.direct``)."""
+def no_probs(q: Tensor) -> Tensor:
+    """S_dmask without dropout: an empty tensor of q's dtype, as flash_attn returns (no N×N tensor)."""
+    return q.new_empty((0,))
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, softmax_lse, rng_state)`` from ``tileattn::fwd``, which carries the autograd, or in eager
+    mode on plain tensors the same implementation without the op's dispatch (``backend.direct``)."""
     op = EagerAttention.apply if backend.direct(q, k, v) else torch.ops.tileattn.fwd
-    out, lse, rng_state = op(
+    return op(
         q,
         k,
         v,
@@ -242,6 +268,40 @@ def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool)
         p.dropout_p,
         p.deterministic,
     )
+
+
+def backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng_state: Tensor, p: AttnParams
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` from ``tileattn::bwd`` (or its implementation directly, as ``forward``) for a
+    forward that returned ``out``, ``lse`` and ``rng_state`` with the same ``p``."""
+    op = backward_impl if backend.direct(dout, q, k, v, out, lse) else torch.ops.tileattn.bwd
+    return op(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        rng_state,
+        p.alibi_slopes,
+        p.cu_seqlens_q,
+        p.cu_seqlens_k,
+        p.seqlen_q,
+        p.seqlen_k,
+        p.softmax_scale,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        p.dropout_p,
+        p.deterministic,
+    )
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):
+    """The public functions' attention: ``out``, or ``(out, softmax_lse, S_dmask)`` with S_dmask only
+    computed with dropout (else ``no_probs``), as in flash_attn."""
+    out, lse, rng_state = forward(q, k, v, p)
     if not return_attn_probs:
         return out
-    return out, lse, attn_probs(q, k, lse, rng_state, p)
+    return out, lse, attn_probs(q, k, lse, rng_state, p) if p.dropout_p > 0 else no_probs(q)

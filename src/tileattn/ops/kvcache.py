@@ -151,7 +151,9 @@ def fwd_paged_varlen_impl(
     window_left: int,
     window_right: int,
     softcap: float,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
+    """The ``tileattn::fwd_paged_varlen`` op: ``(out, softmax_lse)``, the LSE fp32 ``(nheads, total_q)``
+    as the varlen training forward's (+inf for rows that see no key)."""
     batch = cu_seqlens_q.numel() - 1
     device = q.device
     capacity = block_table.shape[1] * k.shape[1]
@@ -193,11 +195,11 @@ def fwd_paged_varlen_impl(
         cu_seqlens_q=cu_seqlens_q,
     )
     if q.numel() == 0 or batch == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=device)
+        return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(p.as_4d(q)).fill_(float("inf"))
     c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
     with backend.on_device(q):
-        out, _ = backend.implementation(q).attn_fwd_kvcache(q, k, v, p, c, configs.current(device))
-    return out.contiguous()
+        out, lse = backend.implementation(q).attn_fwd_kvcache(q, k, v, p, c, configs.current(device))
+    return out.contiguous(), lse
 
 
 _fwd_paged_varlen = torch.library.custom_op("tileattn::fwd_paged_varlen", fwd_paged_varlen_impl, mutates_args=())
@@ -205,4 +207,4 @@ _fwd_paged_varlen = torch.library.custom_op("tileattn::fwd_paged_varlen", fwd_pa
 
 @_fwd_paged_varlen.register_fake
 def _(q, *args):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
