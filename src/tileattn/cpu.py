@@ -22,7 +22,7 @@ import torch
 
 from tileattn import reference, rng
 from tileattn.params import AttnParams, CacheLayout, Settings
-from tileattn.rotary import rotary_at
+from tileattn.rotary_torch import rotary_at
 
 BLOCK_M = 128
 BLOCK_N = 256

@@ -1,230 +1,720 @@
-"""Attention layers on tileattn, in the spirit of ``flash_attn.modules.mha``.
+"""Attention layers: ``flash_attn.modules.mha`` (flash_attn 2.8.3's names, constructor and forward
+arguments, attribute and weight names, so that code and state dicts carry over), on tileattn.
 
-- ``SelfAttention`` / ``CrossAttention``: the attention step alone, on packed ``qkv`` / ``q`` + ``kv``
-  tensors, dense or varlen (with ``cu_seqlens``).
-- ``MHA``: a full multi-head attention layer: fused QKV projection (one matmul, GQA/MQA when
-  ``num_heads_kv < num_heads``), optional rotary embedding, causal or sliding-window attention, and a
-  ``key_padding_mask`` that is turned into a packed (varlen) batch so padding costs nothing.
+- ``FlashSelfAttention`` / ``FlashCrossAttention``: the attention step on packed ``qkv`` / ``q`` + ``kv``,
+  dense or varlen, through tileattn's kernels.
+- ``SelfAttention`` / ``CrossAttention``: flash_attn's plain-PyTorch attention (scores materialised),
+  which ``MHA`` uses when ``use_flash_attn=False`` (flash_attn's default).
+- ``MHA``: projections (fused QKV, or Wq + Wkv for cross attention), MQA/GQA, rotary (RoPE, xPos),
+  ALiBi, sliding windows, generation against a KV cache (``InferenceParams``), ``return_residual``,
+  activation checkpointing.
+- ``InferenceParams``: ``flash_attn.utils.generation.InferenceParams``; ``get_alibi_slopes``.
+
+Beyond flash_attn (where it asserts or crashes), and never changing a result flash_attn computes: bad
+arguments raise ``tileattn.checks.InvalidArgument`` (a ValueError) naming them; the flash modules accept
+CPU tensors and float32 on CPU; with ``use_flash_attn=True``, ``MHA`` takes a ``key_padding_mask`` (the
+batch runs packed, varlen: padded tokens cost no attention and their outputs are 0) and applies rotary
+to packed (``cu_seqlens``) inputs; MQA/GQA self-attention takes ``cu_seqlens``; ``dwconv`` works with
+MQA/GQA and cross attention; generation with xPos, sliding windows or ``batch_size_offset`` uses them.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
 import torch
-from torch import nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor, nn
 
 from tileattn.api import (
-    flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
     resolve_scale,
 )
-from tileattn.bert_padding import pad_input, unpad_input
-from tileattn.rotary import rotary_at
+from tileattn.bert_padding import index_first_axis, pad_input
+from tileattn.checks import InvalidArgument
+from tileattn.kvcache import flash_attn_with_kvcache
+from tileattn.rotary import RotaryEmbedding, apply_rotary_emb
+
+__all__ = [
+    "CrossAttention",
+    "FlashCrossAttention",
+    "FlashSelfAttention",
+    "InferenceParams",
+    "MHA",
+    "SelfAttention",
+    "get_alibi_slopes",
+]
 
 
-class _InnerAttention(nn.Module):
-    """Options shared by SelfAttention and CrossAttention (flash_attn's constructor arguments)."""
+def get_alibi_slopes(nheads: int) -> list[float]:
+    """ALiBi's head slopes (Press et al., https://arxiv.org/abs/2108.12409), as flash_attn computes them:
+    for a power of two n, ``2 ** (-8 (h + 1) / n)`` for head h; otherwise those of the power of two below,
+    then every other slope of the power of two above."""
 
-    def __init__(
-        self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1), deterministic=False
-    ):
-        super().__init__()
-        self.causal, self.softmax_scale, self.drop_p = causal, softmax_scale, attention_dropout
-        self.window_size, self.deterministic = window_size, deterministic
+    def power_of_2(n: int) -> list[float]:
+        ratio = 2 ** (-(2 ** -(math.log2(n) - 3)))  # 2 ** (-8 / n)
+        return [ratio ** (h + 1) for h in range(n)]
 
-    def _kwargs(self, causal, alibi_slopes) -> dict:
-        return dict(
-            dropout_p=self.drop_p if self.training else 0.0,
-            softmax_scale=self.softmax_scale,
-            causal=self.causal if causal is None else causal,
-            window_size=self.window_size,
-            alibi_slopes=alibi_slopes,
-            deterministic=self.deterministic,
-        )
+    if math.log2(nheads).is_integer():
+        return power_of_2(nheads)
+    below = 2 ** math.floor(math.log2(nheads))
+    return power_of_2(below) + get_alibi_slopes(2 * below)[0::2][: nheads - below]
 
 
-class SelfAttention(_InnerAttention):
-    """softmax(QKᵀ·scale)·V on packed ``qkv``: ``(batch, seqlen, 3, nheads, headdim)``, or
-    ``(total, 3, nheads, headdim)`` with ``cu_seqlens`` and ``max_seqlen``."""
+@dataclass
+class InferenceParams:
+    """Generation state passed to every layer (``flash_attn.utils.generation.InferenceParams``).
 
-    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None, alibi_slopes=None):
-        kwargs = self._kwargs(causal, alibi_slopes)
-        if cu_seqlens is not None:
-            return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **kwargs)
-        return flash_attn_qkvpacked_func(qkv, **kwargs)
+    Fields:
+        max_seqlen: capacity of the KV caches (and of the rotary tables).
+        max_batch_size: rows of the KV caches.
+        seqlen_offset: tokens already in the caches (0 for the prompt).
+        batch_size_offset: first cache row of this batch.
+        key_value_memory_dict: ``layer_idx -> (max_batch_size, max_seqlen, 2, nheads_kv, headdim)`` cache,
+            allocated by the layers on first use (or by ``MHA.allocate_inference_cache``).
+        lengths_per_sample: optional int32 ``(batch,)``, tokens in each sequence's cache (then rotary
+            positions and, with ``use_flash_attn``, the cache lengths come from it).
+    """
 
+    max_seqlen: int
+    max_batch_size: int
+    seqlen_offset: int = 0
+    batch_size_offset: int = 0
+    key_value_memory_dict: dict = field(default_factory=dict)
+    lengths_per_sample: Tensor | None = None
 
-class CrossAttention(_InnerAttention):
-    """Attention of ``q`` over packed ``kv``: dense ``q (batch, seqlen_q, nheads, d)``,
-    ``kv (batch, seqlen_k, 2, nheads_k, d)``, or varlen with cu_seqlens / cu_seqlens_k."""
-
-    def forward(
-        self,
-        q,
-        kv,
-        causal=None,
-        cu_seqlens=None,
-        max_seqlen=None,
-        cu_seqlens_k=None,
-        max_seqlen_k=None,
-        alibi_slopes=None,
-    ):
-        kwargs = self._kwargs(causal, alibi_slopes)
-        if cu_seqlens is not None:
-            return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
-        return flash_attn_kvpacked_func(q, kv, **kwargs)
+    def reset(self, max_seqlen: int, max_batch_size: int) -> None:
+        self.max_seqlen = max_seqlen
+        self.max_batch_size = max_batch_size
+        self.seqlen_offset = 0
+        if self.lengths_per_sample is not None:
+            self.lengths_per_sample.zero_()
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables ``(max_position, rotary_dim / 2)`` of RoPE with base ``base``, grown on demand."""
-
-    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, device=None):
-        super().__init__()
-        if dim % 2:
-            raise ValueError(f"rotary_emb_dim must be even, got {dim}")
-        self.dim, self.interleaved = dim, interleaved
-        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def tables(self, length: int, device, dtype):
-        t = torch.arange(length, device=device, dtype=torch.float32)
-        angles = torch.outer(t, self.inv_freq.to(device))
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x (batch, seqlen, nheads, headdim)`` at integer ``positions (batch, seqlen)``."""
-        cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 1, x.device, x.dtype)
-        return rotary_at(x, cos, sin, positions, self.interleaved)
-
-
-def _positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of each packed token within its own sequence, ``(1, total)``."""
-    tokens = torch.arange(total, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-    return (tokens - cu_seqlens.long()[seq]).unsqueeze(0)
-
-
-class MHA(nn.Module):
-    """Multi-head self-attention with a fused QKV projection.
+class FlashSelfAttention(nn.Module):
+    """softmax(QKᵀ·scale)·V on packed ``qkv``, through tileattn's kernels.
 
     Args:
-        embed_dim, num_heads: model width and query heads (head dim = embed_dim / num_heads).
-        num_heads_kv: key/value heads (GQA/MQA); default num_heads.
-        qkv_proj_bias, out_proj_bias: biases of the two projections.
-        dropout: attention dropout (training only).
-        softmax_scale, causal, window_size: as in ``flash_attn_func``.
-        rotary_emb_dim: rotate the first rotary_emb_dim channels of q and k (0 = off) with base
-            ``rotary_emb_base``; GPT-NeoX style unless ``rotary_emb_interleaved``.
+        causal: causal mask (aligned bottom-right); ``forward(causal=...)`` overrides it.
+        softmax_scale: scale of QKᵀ; default ``1 / sqrt(headdim)``.
+        attention_dropout: dropout probability on the attention weights (training only); ``self.drop.p``.
+        window_size: ``(left, right)`` sliding window, -1 for unbounded.
+        alibi_slopes: optional fp32 ``(nheads,)`` or ``(batch, nheads)``, a non-persistent buffer.
+        deterministic: deterministic backward.
     """
 
     def __init__(
         self,
-        embed_dim: int,
-        num_heads: int,
-        num_heads_kv: int | None = None,
-        qkv_proj_bias: bool = True,
-        out_proj_bias: bool = True,
-        dropout: float = 0.0,
-        softmax_scale: float | None = None,
-        causal: bool = False,
-        window_size: tuple[int, int] = (-1, -1),
-        rotary_emb_dim: int = 0,
-        rotary_emb_base: float = 10000.0,
-        rotary_emb_interleaved: bool = False,
-        deterministic: bool = False,
-        device=None,
-        dtype=None,
+        causal=False,
+        softmax_scale=None,
+        attention_dropout=0.0,
+        window_size=(-1, -1),
+        alibi_slopes=None,
+        deterministic=False,
     ):
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        self.num_heads = num_heads
-        self.num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
-        if num_heads % self.num_heads_kv:
-            raise ValueError(f"num_heads ({num_heads}) must be divisible by num_heads_kv ({self.num_heads_kv})")
-        self.head_dim = embed_dim // num_heads
-        qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
-        self.Wqkv = nn.Linear(embed_dim, qkv_dim, bias=qkv_proj_bias, **factory)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory)
-        self.rotary_emb = (
-            RotaryEmbedding(rotary_emb_dim, rotary_emb_base, rotary_emb_interleaved, device=device)
-            if rotary_emb_dim > 0
-            else None
-        )
-        self.dropout, self.softmax_scale, self.causal = dropout, softmax_scale, causal
-        self.window_size, self.deterministic = window_size, deterministic
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.drop = nn.Dropout(attention_dropout)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+        self.window_size = window_size
+        self.deterministic = deterministic
 
-    def _attend(self, q, k, v, cu_seqlens=None, max_seqlen=None):
-        kwargs = dict(
-            dropout_p=self.dropout if self.training else 0.0,
+    def _options(self, causal) -> dict:
+        if self.alibi_slopes is not None and self.alibi_slopes.dtype != torch.float32:
+            self.alibi_slopes = self.alibi_slopes.to(torch.float32)  # (module.to(dtype) converted the buffer)
+        return dict(
+            dropout_p=self.drop.p if self.training else 0.0,
             softmax_scale=self.softmax_scale,
-            causal=self.causal,
+            causal=self.causal if causal is None else causal,
             window_size=self.window_size,
+            alibi_slopes=self.alibi_slopes,
             deterministic=self.deterministic,
         )
-        if cu_seqlens is not None:
-            return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
-        return flash_attn_func(q, k, v, **kwargs)
 
-    def _split(self, qkv):
-        h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
-        q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
-        return q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d))
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+        """Args:
+            qkv: ``(batch, seqlen, 3, nheads, headdim)``, or ``(total, 3, nheads, headdim)`` with
+                cu_seqlens; float16 or bfloat16 (float32 on CPU too).
+            causal: overrides ``self.causal`` if not None.
+            cu_seqlens: int32 ``(batch + 1,)``: the sequences of a packed qkv.
+            max_seqlen: the longest sequence (an int; needed with cu_seqlens).
+
+        Returns:
+            ``(batch, seqlen, nheads, headdim)``, or ``(total, nheads, headdim)`` with cu_seqlens.
+        """
+        options = self._options(causal)
+        if cu_seqlens is not None:
+            if max_seqlen is None:
+                raise InvalidArgument("FlashSelfAttention: max_seqlen is needed with cu_seqlens")
+            return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **options)
+        return flash_attn_qkvpacked_func(qkv, **options)
+
+
+class FlashCrossAttention(FlashSelfAttention):
+    """softmax(QKᵀ·scale)·V of ``q`` over packed ``kv``, through tileattn's kernels. Arguments as
+    ``FlashSelfAttention``'s (flash_attn's order: alibi_slopes before window_size)."""
+
+    def __init__(
+        self,
+        causal=False,
+        softmax_scale=None,
+        attention_dropout=0.0,
+        alibi_slopes=None,
+        window_size=(-1, -1),
+        deterministic=False,
+    ):
+        super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
+
+    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+        """Args:
+            q: ``(batch, seqlen_q, nheads, headdim)``, or ``(total_q, nheads, headdim)`` with cu_seqlens.
+            kv: ``(batch, seqlen_k, 2, nheads_k, headdim)``, or ``(total_k, 2, nheads_k, headdim)`` with
+                cu_seqlens_k (``nheads % nheads_k == 0``).
+            causal: overrides ``self.causal`` if not None.
+            cu_seqlens, max_seqlen: int32 ``(batch + 1,)`` and the longest sequence of a packed q.
+            cu_seqlens_k, max_seqlen_k: the same for a packed kv (needed with cu_seqlens).
+
+        Returns:
+            ``(batch, seqlen_q, nheads, headdim)``, or ``(total_q, nheads, headdim)`` with cu_seqlens.
+        """
+        options = self._options(causal)
+        if cu_seqlens is not None:
+            if max_seqlen is None or cu_seqlens_k is None or max_seqlen_k is None:
+                raise InvalidArgument(
+                    "FlashCrossAttention: a packed call needs cu_seqlens, max_seqlen, cu_seqlens_k and max_seqlen_k"
+                )
+            return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **options)
+        return flash_attn_kvpacked_func(q, kv, **options)
+
+
+def _eager_attention(q, k, v, softmax_scale, causal_mask, key_padding_mask, drop) -> Tensor:
+    """flash_attn's plain-PyTorch attention: q ``(batch, seqlen_q, nheads, headdim)``, k, v ``(batch,
+    seqlen_k, nheads, headdim)``; masked scores get -10000 (as flash_attn), the softmax runs in v's dtype."""
+    scale = softmax_scale or 1.0 / math.sqrt(q.shape[-1])  # (flash_attn's `or`: a scale of 0 means the default)
+    scores = torch.einsum("bthd,bshd->bhts", q, k * scale)  # (batch, nheads, seqlen_q, seqlen_k)
+    if key_padding_mask is not None:
+        padding = torch.full(key_padding_mask.shape, -10000.0, dtype=scores.dtype, device=scores.device)
+        scores = scores + padding.masked_fill(key_padding_mask, 0.0)[:, None, None, :]
+    if causal_mask is not None:
+        scores = scores.masked_fill(causal_mask, -10000.0)
+    attention = drop(torch.softmax(scores, dim=-1, dtype=v.dtype))
+    return torch.einsum("bhts,bshd->bthd", attention, v)
+
+
+class SelfAttention(nn.Module):
+    """flash_attn's plain-PyTorch self-attention (the scores materialised; ``MHA``'s inner attention when
+    ``use_flash_attn=False``). ``causal``, ``softmax_scale`` (default ``1 / sqrt(headdim)``) and
+    ``attention_dropout`` (on the attention weights, ``self.drop``) as in ``FlashSelfAttention``."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0):
+        super().__init__()
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.drop = nn.Dropout(attention_dropout)
+
+    def forward(self, qkv, causal=None, key_padding_mask=None):
+        """Args:
+            qkv: ``(batch, seqlen, 3, nheads, headdim)``, any float dtype and device.
+            causal: overrides ``self.causal`` if not None.
+            key_padding_mask: bool ``(batch, seqlen)``, True for the keys to keep.
+
+        Returns:
+            ``(batch, seqlen, nheads, headdim)``.
+        """
+        seqlen = qkv.shape[1]
+        causal = self.causal if causal is None else causal
+        q, k, v = qkv.unbind(dim=2)
+        mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=qkv.device).triu(1) if causal else None
+        return _eager_attention(q, k, v, self.softmax_scale, mask, key_padding_mask, self.drop)
+
+
+class CrossAttention(nn.Module):
+    """flash_attn's plain-PyTorch attention of ``q`` over packed ``kv`` (MQA/GQA by repeating kv heads);
+    arguments as ``SelfAttention``'s."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0):
+        super().__init__()
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.drop = nn.Dropout(attention_dropout)
+
+    def forward(self, q, kv, causal=None, key_padding_mask=None):
+        """Args:
+            q: ``(batch, seqlen_q, nheads, headdim)``.
+            kv: ``(batch, seqlen_k, 2, nheads_k, headdim)``, ``nheads % nheads_k == 0``.
+            causal: overrides ``self.causal`` if not None; the mask is aligned bottom-right (query i sees
+                keys ``j <= i + seqlen_k - seqlen_q``, seqlen_k counting the kept keys of
+                key_padding_mask).
+            key_padding_mask: bool ``(batch, seqlen_k)``, True for the keys to keep.
+
+        Returns:
+            ``(batch, seqlen_q, nheads, headdim)``.
+        """
+        batch, seqlen_q = q.shape[:2]
+        seqlen_k = kv.shape[1]
+        if kv.dim() != 5 or kv.shape[0] != batch or kv.shape[4] != q.shape[3]:
+            raise InvalidArgument(
+                f"CrossAttention: kv must be (batch, seqlen_k, 2, nheads_k, headdim) = ({batch}, seqlen_k, 2, "
+                f"nheads_k, {q.shape[3]}), got {tuple(kv.shape)}"
+            )
+        causal = self.causal if causal is None else causal
+        if kv.shape[3] != q.shape[2]:  # MQA/GQA
+            kv = kv.repeat_interleave(q.shape[2] // kv.shape[3], dim=3)
+        k, v = kv.unbind(dim=2)
+        mask = None
+        if causal:
+            rows = torch.arange(seqlen_q, device=q.device).view(-1, 1)
+            cols = torch.arange(seqlen_k, device=q.device)
+            kept = seqlen_k if key_padding_mask is None else key_padding_mask.sum(-1).view(-1, 1, 1, 1)
+            mask = cols > rows + kept - seqlen_q
+        return _eager_attention(q, k, v, self.softmax_scale, mask, key_padding_mask, self.drop)
+
+
+def _causal_dwconv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """flash_attn's depthwise convolution over time: ``x (batch, seqlen, channels)``, each output step
+    from the kernel's 3 steps up to it."""
+    return conv(x.transpose(1, 2))[..., :-2].transpose(1, 2).contiguous()
+
+
+class MHA(nn.Module):
+    """Multi-head self-attention and cross-attention (``flash_attn.modules.mha.MHA``).
+
+    Args:
+        embed_dim, num_heads: model width and query heads (head dim = embed_dim / num_heads).
+        num_heads_kv: key/value heads (MQA/GQA); default num_heads.
+        cross_attn: queries from x (``Wq``), keys and values from ``x_kv`` (``Wkv``).
+        qkv_proj_bias, out_proj_bias: biases of the projections.
+        dropout: attention dropout (training only).
+        softmax_scale: scale of QKᵀ; default ``1 / sqrt(head dim)``.
+        causal: causal attention (aligned bottom-right).
+        layer_idx: this layer's key in ``InferenceParams.key_value_memory_dict`` (needed for generation).
+        dwconv: a depthwise causal convolution (kernel 3) over time after the projections
+            (``dwconv_qkv``, or ``dwconv_q`` and ``dwconv_kv``); not with generation or packed inputs.
+        rotary_emb_dim: rotate the first rotary_emb_dim channels of q and k (0 = off; even, at most the
+            head dim; self-attention only), with ``rotary_emb_base``, xPos scaling when
+            ``rotary_emb_scale_base`` is set, GPT-J pairs when ``rotary_emb_interleaved``.
+        use_alibi: ALiBi with ``get_alibi_slopes(num_heads)`` (needs use_flash_attn).
+        window_size: ``(left, right)`` sliding window, -1 for unbounded (needs use_flash_attn).
+        fused_bias_fc: accepted and ignored, as flash_attn 2.8.3 ignores it (the projections are
+            ``nn.Linear``, which is what its fused kernel computed).
+        use_flash_attn: run the attention through tileattn's kernels (``FlashSelfAttention`` /
+            ``FlashCrossAttention``); False (flash_attn's default) runs flash_attn's plain-PyTorch
+            ``SelfAttention`` / ``CrossAttention``, which materialise the scores.
+        return_residual: ``forward`` returns ``(out, x)``.
+        checkpointing: recompute the attention in the backward (``torch.utils.checkpoint``).
+        device, dtype: of the parameters.
+        deterministic: (keyword only, tileattn) deterministic backward of the flash attention.
+
+    Submodules, as flash_attn names them: ``Wqkv`` (or ``Wq``, ``Wkv``), ``dwconv_*``, ``rotary_emb``,
+    ``inner_attn``, ``inner_cross_attn``, ``out_proj``.
+    """
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        num_heads_kv=None,
+        cross_attn=False,
+        qkv_proj_bias=True,
+        out_proj_bias=True,
+        dropout=0.0,
+        softmax_scale=None,
+        causal=False,
+        layer_idx=None,
+        dwconv=False,
+        rotary_emb_dim=0,
+        rotary_emb_base=10000.0,
+        rotary_emb_scale_base=None,
+        rotary_emb_interleaved=False,
+        use_alibi=False,
+        window_size=(-1, -1),
+        fused_bias_fc=False,
+        use_flash_attn=False,
+        return_residual=False,
+        checkpointing=False,
+        device=None,
+        dtype=None,
+        *,
+        deterministic=False,
+    ) -> None:
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.cross_attn = cross_attn
+        self.causal = causal
+        self.layer_idx = layer_idx
+        self.dwconv = dwconv
+        self.rotary_emb_dim = rotary_emb_dim
+        self.use_flash_attn = use_flash_attn
+        self.return_residual = return_residual
+        self.checkpointing = checkpointing
+        self.deterministic = deterministic
+        if embed_dim % num_heads:
+            raise InvalidArgument(f"MHA: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.num_heads_kv = num_heads_kv if num_heads_kv is not None else num_heads
+        if self.num_heads_kv < 1 or num_heads % self.num_heads_kv:
+            raise InvalidArgument(
+                f"MHA: num_heads ({num_heads}) must be divisible by num_heads_kv ({self.num_heads_kv})"
+            )
+        self.head_dim = embed_dim // num_heads
+        if use_alibi and not use_flash_attn:
+            raise InvalidArgument("MHA: use_alibi needs use_flash_attn=True (as in flash_attn)")
+        if tuple(window_size) != (-1, -1) and not use_flash_attn:
+            raise InvalidArgument("MHA: a window_size other than (-1, -1) needs use_flash_attn=True (as in flash_attn)")
+        if rotary_emb_dim:
+            if rotary_emb_dim < 0 or rotary_emb_dim % 2 or rotary_emb_dim > self.head_dim:
+                raise InvalidArgument(
+                    f"MHA: rotary_emb_dim must be even and at most the head dim ({self.head_dim}), got {rotary_emb_dim}"
+                )
+            if cross_attn:
+                raise InvalidArgument("MHA: rotary_emb_dim > 0 is not supported with cross_attn (as in flash_attn)")
+            self.rotary_emb = RotaryEmbedding(
+                rotary_emb_dim,
+                base=rotary_emb_base,
+                scale_base=rotary_emb_scale_base,
+                interleaved=rotary_emb_interleaved,
+                device=device,
+            )
+        alibi_slopes = torch.tensor(get_alibi_slopes(num_heads), device=device) if use_alibi else None
+        qkv_dim = self.head_dim * (self.num_heads + 2 * self.num_heads_kv)
+        kv_dim = 2 * self.head_dim * self.num_heads_kv
+
+        if use_flash_attn:
+            inner_attn_cls = partial(
+                FlashSelfAttention, alibi_slopes=alibi_slopes, window_size=window_size, deterministic=deterministic
+            )
+            inner_cross_attn_cls = partial(
+                FlashCrossAttention, alibi_slopes=alibi_slopes, window_size=window_size, deterministic=deterministic
+            )
+        else:
+            inner_attn_cls, inner_cross_attn_cls = SelfAttention, CrossAttention
+        if not self.cross_attn:
+            self.Wqkv = nn.Linear(embed_dim, qkv_dim, bias=qkv_proj_bias, **factory_kwargs)
+        else:
+            self.Wq = nn.Linear(embed_dim, embed_dim, bias=qkv_proj_bias, **factory_kwargs)
+            self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory_kwargs)
+        if self.dwconv:  # (flash_attn makes dwconv_qkv for cross_attn too, which its forward then lacks)
+            if self.num_heads_kv == self.num_heads and not self.cross_attn:
+                self.dwconv_qkv = nn.Conv1d(
+                    qkv_dim, qkv_dim, kernel_size=3, padding=2, groups=qkv_dim, **factory_kwargs
+                )
+            else:
+                self.dwconv_q = nn.Conv1d(
+                    embed_dim, embed_dim, kernel_size=3, padding=2, groups=embed_dim, **factory_kwargs
+                )
+                self.dwconv_kv = nn.Conv1d(kv_dim, kv_dim, kernel_size=3, padding=2, groups=kv_dim, **factory_kwargs)
+        self.inner_attn = inner_attn_cls(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout)
+        self.inner_cross_attn = inner_cross_attn_cls(
+            causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout
+        )
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory_kwargs)
+
+    # ---------------------------------------------------------------------------------------------
+    # generation
+    # ---------------------------------------------------------------------------------------------
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None) -> Tensor:
+        """An empty KV cache ``(batch_size, max_seqlen, 2, num_heads_kv, head_dim)`` on the layer's device,
+        of the layer's dtype unless ``dtype`` is given."""
+        dtype = self.out_proj.weight.dtype if dtype is None else dtype
+        device = self.out_proj.weight.device
+        return torch.empty(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim, dtype=dtype, device=device)
+
+    def _cache(self, kv: Tensor, inference_params: InferenceParams) -> Tensor:
+        """This layer's cache rows of the batch (allocated on first use)."""
+        memory = inference_params.key_value_memory_dict
+        if self.layer_idx not in memory:
+            memory[self.layer_idx] = torch.empty(
+                inference_params.max_batch_size,
+                inference_params.max_seqlen,
+                2,
+                self.num_heads_kv,
+                self.head_dim,
+                dtype=kv.dtype,
+                device=kv.device,
+            )
+        cache = memory[self.layer_idx]
+        start = inference_params.batch_size_offset
+        if start + kv.shape[0] > cache.shape[0]:
+            raise InvalidArgument(
+                f"MHA: batch rows {start}..{start + kv.shape[0] - 1} do not fit the KV cache of layer {self.layer_idx} "
+                f"({cache.shape[0]} rows, InferenceParams.max_batch_size)"
+            )
+        return cache[start : start + kv.shape[0]]
+
+    def _update_kv_cache(self, kv: Tensor, inference_params: InferenceParams) -> Tensor:
+        """Writes ``kv (batch, seqlen, 2, nheads_kv, head_dim)`` at ``seqlen_offset`` of the cache; returns
+        the cache up to its end, ``(batch, seqlen_offset + seqlen, 2, nheads_kv, head_dim)``."""
+        cache = self._cache(kv, inference_params)
+        start = inference_params.seqlen_offset
+        end = start + kv.shape[1]
+        if end > cache.shape[1]:
+            raise InvalidArgument(
+                f"MHA: positions {start}..{end - 1} do not fit the KV cache of layer {self.layer_idx} "
+                f"({cache.shape[1]} positions, InferenceParams.max_seqlen)"
+            )
+        cache[:, start:end] = kv
+        return cache[:, :end]
+
+    def _cache_seqlens(self, batch: int, inference_params: InferenceParams) -> int | Tensor:
+        lengths = inference_params.lengths_per_sample
+        if lengths is None:
+            return inference_params.seqlen_offset
+        start = inference_params.batch_size_offset
+        return lengths[start : start + batch]
+
+    def _alibi_slopes(self) -> Tensor | None:
+        slopes = getattr(self.inner_cross_attn, "alibi_slopes", None)
+        return slopes.to(torch.float32) if slopes is not None else None
+
+    def _kvcache_attention(self, q, kv, inference_params, rotary: bool):
+        """The cache append and the attention in one ``flash_attn_with_kvcache`` call, with the rotary of q
+        and the new keys if ``rotary``: q ``(batch, seqlen_q, nheads, head_dim)``, kv ``(batch, seqlen_k, 2,
+        nheads_kv, head_dim)``."""
+        rotary_cos = rotary_sin = None
+        if rotary:
+            self.rotary_emb._update_cos_sin_cache(inference_params.max_seqlen, device=q.device, dtype=q.dtype)
+            rotary_cos, rotary_sin = self.rotary_emb._cos_cached, self.rotary_emb._sin_cached
+        cache = self._cache(kv, inference_params)
+        return flash_attn_with_kvcache(
+            q,
+            cache[:, :, 0],
+            cache[:, :, 1],
+            kv[:, :, 0],
+            kv[:, :, 1],
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            cache_seqlens=self._cache_seqlens(q.shape[0], inference_params),
+            softmax_scale=self.inner_cross_attn.softmax_scale,
+            causal=self.inner_cross_attn.causal,
+            window_size=self.inner_cross_attn.window_size,
+            rotary_interleaved=self.rotary_emb.interleaved if rotary else False,
+            alibi_slopes=self._alibi_slopes(),
+        )
+
+    def _update_kvcache_attention(self, q, kv, inference_params):
+        """Writes kv (rotated already) to the cache, then attends over it."""
+        if inference_params.seqlen_offset == 0 or not self.use_flash_attn:
+            # (as flash_attn: this path places the new tokens at seqlen_offset, not lengths_per_sample)
+            kv = self._update_kv_cache(kv, inference_params)
+            return self.inner_cross_attn(q, kv)
+        return self._kvcache_attention(q, kv, inference_params, rotary=False)
+
+    # ---------------------------------------------------------------------------------------------
+    # forward
+    # ---------------------------------------------------------------------------------------------
+
+    def _check_forward(self, x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset, inference_params):
+        packed = cu_seqlens is not None
+        want = "(total, embed_dim) with cu_seqlens" if packed else "(batch, seqlen, embed_dim)"
+        if not isinstance(x, Tensor) or x.dim() != (2 if packed else 3) or x.shape[-1] != self.embed_dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise InvalidArgument(f"MHA: x must be {want} with embed_dim={self.embed_dim}, got {got}")
+        if not self.cross_attn and (x_kv is not None or mixer_subset is not None):
+            raise InvalidArgument("MHA: x_kv and mixer_subset are for cross attention (cross_attn=True)")
+        if x_kv is not None and (not isinstance(x_kv, Tensor) or x_kv.shape[-1] != self.embed_dim):
+            got = tuple(x_kv.shape) if isinstance(x_kv, Tensor) else type(x_kv).__name__
+            raise InvalidArgument(f"MHA: x_kv must be (batch, seqlen_kv, embed_dim={self.embed_dim}), got {got}")
+        if packed:
+            if max_seqlen is None:
+                raise InvalidArgument("MHA: max_seqlen is required with cu_seqlens")
+            if key_padding_mask is not None:
+                raise InvalidArgument("MHA: pass key_padding_mask or cu_seqlens, not both")
+            if not self.use_flash_attn:
+                raise InvalidArgument("MHA: cu_seqlens needs use_flash_attn=True (as in flash_attn)")
+            if self.dwconv:
+                raise InvalidArgument("MHA: dwconv does not take packed inputs (cu_seqlens)")
+        if key_padding_mask is not None:
+            keys = x_kv if x_kv is not None else x
+            if max_seqlen is not None:
+                raise InvalidArgument("MHA: max_seqlen goes with cu_seqlens, not with key_padding_mask")
+            if (
+                not isinstance(key_padding_mask, Tensor)
+                or key_padding_mask.dtype != torch.bool
+                or tuple(key_padding_mask.shape) != tuple(keys.shape[:2])
+            ):
+                got = (
+                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                    if isinstance(key_padding_mask, Tensor)
+                    else type(key_padding_mask).__name__
+                )
+                raise InvalidArgument(
+                    f"MHA: key_padding_mask must be bool (batch, seqlen) = {tuple(keys.shape[:2])}, got {got}"
+                )
+            if self.use_flash_attn and self.cross_attn:
+                raise InvalidArgument(
+                    "MHA: key_padding_mask with use_flash_attn=True is for self-attention; with cross_attn pass "
+                    "packed inputs (cu_seqlens, cu_seqlens_k) or use_flash_attn=False"
+                )
+        if inference_params is not None:
+            if key_padding_mask is not None or packed:
+                raise InvalidArgument(
+                    "MHA: generation (inference_params) takes neither key_padding_mask nor cu_seqlens"
+                )
+            if self.dwconv:
+                raise InvalidArgument("MHA: generation (inference_params) does not support dwconv (as in flash_attn)")
+            if self.layer_idx is None:
+                raise InvalidArgument("MHA: generation (inference_params) requires layer_idx in the constructor")
+
+    def _project(self, x, x_kv, mixer_subset):
+        """The projections: ``(qkv, None, None)`` with qkv ``(..., 3, nheads, head_dim)`` for self-attention
+        with as many kv heads as query heads, else ``(None, q, kv)`` with q ``(..., nheads, head_dim)`` and
+        kv ``(..., 2, nheads_kv, head_dim)``."""
+        d = self.head_dim
+        if not self.cross_attn and self.num_heads_kv == self.num_heads:
+            qkv = self.Wqkv(x)
+            if self.dwconv:
+                qkv = _causal_dwconv(self.dwconv_qkv, qkv)
+            return qkv.unflatten(-1, (3, self.num_heads, d)), None, None
+        if self.cross_attn:
+            q = self.Wq(x if mixer_subset is None else x[:, mixer_subset])
+            kv = self.Wkv(x_kv if x_kv is not None else x)
+        else:
+            qkv = self.Wqkv(x)
+            q, kv = qkv[..., : self.num_heads * d], qkv[..., self.num_heads * d :]
+        if self.dwconv:  # (before the heads are split; flash_attn's order would fail on 4-D tensors)
+            q, kv = _causal_dwconv(self.dwconv_q, q), _causal_dwconv(self.dwconv_kv, kv)
+        return None, q.unflatten(-1, (self.num_heads, d)), kv.unflatten(-1, (2, self.num_heads_kv, d))
+
+    def _rotate_packed(self, q: Tensor, k: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> None:
+        """Rotary of packed q ``(total, nheads, head_dim)`` and k (views), in place; positions count from 0
+        in each sequence."""
+        rotary = self.rotary_emb
+        rotary._update_cos_sin_cache(max_seqlen, device=q.device, dtype=q.dtype)
+        xpos = rotary.scale is not None
+        cos_k = rotary._cos_k_cached if xpos else rotary._cos_cached
+        sin_k = rotary._sin_k_cached if xpos else rotary._sin_cached
+        apply_rotary_emb(q, rotary._cos_cached, rotary._sin_cached, rotary.interleaved, True, 0, cu_seqlens, max_seqlen)
+        apply_rotary_emb(k, cos_k, sin_k, rotary.interleaved, True, 0, cu_seqlens, max_seqlen)
+
+    def _attend(self, attn, *args, **kwargs):
+        if self.checkpointing:
+            return torch.utils.checkpoint.checkpoint(attn, *args, use_reentrant=False, **kwargs)
+        return attn(*args, **kwargs)
 
     def forward(
         self,
-        x: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-    ) -> torch.Tensor:
-        """``x``: ``(batch, seqlen, embed_dim)``, or packed ``(total, embed_dim)`` with cu_seqlens and
-        max_seqlen. ``key_padding_mask``: bool ``(batch, seqlen)``, True for real tokens; padded
-        positions are dropped before the projections (the batch runs packed, varlen) and their outputs
-        are 0. Rotary positions count from 0 in each sequence."""
-        self._check_input(x, key_padding_mask, cu_seqlens, max_seqlen)
-        if key_padding_mask is not None:
-            batch, seqlen = x.shape[:2]
-            x_packed, indices, cu_seqlens, max_seqlen, _ = unpad_input(x, key_padding_mask)
-            out = self.forward(x_packed, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-            return pad_input(out, indices, batch, seqlen)
-        q, k, v = self._split(self.Wqkv(x))
-        if self.rotary_emb is not None:
-            if cu_seqlens is not None:
-                pos = _positions_in_sequence(cu_seqlens, x.shape[0])
-                q = self.rotary_emb(q.unsqueeze(0), pos).squeeze(0)
-                k = self.rotary_emb(k.unsqueeze(0), pos).squeeze(0)
-            else:
-                pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-                q, k = self.rotary_emb(q, pos), self.rotary_emb(k, pos)
-        out = self._attend(q, k, v, cu_seqlens, max_seqlen)
-        return self.out_proj(out.flatten(-2))
+        x,
+        x_kv=None,
+        key_padding_mask=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        mixer_subset=None,
+        inference_params=None,
+        **kwargs,
+    ):
+        """Args:
+            x: ``(batch, seqlen, embed_dim)``, or packed ``(total, embed_dim)`` with cu_seqlens.
+            x_kv: ``(batch, seqlen_kv, embed_dim)``, the keys' and values' input of cross attention
+                (default x).
+            key_padding_mask: bool ``(batch, seqlen)`` (of the keys' input), True for real tokens. Without
+                use_flash_attn (flash_attn's way) the padded keys are masked in the scores; with
+                use_flash_attn (self-attention; tileattn) the batch runs packed, varlen, and padded
+                positions output 0.
+            cu_seqlens: int32 ``(batch + 1,)``, the sequences of a packed x (needs use_flash_attn; with
+                cross attention pass ``cu_seqlens_k`` and ``max_seqlen_k`` for x_kv in kwargs).
+            max_seqlen: the longest sequence of a packed x.
+            mixer_subset: cross attention only: an index applied to x's sequence axis before the query
+                projection (e.g. the CLS token of a ViT's last layer).
+            inference_params: ``InferenceParams`` for generation: k and v go into the cache of
+                ``layer_idx`` at ``seqlen_offset`` (``lengths_per_sample`` with use_flash_attn once past
+                the prompt) and the queries attend over it; rotary positions start at the offset.
+            kwargs: passed on to the inner attention (e.g. ``causal``).
 
-    def _check_input(self, x, key_padding_mask, cu_seqlens, max_seqlen) -> None:
-        embed_dim = self.out_proj.in_features
-        packed = cu_seqlens is not None
-        want = "(total, embed_dim) with cu_seqlens" if packed else "(batch, seqlen, embed_dim)"
-        if not isinstance(x, torch.Tensor) or x.dim() != (2 if packed else 3) or x.shape[-1] != embed_dim:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be {want} with embed_dim={embed_dim}, got {got}")
-        if packed and key_padding_mask is not None:
-            raise ValueError("pass key_padding_mask or cu_seqlens, not both")
-        if packed and max_seqlen is None:
-            raise ValueError("max_seqlen is required with cu_seqlens")
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != tuple(x.shape[:2]):
-                raise ValueError(
-                    f"key_padding_mask must be bool (batch, seqlen) = {tuple(x.shape[:2])}, got "
-                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-                )
+        Returns:
+            ``out`` of x's shape, or ``(out, x)`` with return_residual. Rotary positions count from 0 in
+            each sequence (from the cache offset in generation).
+        """
+        self._check_forward(x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset, inference_params)
+        if key_padding_mask is not None and self.use_flash_attn:
+            out = self._forward_padded(x, key_padding_mask, kwargs)
+            return out if not self.return_residual else (out, x)
+        if self.use_flash_attn:
+            kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, **kwargs}
+        else:
+            kwargs = {"key_padding_mask": key_padding_mask, **kwargs}
+        seqlen_offset = 0
+        rotary_max_seqlen = None
+        if inference_params is not None:
+            lengths = inference_params.lengths_per_sample
+            seqlen_offset = lengths if lengths is not None else inference_params.seqlen_offset
+            rotary_max_seqlen = inference_params.max_seqlen
+        qkv, q, kv = self._project(x, x_kv, mixer_subset)
+        if qkv is not None:
+            q, kv = qkv[..., 0, :, :], qkv[..., 1:, :, :]
+        fused = (
+            inference_params is not None
+            and inference_params.seqlen_offset > 0
+            and self.use_flash_attn
+            and self.rotary_emb_dim > 0
+            and self.rotary_emb_dim % 16 == 0
+            and self.rotary_emb.scale is None  # (xPos scales q and k apart: the unfused path)
+        )
+        if fused:
+            context = self._kvcache_attention(q, kv, inference_params, rotary=True)
+        else:
+            if self.rotary_emb_dim > 0:
+                if cu_seqlens is not None:
+                    self._rotate_packed(q, kv[:, 0], cu_seqlens, max_seqlen)
+                elif qkv is not None:
+                    qkv = self.rotary_emb(qkv, seqlen_offset=seqlen_offset, max_seqlen=rotary_max_seqlen)
+                    q, kv = qkv[..., 0, :, :], qkv[..., 1:, :, :]
+                else:
+                    q, kv = self.rotary_emb(q, kv, seqlen_offset=seqlen_offset, max_seqlen=rotary_max_seqlen)
+            if inference_params is not None:
+                context = self._update_kvcache_attention(q, kv, inference_params)
+            elif qkv is not None:
+                context = self._attend(self.inner_attn, qkv, **kwargs)
+            else:
+                if cu_seqlens is not None and not self.cross_attn:  # MQA/GQA self-attention, packed
+                    kwargs = {"cu_seqlens_k": cu_seqlens, "max_seqlen_k": max_seqlen, **kwargs}
+                context = self._attend(self.inner_cross_attn, q, kv, **kwargs)
+        out = self.out_proj(context.flatten(-2))
+        return out if not self.return_residual else (out, x)
+
+    def _forward_padded(self, x: Tensor, key_padding_mask: Tensor, kwargs: dict) -> Tensor:
+        """Self-attention of a padded batch with the flash kernels: projections and rotary on the padded
+        batch (rotary positions are indices in it, as without use_flash_attn), then the real tokens run
+        packed (varlen); padded positions output 0."""
+        batch, seqlen = x.shape[:2]
+        qkv, q, kv = self._project(x, None, None)
+        if self.rotary_emb_dim > 0:
+            if qkv is not None:
+                qkv = self.rotary_emb(qkv)
+            else:
+                q, kv = self.rotary_emb(q, kv)
+        lengths = key_padding_mask.sum(dim=-1, dtype=torch.int32)
+        cu_seqlens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+        max_seqlen = int(lengths.max()) if batch else 0
+        indices = key_padding_mask.flatten().nonzero().flatten()
+        if qkv is not None:
+            packed = index_first_axis(qkv.flatten(0, 1), indices)  # (total, 3, nheads, head_dim)
+            context = self._attend(self.inner_attn, packed, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)
+        else:
+            context = self._attend(
+                self.inner_cross_attn,
+                index_first_axis(q.flatten(0, 1), indices),
+                index_first_axis(kv.flatten(0, 1), indices),
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_k=max_seqlen,
+                **kwargs,
+            )
+        return pad_input(self.out_proj(context.flatten(-2)), indices, batch, seqlen)
 
     def extra_repr(self) -> str:
+        scale = resolve_scale(self.inner_attn.softmax_scale, self.head_dim)
         return (
             f"num_heads={self.num_heads}, num_heads_kv={self.num_heads_kv}, head_dim={self.head_dim}, "
-            f"causal={self.causal}, rotary_emb_dim={self.rotary_emb.dim if self.rotary_emb else 0}, "
-            f"softmax_scale={resolve_scale(self.softmax_scale, self.head_dim):.4g}"
+            f"causal={self.causal}, cross_attn={self.cross_attn}, rotary_emb_dim={self.rotary_emb_dim}, "
+            f"use_flash_attn={self.use_flash_attn}, softmax_scale={scale:.4g}"
         )
