@@ -1,16 +1,91 @@
-"""Hugging Face transformers with attn_implementation="tileattn": logits and gradients of small, randomly
-initialised models match the "eager" implementation within the tolerance rule, for padded batches
-(run as varlen), packed sequences (position_ids restarting at 0) and cached generation."""
+"""Hugging Face transformers on tileattn, two ways: attn_implementation="tileattn" (our registration) and
+"flash_attention_2" through the flash_attn shim (transformers' own FlashAttention code calling tileattn).
+Logits and gradients of small, randomly initialised models match the "eager" implementation within the
+tolerance rule, for padded batches (run as varlen), packed sequences (position_ids restarting at 0, or a
+flattening data collator's cu_seq_lens) and cached generation.
+
+transformers enables flash_attention_2 only where CUDA is available; without a GPU these tests tell it
+that CUDA is available while the tensors stay on the CPU (tileattn's CPU path), so that the code that
+transformers runs on a GPU runs here too. In bf16, as FlashAttention is run (transformers' fp32 path looks
+for nn.Linear layers, which GPT-2 does not have)."""
+
+import contextlib
+import importlib.util
+import inspect
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 import tileattn.integrations.transformers  # noqa: E402,F401  (registers "tileattn")
+from tileattn import bert_padding, shim  # noqa: E402
 from tileattn.testing import check_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+REF_DTYPE = torch.float64
+IMPLS = ["tileattn", "flash_attention_2"]
+# transformers caches the flash functions it imported in these globals of modeling_flash_attention_utils
+_LOADED = (
+    "_loaded_implementation",
+    "_flash_fn",
+    "_flash_varlen_fn",
+    "_flash_with_kvcache_fn",
+    "_pad_fn",
+    "_unpad_fn",
+    "_process_flash_kwargs_fn",
+    "_process_with_kvcache_kwargs_fn",
+)
+
+
+def _flash_attn_distributions(iu) -> list[str]:
+    """The distributions transformers maps the top-level package flash_attn to (a cached function in
+    newer releases, a dict read at import in older ones)."""
+    mapping = (
+        iu._package_distribution_mapping()
+        if hasattr(iu, "_package_distribution_mapping")
+        else iu.PACKAGE_DISTRIBUTION_MAPPING
+    )
+    return mapping.get("flash_attn", [])
+
+
+def _dtype(impl: str) -> torch.dtype:
+    return torch.bfloat16 if DEVICE == "cuda" or impl == "flash_attention_2" else torch.float32
+
+
+@contextlib.contextmanager
+def flash_attention_2_via_shim():
+    """transformers with tileattn.shim installed (and CUDA reported available on a machine without it);
+    everything is put back afterwards: sys.modules, transformers' caches, the flash functions it loaded."""
+    import transformers.modeling_flash_attention_utils as mfu
+    from transformers.utils import import_utils
+
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules) if n.split(".")[0] == "flash_attn"}
+    with pytest.MonkeyPatch.context() as mp:
+        for attr in _LOADED:  # (the names differ between transformers releases)
+            if hasattr(mfu, attr):
+                mp.setattr(mfu, attr, None)
+        if not torch.cuda.is_available():
+            mp.setattr(torch.cuda, "is_available", lambda: True)
+        import_utils.is_torch_cuda_available.cache_clear()
+        shim.install()
+        try:
+            yield
+        finally:
+            shim.uninstall()
+    import_utils.is_torch_cuda_available.cache_clear()
+    sys.modules.update(saved)
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    if request.param == "flash_attention_2":
+        with flash_attention_2_via_shim():
+            yield request.param
+    else:
+        yield request.param
 
 
 def _decoder_configs():
@@ -24,67 +99,112 @@ def _decoder_configs():
     }
 
 
+DECODERS = ["llama-gqa", "qwen2-gqa", "gpt2"]
+
+
 def _model(cfg, impl, dtype, auto=None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     cls = auto or AutoModelForCausalLM
-    return cls.from_config(cfg, attn_implementation=impl).to(DEVICE, dtype).eval()
+    model = cls.from_config(cfg, attn_implementation=impl).to(DEVICE, dtype).eval()
+    assert model.config._attn_implementation == impl
+    return model
 
 
 def _loss(logits, mask):
     return (logits.float().square() * mask[..., None]).mean()
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-gqa", "gpt2"])
-def test_decoder_padded_batch_matches_eager(name):
+def _grads(model, loss):
+    return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+
+def _check_grads(name, grads, ref_grads, lowp_grads):
+    """Parameter gradients: the tolerance rule per tensor, the floor scaled by the largest reference
+    gradient."""
+    scale = torch.stack([g.abs().max() for g in ref_grads])
+    for i, (g, r, lg) in enumerate(zip(grads, ref_grads, lowp_grads)):
+        check_close(f"{name} grad {i}", g, r, lg, floor_scale=scale)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_decoder_padded_batch_matches_eager(impl, name):
+    """Forward and backward of a batch with a left-padded and a right-padded row."""
     cfg = _decoder_configs()[name]
+    dtype = _dtype(impl)
     ids = torch.randint(0, 97, (3, 13), device=DEVICE)
     mask = torch.ones(3, 13, dtype=torch.long, device=DEVICE)
     mask[1, :4] = 0  # left padding
     mask[2, 9:] = 0  # right padding
     results = {}
-    for impl, dtype in (("tileattn", DTYPE), ("eager", DTYPE), ("eager", torch.float64)):
-        model = _model(cfg, impl, dtype)
+    for run_impl, run_dtype in ((impl, dtype), ("eager", dtype), ("eager", REF_DTYPE)):
+        model = _model(cfg, run_impl, run_dtype)
         logits = model(ids, attention_mask=mask).logits
-        grads = torch.autograd.grad(_loss(logits, mask), [p for p in model.parameters() if p.requires_grad])
-        results[(impl, dtype)] = (logits, grads)
+        results[(run_impl, run_dtype)] = (logits, _grads(model, _loss(logits, mask)))
     real = mask.bool()
-    out, grads = results[("tileattn", DTYPE)]
-    lowp, lowp_grads = results[("eager", DTYPE)]
-    ref, ref_grads = results[("eager", torch.float64)]
+    out, grads = results[(impl, dtype)]
+    lowp, lowp_grads = results[("eager", dtype)]
+    ref, ref_grads = results[("eager", REF_DTYPE)]
     check_close(f"{name} logits", out[real], ref[real], lowp[real])
-    scale = torch.stack([g.abs().max() for g in ref_grads])
-    for i, (g, r, lg) in enumerate(zip(grads, ref_grads, lowp_grads)):
-        check_close(f"{name} grad {i}", g, r, lg, factor=4.0, floor_scale=scale)
+    _check_grads(name, grads, ref_grads, lowp_grads)
 
 
-def test_packed_sequences_match_separate_runs():
-    """One row holding three sequences (position_ids restart at 0) equals the three run alone."""
-    cfg = _decoder_configs()["llama-gqa"]
+def _flattened_batch(lengths):
+    """A flattening data collator's batch of sequences of ``lengths`` (one row, position_ids restarting
+    at 0, cu_seq_lens and max_length kwargs), and the sequences."""
+    from transformers import DataCollatorWithFlattening
+
+    seqs = [torch.randint(0, 97, (n,)).tolist() for n in lengths]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)(
+        [{"input_ids": s} for s in seqs]
+    )
+    batch.pop("labels")
+    batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    assert batch["cu_seq_lens_q"].tolist() == torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return batch, seqs
+
+
+@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("packing", ["collator", "position_ids"])
+def test_packed_sequences_match_separate_runs(impl, name, packing):
+    """One row holding three sequences equals the three run alone: logits, and the gradients of a loss
+    summed over the tokens. ``collator``: DataCollatorWithFlattening's cu_seq_lens/max_length kwargs;
+    ``position_ids``: only position_ids restarting at 0 (the model derives the sequences)."""
+    cfg = _decoder_configs()[name]
+    dtype = _dtype(impl)
     lengths = [5, 9, 4]
-    ids = torch.randint(0, 97, (1, sum(lengths)), device=DEVICE)
-    position_ids = torch.cat([torch.arange(n, device=DEVICE) for n in lengths]).unsqueeze(0)
-    packed = _model(cfg, "tileattn", DTYPE)(ids, position_ids=position_ids).logits[0]
-    eager = _model(cfg, "eager", torch.float64)
-    eager_lowp = _model(cfg, "eager", DTYPE)
+    batch, seqs = _flattened_batch(lengths)
+    if packing == "position_ids":
+        batch = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    model = _model(cfg, impl, dtype)
+    packed = model(**batch).logits[0]
+    grads = _grads(model, packed.float().square().sum() / packed.numel())
+    pieces = {}
+    for run_dtype in (dtype, REF_DTYPE):
+        eager = _model(cfg, "eager", run_dtype)
+        logits = [eager(torch.tensor([s], device=DEVICE)).logits[0] for s in seqs]
+        loss = sum(lg.float().square().sum() for lg in logits) / packed.numel()
+        pieces[run_dtype] = (torch.cat(logits), _grads(eager, loss))
+    (lowp, lowp_grads), (ref, ref_grads) = pieces[dtype], pieces[REF_DTYPE]
     start = 0
     for n in lengths:
-        piece = ids[:, start : start + n]
-        ref = eager(piece).logits[0]
-        lowp = eager_lowp(piece).logits[0]
-        check_close(f"packed [{start}:{start + n}]", packed[start : start + n], ref, lowp)
+        piece = slice(start, start + n)
+        check_close(f"{name} packed [{start}:{start + n}]", packed[piece], ref[piece], lowp[piece])
         start += n
+    _check_grads(f"{name} packed", grads, ref_grads, lowp_grads)
 
 
-def test_cached_generation_matches_eager():
+@pytest.mark.parametrize("name", DECODERS)
+def test_cached_generation_matches_eager(impl, name):
     """Greedy generation with a KV cache (one query against the cache per step, left-padded prompt):
     the scores of every step equal an uncached eager forward over the generated sequence."""
-    cfg = _decoder_configs()["llama-gqa"]
+    cfg = _decoder_configs()[name]
+    dtype = _dtype(impl)
     ids = torch.randint(3, 97, (2, 7), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    gen = _model(cfg, "tileattn", DTYPE).generate(
+    gen = _model(cfg, impl, dtype).generate(
         ids,
         attention_mask=mask,
         max_new_tokens=6,
@@ -98,23 +218,24 @@ def test_cached_generation_matches_eager():
     full_mask = torch.cat([mask, torch.ones(2, seq.shape[1] - 7, dtype=mask.dtype, device=DEVICE)], 1)
     scores = torch.stack(gen.logits, 1)  # (batch, steps, vocab): raw logits predicting tokens 7..12
     position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
-    ref = _model(cfg, "eager", torch.float64)(seq, attention_mask=full_mask, position_ids=position_ids).logits
-    lowp = _model(cfg, "eager", DTYPE)(seq, attention_mask=full_mask, position_ids=position_ids).logits
+    ref = _model(cfg, "eager", REF_DTYPE)(seq, attention_mask=full_mask, position_ids=position_ids).logits
+    lowp = _model(cfg, "eager", dtype)(seq, attention_mask=full_mask, position_ids=position_ids).logits
     steps = slice(6, seq.shape[1] - 1)
-    check_close("cached generation scores", scores, ref[:, steps], lowp[:, steps])
+    check_close(f"{name} cached generation scores", scores, ref[:, steps], lowp[:, steps])
 
 
-def test_bert_encoder_padded_batch_matches_eager():
+def test_bert_encoder_padded_batch_matches_eager(impl):
     from transformers import AutoModel, BertConfig
 
     cfg = BertConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    dtype = _dtype(impl)
     ids = torch.randint(0, 97, (3, 11), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
     mask[2, 2:] = 0
-    out = _model(cfg, "tileattn", DTYPE, AutoModel)(ids, attention_mask=mask).last_hidden_state
-    ref = _model(cfg, "eager", torch.float64, AutoModel)(ids, attention_mask=mask).last_hidden_state
-    lowp = _model(cfg, "eager", DTYPE, AutoModel)(ids, attention_mask=mask).last_hidden_state
+    out = _model(cfg, impl, dtype, AutoModel)(ids, attention_mask=mask).last_hidden_state
+    ref = _model(cfg, "eager", REF_DTYPE, AutoModel)(ids, attention_mask=mask).last_hidden_state
+    lowp = _model(cfg, "eager", dtype, AutoModel)(ids, attention_mask=mask).last_hidden_state
     real = mask.bool()
     check_close("bert hidden states", out[real], ref[real], lowp[real])
 
@@ -126,3 +247,69 @@ def test_custom_4d_mask_is_refused():
     q = torch.randn(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match="2-D padding mask"):
         tileattn_attention_forward(module, q, q, q, torch.zeros(1, 1, 3, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# How transformers finds flash_attn through the shim
+# --------------------------------------------------------------------------------------------------
+
+
+def test_transformers_finds_flash_attn_2_through_the_shim():
+    """transformers' checks (find_spec, packages_distributions, the version) see FlashAttention 2, not 3
+    or 4, and its lazy import hands out tileattn's functions and bert_padding."""
+    import transformers.modeling_flash_attention_utils as mfu
+    from transformers.utils import import_utils as iu
+
+    real_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    with flash_attention_2_via_shim():
+        assert "flash-attn" in [p.replace("_", "-") for p in _flash_attn_distributions(iu)]
+        assert iu._is_package_available("flash_attn", return_version=True) == (True, "2.8.3")
+        assert iu.is_flash_attn_2_available() and iu.is_flash_attn_greater_or_equal("2.8.3")
+        assert not iu.is_flash_attn_4_available()
+        assert mfu.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["pkg_availability_check"]()
+        (fa, varlen, kvcache, pad, unpad), _ = mfu.lazy_import_flash_attention("flash_attention_2")
+        for fn, name in ((fa, "flash_attn_func"), (varlen, "flash_attn_varlen_func")):
+            assert fn.__name__ == name and fn.__module__.startswith("tileattn."), fn
+        # (behind torch.compiler.disable's wrapper, where the torch release has one)
+        assert inspect.unwrap(kvcache).__module__.startswith("tileattn.")
+        assert pad is bert_padding.pad_input and unpad is bert_padding.unpad_input
+    if not real_flash_attn:
+        assert not iu.is_flash_attn_2_available()
+        assert not _flash_attn_distributions(iu)
+
+
+def test_shim_installed_after_import_transformers(tmp_path):
+    """The issue's order: transformers imported (and its availability caches filled) first, then the shim,
+    then a model with attn_implementation="flash_attention_2" (flash_attn.__spec__ was None before)."""
+    script = tmp_path / "late_shim.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from transformers import AutoModelForCausalLM, LlamaConfig
+            from transformers.utils import import_utils
+            mapping = getattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
+            if mapping is None:
+                mapping = import_utils._package_distribution_mapping()
+            assert "flash_attn" not in mapping
+            import tileattn.shim
+            tileattn.shim.install()
+            if not torch.cuda.is_available():
+                torch.cuda.is_available = lambda: True  # the tensors stay on the CPU
+                import_utils.is_torch_cuda_available.cache_clear()
+            device = "cuda" if torch.cuda.device_count() else "cpu"
+            cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2)
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flash_attention_2")
+            model = model.to(device, torch.bfloat16)
+            mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], device=device)
+            logits = model(torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]], device=device), attention_mask=mask).logits
+            print(model.config._attn_implementation, tuple(logits.shape), bool(logits.isfinite().all()))
+            """
+        )
+    )
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("a real flash_attn is installed: the first assertion of the script does not hold")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "flash_attention_2 (2, 4, 97) True" in res.stdout, res.stdout + res.stderr
