@@ -1,12 +1,11 @@
-"""Dense and varlen cases and their checks against the reference, forward and backward: shared by the
-API's tests (tests/api) and the kernels' build variants (tests/kernels/test_builds.py)."""
+"""Dense and varlen cases and their checks against the tests' oracle (tests/oracle.py), forward and
+backward: shared by the API's tests (tests/api) and the kernels' build variants
+(tests/kernels/test_builds.py)."""
 
 import torch
 
 import tileattn
 from helpers import check_attention, interpreter_skips, on, randn
-from tileattn.reference import attention_ref
-from tileattn.testing import check_close
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, features). Small enough for the interpreter;
 # odd lengths and head dims, GQA/MQA, and both seqlen_q < seqlen_k and seqlen_q > seqlen_k.
@@ -98,19 +97,6 @@ def _check_varlen(backend, lengths, feats, dtype):
         out = tileattn.flash_attn_varlen_func(q, k, v, _cu(lq, device), _cu(lk, device), max(lq), max(lk), **kwargs)
         grads = torch.autograd.grad(out, (q, k, v), dout)
 
-    # The reference, one sequence at a time, assembled into packed tensors.
-    refs, lowps = [], []
-    for b, (sq, sk) in enumerate(seqs):
-        oq, ok = sum(lq[:b]), sum(lk[:b])
-        qs, ks, vs = (t[None, o : o + n] for t, o, n in ((q, oq, sq), (k, ok, sk), (v, ok, sk)))
-        ref_kwargs = dict(kwargs, window_seqlen_k=max(lk))  # (the call's window is resolved at max_seqlen_k)
-        if "alibi_slopes" in kwargs and kwargs["alibi_slopes"].dim() == 2:
-            ref_kwargs["alibi_slopes"] = kwargs["alibi_slopes"][b]
-        refs.append(attention_ref(qs, ks, vs, upcast=torch.float64, **ref_kwargs)[0][0])
-        lowps.append(attention_ref(qs, ks, vs, upcast=False, **ref_kwargs)[0][0])
-    ref, ref_lowp = torch.cat(refs), torch.cat(lowps)
-    check_close("varlen out", out, ref, ref_lowp)
-    g_ref = torch.autograd.grad(ref, (q, k, v), dout)
-    g_lowp = torch.autograd.grad(ref_lowp, (q, k, v), dout)
-    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
-        check_close(f"varlen {name}", g, gr, gl)
+    # the oracle one sequence at a time; the call's window is resolved at max_seqlen_k
+    varlen = (_cu(lq, device), _cu(lk, device), max(lk))
+    check_attention(f"varlen {lengths}", out, grads, q, k, v, dout, kwargs, varlen=varlen)

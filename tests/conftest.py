@@ -16,8 +16,9 @@ import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 # Where the attention runs: "cuda" (the kernels on the GPU), "torch" (the CPU path) and
-# "interpret" (the kernels under Triton's interpreter, on CPU tensors).
-BACKENDS = ["cuda"] if HAS_CUDA else ["torch", "interpret"]
+# "interpret" (the kernels under Triton's interpreter, on CPU tensors). The CPU path runs on every
+# machine, the GPU's included.
+BACKENDS = ["cuda", "torch"] if HAS_CUDA else ["torch", "interpret"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
-"""Shared test helpers: running on a backend, random inputs, and comparing against the reference
-with the one tolerance rule (tileattn.testing.check_close)."""
+"""Shared test helpers: running on a backend, random inputs, and comparing against the tests' oracle
+(tests/oracle.py) with the one tolerance rule (tileattn.testing.check_close)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 
+import oracle
 from tileattn.api import cpu_backend
-from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 
@@ -63,19 +63,40 @@ def randn(*shape, dtype, device, requires_grad=True):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
 
-def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=True):
-    """Checks out and (dq, dk, dv) against attention_ref in fp64 with the tolerance rule, where the
-    PyTorch error comes from attention_ref in the inputs' precision."""
-    ref, _ = attention_ref(q, k, v, upcast=torch.float64, **ref_kwargs)
-    ref_lowp, _ = attention_ref(q, k, v, upcast=False, **ref_kwargs)
+def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=True, varlen=None):
+    """Checks ``out`` and ``grads = (dq, dk, dv)`` of an attention call on ``q, k, v`` (and ``dout``)
+    with the tolerance rule: against ``oracle.attention`` in fp64 (on fp64 copies of the inputs, so its
+    gradients are not rounded either), where the PyTorch error is the oracle's in the inputs' precision.
+    ``ref_kwargs``: the call's keyword arguments (``dropout_mask`` with dropout); ``varlen``: for a packed
+    call, ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (``oracle.attention_varlen``)."""
+
+    def run(*qkv, **kwargs):
+        if varlen is None:
+            return oracle.attention(*qkv, **ref_kwargs, **kwargs).out
+        return oracle.attention_varlen(*qkv, *varlen, **ref_kwargs, **kwargs).out
+
+    exact = [t.detach().double().requires_grad_(check_grads) for t in (q, k, v)]
+    plain = [t.detach().clone().requires_grad_(check_grads) for t in (q, k, v)]
+    ref, ref_lowp = run(*exact), run(*plain, precision=None)
     check_close(f"{name} out", out, ref, ref_lowp)
-    if not check_grads:
+    if not check_grads or not out.numel():
         return
-    g_ref = torch.autograd.grad(ref, (q, k, v), dout)
-    g_lowp = torch.autograd.grad(ref_lowp, (q, k, v), dout)
-    scale = torch.stack([gr.abs().max() for gr in g_ref])
+    g_ref = torch.autograd.grad(ref, exact, dout.double(), allow_unused=True, materialize_grads=True)
+    g_lowp = torch.autograd.grad(ref_lowp, plain, dout, allow_unused=True, materialize_grads=True)
+    scale = torch.stack([gr.abs().max() if gr.numel() else gr.new_zeros(()) for gr in g_ref])
     for gname, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
         check_close(f"{name} {gname}", g, gr, gl, floor_scale=scale)
+
+
+def check_lse(name, lse, ref, ref_lowp):
+    """Checks a softmax LSE (fp32) against the oracle's ``ref`` (fp64) with the tolerance rule, the PyTorch
+    error being the oracle's LSE in the inputs' precision (``ref_lowp``): +inf exactly in the rows that
+    see no key, the rule on the others."""
+    hidden = torch.isinf(ref)
+    if not torch.equal(torch.isposinf(lse), hidden):
+        bad = (torch.isposinf(lse) != hidden).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: LSE {lse[tuple(bad)].item()} at {bad}, reference {ref[tuple(bad)].item()}")
+    check_close(name, lse[~hidden], ref[~hidden], ref_lowp[~hidden])
 
 
 # Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
@@ -89,6 +110,8 @@ def run_property(check, strategy, examples: dict, backend: str, shard: int) -> N
     them (per shard on the GPU, each shard with its own seed)."""
     n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", examples[backend]))
     gpu = backend == "cuda"
+    if not gpu and shard:  # (derandomized: every shard would draw the same examples)
+        pytest.skip("off the GPU one shard draws the examples")
 
     @settings(
         max_examples=n, deadline=None, derandomize=not gpu, suppress_health_check=list(HealthCheck), database=None

@@ -1,7 +1,7 @@
 """Inputs and checks for attention against a KV cache, shared by the API's tests (tests/api/test_kvcache.py)
 and the decode kernels' (tests/decode): the cases and cache layouts, a call's inputs, its check against the
-per-sequence reference (kvcache_ref.py), the decode kernels' settings, and the launch plans that
-flash_attn_with_kvcache keeps."""
+per-sequence reference (kvcache_ref.py, through the tests' oracle), the decode kernels' settings, and the
+launch plans that flash_attn_with_kvcache keeps."""
 
 import dataclasses
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tileattn
-from helpers import on
+from helpers import check_lse, on
 from kvcache_ref import dense_view, kvcache_ref
 from tileattn.kernels import configs
 from tileattn.params import Settings
@@ -99,12 +99,15 @@ def _check_case(backend, case, layout, num_splits, d=40):
     page = LAYOUTS[layout]
     ctx, device = on(backend)
     q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device, d=d)
-    ref, k_ref, v_ref = kvcache_ref(q, kc, vc, **_ref_args(args))
-    ref_lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(args))
+    ref = kvcache_ref(q, kc, vc, **_ref_args(args))
+    ref_lowp = kvcache_ref(q, kc, vc, precision=None, **_ref_args(args))
+    k_ref, v_ref = ref.k_cache, ref.v_cache
     untouched = kc.clone()
     with ctx:
         out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
-    check_close(f"{case} {layout} out", out, ref, ref_lowp)
+    check_close(f"{case} {layout} out", out, ref.out, ref_lowp.out)
+    assert lse.shape == (q.shape[0], q.shape[2], seqlen_q) and lse.dtype == torch.float32
+    check_lse(f"{case} {layout} lse", lse, ref.lse, ref_lowp.lse)
     capacity = k_ref.shape[1]
     got_k = dense_view(kc, args.get("block_table"), capacity)
     got_v = dense_view(vc, args.get("block_table"), capacity)
@@ -118,7 +121,6 @@ def _check_case(backend, case, layout, num_splits, d=40):
     # Rows that see no key (the empty cache, nothing appended) are 0 with LSE +inf.
     if seqlen_new == 0:
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
-    assert lse.shape == (q.shape[0], q.shape[2], seqlen_q) and lse.dtype == torch.float32
 
 
 def _check_kvcache_problem(backend, pb):
@@ -147,11 +149,12 @@ def _check_kvcache_problem(backend, pb):
         args.update(rotary_cos=angle.cos().to(F16), rotary_sin=angle.sin().to(F16))
         args["rotary_interleaved"] = pb["rotary"] == "interleaved"
     ref_args = {key: val for key, val in args.items() if key != "num_splits"}
-    ref, k_ref, v_ref = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
-    lowp, _, _ = kvcache_ref(q, kc, vc, upcast=False, **_ref_args(ref_args))
+    ref = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
+    lowp = kvcache_ref(q, kc, vc, precision=None, **_ref_args(ref_args))
+    k_ref, v_ref = ref.k_cache, ref.v_cache
     with ctx:
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
-    check_close(f"{pb} out", out, ref, lowp)
+    check_close(f"{pb} out", out, ref.out, lowp.out)
     got = dense_view(kc, args.get("block_table"), k_ref.shape[1])
     assert torch.equal(got, k_ref.to(F16)), f"{pb}: k_cache after append"
     got = dense_view(vc, args.get("block_table"), v_ref.shape[1])

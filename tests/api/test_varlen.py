@@ -1,14 +1,14 @@
-"""Packed (varlen) batches: each sequence of the packed call equals the dense reference of that
-sequence alone, forward and backward, for every feature; and the padding helpers round-trip."""
+"""Packed (varlen) batches: each sequence of the packed call equals the tests' oracle on that sequence
+alone, forward and backward, for every feature; and the padding helpers round-trip."""
 
 import pytest
 import torch
 
+import oracle
 import tileattn
 from attention_cases import LENGTHS, _check_varlen, _cu
-from helpers import on, randn
+from helpers import check_attention, on, randn
 from tileattn.bert_padding import pad_input, unpad_input
-from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 FEATURES = [
@@ -40,19 +40,7 @@ def test_varlen_head_dims(backend, headdim):
     with ctx:
         out = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 33, 33, causal=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    # The packed batch as a padded one: the reference with padding masks (real tokens first).
-    mask = torch.arange(33, device=device)[None] < torch.tensor(lens, device=device)[:, None]
-    padded = [pad_input(t, mask.flatten().nonzero().flatten(), len(lens), 33) for t in (q, k, v)]
-    kw = dict(query_padding_mask=mask, key_padding_mask=mask, causal=True)
-    ref = attention_ref(*padded, upcast=torch.float64, **kw)[0]
-    lowp = attention_ref(*padded, upcast=False, **kw)[0]
-    indices = mask.flatten().nonzero().flatten()
-    ref_p, lowp_p = (t.reshape(-1, *t.shape[2:])[indices] for t in (ref, lowp))
-    check_close("varlen out", out, ref_p, lowp_p)
-    g_ref = torch.autograd.grad(ref_p, (q, k, v), dout, retain_graph=True)  # shares the padding graph
-    g_lowp = torch.autograd.grad(lowp_p, (q, k, v), dout)
-    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_lowp):
-        check_close(f"varlen {name}", g, gr, gl)
+    check_attention(f"varlen d{headdim}", out, grads, q, k, v, dout, {"causal": True}, varlen=(cu, cu, 33))
 
 
 def test_varlen_dropout_matches_dense_mask(backend):
@@ -67,14 +55,9 @@ def test_varlen_dropout_matches_dense_mask(backend):
             q, k, k, _cu(lq, device), _cu(lk, device), 30, 30, dropout_p=0.25, causal=True, return_attn_probs=True
         )
     assert lse.shape == (2, sum(lq)) and s_dmask.shape == (3, 2, 30, 30)
-    for b in range(3):
-        oq, ok = sum(lq[:b]), sum(lk[:b])
-        qs, ks = q[None, oq : oq + lq[b]], k[None, ok : ok + lk[b]]
-        keep = s_dmask[b : b + 1, :, : lq[b], : lk[b]] >= 0
-        kw = dict(causal=True, dropout_p=0.25, dropout_mask=keep)
-        ref = attention_ref(qs, ks, ks, upcast=torch.float64, **kw)[0]
-        lowp = attention_ref(qs, ks, ks, upcast=False, **kw)[0]
-        check_close(f"varlen dropout seq {b}", out[None, oq : oq + lq[b]], ref, lowp)
+    kw = dict(causal=True, dropout_p=0.25, dropout_mask=s_dmask >= 0)
+    varlen = (_cu(lq, device), _cu(lk, device), 30)
+    check_attention("varlen dropout", out, None, q, k, k, None, kw, check_grads=False, varlen=varlen)
 
 
 def test_varlen_packed_variants(backend):
@@ -87,6 +70,7 @@ def test_varlen_packed_variants(backend):
         b = tileattn.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 19, 19, causal=True)
         c = tileattn.flash_attn_varlen_func(*qkv.unbind(1), cu, cu, 19, 19, causal=True)
     assert torch.equal(a, c) and torch.equal(b, c)
+    check_attention("varlen packed", c, None, *qkv.unbind(1), None, {"causal": True}, False, varlen=(cu, cu, 19))
 
 
 def test_unpad_pad_roundtrip_matches_padded_reference(backend):
@@ -104,9 +88,7 @@ def test_unpad_pad_roundtrip_matches_padded_reference(backend):
     out = pad_input(out_unpad, indices, batch, seqlen)
     q, k, v = x.unbind(2)
     kw = dict(query_padding_mask=mask, key_padding_mask=mask, causal=True)
-    ref = attention_ref(q, k, v, upcast=torch.float64, **kw)[0]
-    lowp = attention_ref(q, k, v, upcast=False, **kw)[0]
-    check_close("padded", out, ref, lowp)
+    check_close("padded", out, oracle.attention(q, k, v, **kw).out, oracle.attention(q, k, v, precision=None, **kw).out)
     assert torch.equal(pad_input(x_unpad, indices, batch, seqlen), x * mask[:, :, None, None, None])
 
 
@@ -119,12 +101,4 @@ def test_varlen_schedule_one_long_many_short(backend):
     cu = _cu(lens, device)
     with ctx:
         out = tileattn.flash_attn_varlen_func(q, q, q, cu, cu, 100, 100, causal=True)
-    for b, n in enumerate(lens):
-        o = sum(lens[:b])
-        ref = attention_ref(
-            q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True, upcast=torch.float64
-        )[0][0]
-        lowp = attention_ref(q[None, o : o + n], q[None, o : o + n], q[None, o : o + n], causal=True, upcast=False)[0][
-            0
-        ]
-        check_close(f"seq {b}", out[o : o + n], ref, lowp)
+    check_attention("one long, many short", out, None, q, q, q, None, {"causal": True}, False, varlen=(cu, cu, 100))

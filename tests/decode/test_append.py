@@ -5,10 +5,10 @@ clamped (for the new keys and for q), and kv heads that start past int32 offsets
 import pytest
 import torch
 
+import oracle
 from kvcache_cases import F16, _kernel_device
 from tileattn.kernels import configs
 from tileattn.params import AttnParams, CacheLayout
-from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 
@@ -40,7 +40,6 @@ def test_append_kernel_clamps_rotary_positions():
     reading past them), and writes it where the position says. Called directly, bypassing validation."""
     device = _kernel_device()
     from tileattn.kernels import decode
-    from tileattn.rotary import rotary_at
 
     gen = torch.Generator(device=device).manual_seed(0)
     kc, vc = (torch.zeros(2, 12, 2, 16, dtype=F16, device=device) for _ in range(2))
@@ -50,7 +49,7 @@ def test_append_kernel_clamps_rotary_positions():
     seqlens = torch.tensor([2, 7], dtype=torch.int32, device=device)  # positions 2, 3 and 7, 8 of 5 rows
     decode.kvcache_append(kc, vc, new, new, (cos, sin, False), seqlens, None, None)
     positions = (seqlens.long()[:, None] + torch.arange(2, device=device)).clamp(max=4)
-    expected = rotary_at(new, cos, sin, positions, False)
+    expected = oracle.rotary(new, cos, sin, positions, False)
     for b in range(2):
         at = int(seqlens[b])
         assert torch.equal(kc[b, at : at + 2], expected[b]), b
@@ -60,13 +59,12 @@ def test_append_kernel_clamps_rotary_positions():
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
     """The attention kernel rotates q as it reads it (CacheLayout.q_rotary), per token at
-    ``cache_seqlens + i``: against q rotated by tileattn.rotary beforehand (as the CPU path does), with
+    ``cache_seqlens + i``: against the oracle on q rotated beforehand (oracle.rotary), with
     a partial rotary dim and GQA. Positions past the tables, which only a captured CUDA graph can pass
     (the API refuses them otherwise), read the tables' last row. Called directly, bypassing
     validation."""
     device = _kernel_device()
     from tileattn.kernels import decode
-    from tileattn.rotary import rotary_at
 
     gen = torch.Generator(device=device).manual_seed(0)
     batch, seqlen_q, cap, rot_len, d = 2, 3, 20, 9, 24
@@ -79,12 +77,12 @@ def test_attention_kernel_rotates_q_at_clamped_positions(interleaved):
     c = CacheLayout(seqlens_k=seqlens, max_seqlen_k=cap, q_rotary=(cos, sin, interleaved, True))
     out, _ = decode.attn_fwd_kvcache(q, kc, vc, p, c, configs.current(q.device))
     positions = (seqlens.long()[:, None] + torch.arange(seqlen_q, device=device)).clamp(max=rot_len - 1)
-    q_rot = rotary_at(q, cos, sin, positions, interleaved)
+    q_rot = oracle.rotary(q, cos, sin, positions, interleaved)
     for b in range(batch):
         n = int(seqlens[b])
         k, v = kc[b : b + 1, :n], vc[b : b + 1, :n]
-        ref = attention_ref(q_rot[b : b + 1], k, v, softmax_scale=0.3, upcast=torch.float64)[0]
-        low = attention_ref(q_rot[b : b + 1], k, v, softmax_scale=0.3, upcast=False)[0]
+        ref = oracle.attention(q_rot[b : b + 1], k, v, softmax_scale=0.3).out
+        low = oracle.attention(q_rot[b : b + 1], k, v, softmax_scale=0.3, precision=None).out
         check_close(f"sequence {b}", out[b : b + 1], ref, low)
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+import oracle
 import tileattn
 from helpers import on
 from kvcache_cases import (
@@ -19,12 +20,12 @@ from kvcache_cases import (
     _inputs,
     _kernel_device,
     _plans_made,
+    _ref_args,
     _settings,
 )
-from kvcache_ref import dense_view
+from kvcache_ref import dense_view, kvcache_ref
 from tileattn.kernels import configs
 from tileattn.params import AttnParams, CacheLayout, DecodeSettings, interpreting
-from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
 
@@ -65,8 +66,8 @@ def test_attention_kernel_clamps_bad_pages(page):
         for b in range(2):
             n = int(seqlens[b])
             k, v = k_all[b : b + 1, :n], v_all[b : b + 1, :n]
-            ref = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=torch.float64)[0]
-            low = attention_ref(q[b : b + 1], k, v, softmax_scale=0.25, upcast=False)[0]
+            ref = oracle.attention(q[b : b + 1], k, v, softmax_scale=0.25).out
+            low = oracle.attention(q[b : b + 1], k, v, softmax_scale=0.25, precision=None).out
             check_close(f"pages of {page}, splits {splits}, sequence {b}", out[b : b + 1], ref, low)
 
 
@@ -188,8 +189,8 @@ def test_cache_offsets_past_int32(layout, big_gpu_memory):
         widened = layout != "pages16-heads-outer"
     assert planned and all(plan[0].constexprs["OFFS_64"] == widened for plan in planned)
     for b, (k, v) in enumerate(keys):
-        ref = attention_ref(q[b : b + 1], k, v, upcast=torch.float64)[0]
-        low = attention_ref(q[b : b + 1], k, v, upcast=False)[0]
+        ref = oracle.attention(q[b : b + 1], k, v).out
+        low = oracle.attention(q[b : b + 1], k, v, precision=None).out
         check_close(f"offsets past int32, {layout}, sequence {b}", out[b : b + 1], ref, low)
 
 
@@ -199,7 +200,7 @@ def test_cache_offsets_past_int32(layout, big_gpu_memory):
 def test_table_entries_past_a_sequence_are_not_read(backend, fill, page, num_splits):
     """Block-table entries past the pages a sequence's keys (and new tokens) cover may hold anything
     (flash_attn: only those entries are read); PagedKVCache pads short rows with -1. The call with such
-    entries matches the one whose table holds real pages there, output and pool alike."""
+    entries matches the one whose table holds real pages there, output and pool alike, and the oracle."""
     _, device = on(backend)
     q, kc, vc, args = _inputs(5, 5, {"causal": True, "rotary": "interleaved"}, page, device)
     table = args["block_table"]
@@ -217,3 +218,5 @@ def test_table_entries_past_a_sequence_are_not_read(backend, fill, page, num_spl
         pools.append((k_pool, v_pool))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    ref, lowp = (kvcache_ref(q, kc, vc, precision=p, **_ref_args(args)) for p in (torch.float64, None))
+    check_close(f"fill {fill}", outs[0], ref.out, lowp.out)
