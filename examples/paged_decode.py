@@ -9,6 +9,7 @@ place). At every step each sequence's logits are compared with a full causal for
 history (``flash_attn_func``, no cache).
 
     python examples/paged_decode.py            # GPU (bf16) if present, else CPU (fp32)
+    python examples/paged_decode.py --device cpu --steps 4
 """
 
 from __future__ import annotations
@@ -150,13 +151,23 @@ def run(device: str, dtype: torch.dtype, steps: int = 12, page_size: int = 4, se
     return worst
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=12)
-    args = ap.parse_args()
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    worst = run(args.device, dtype, args.steps)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    ap.add_argument("--steps", type=int, default=12, help="decoding steps after the prompts (0 to 200)")
+    args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a device PyTorch knows; use cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: PyTorch sees no CUDA GPU here; use --device cpu (the default here)")
+    if device.type not in ("cuda", "cpu"):
+        ap.error(f"--device {args.device}: tileattn runs on cuda or cpu")
+    if not 0 <= args.steps <= 200:  # the model's rotary tables hold 256 positions, the longest prompt 11
+        ap.error(f"--steps must be between 0 and 200, got {args.steps}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    worst = run(device, dtype, args.steps)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     if not math.isfinite(worst) or worst > tol:
         raise SystemExit(f"cached and uncached logits differ by {worst:.2e} (tolerance {tol:.0e})")

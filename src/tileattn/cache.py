@@ -58,8 +58,12 @@ class PagedKVCache:
 
     Args:
         num_layers, num_pages, page_size, nheads_k, headdim: pool geometry; ``k[layer]`` and
-            ``v[layer]`` are ``(num_pages, page_size, nheads_k, headdim)``.
-        dtype, device: of the pool.
+            ``v[layer]`` are ``(num_pages, page_size, nheads_k, headdim)``, so the pool holds
+            ``2 * num_layers * num_pages * page_size * nheads_k * headdim`` elements.
+        dtype: of the pool, which must be the dtype of the queries and new keys passed with it. Default
+            ``None``: bfloat16 on a CUDA device, ``torch.get_default_dtype()`` (float32 unless changed)
+            elsewhere, the dtypes a model runs in there.
+        device: of the pool; default ``None``, PyTorch's default device.
     """
 
     def __init__(
@@ -69,7 +73,7 @@ class PagedKVCache:
         page_size: int,
         nheads_k: int,
         headdim: int,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
         for name, value in (
@@ -81,6 +85,11 @@ class PagedKVCache:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if dtype is None:
+            where = torch.device(device) if device is not None else torch.get_default_device()
+            dtype = torch.bfloat16 if where.type == "cuda" else torch.get_default_dtype()
         shape = (num_layers, num_pages, page_size, nheads_k, headdim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

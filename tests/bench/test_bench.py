@@ -328,3 +328,179 @@ def test_bench_uses_the_public_api_only():
             for name in names:
                 if name.startswith("tileattn") and not name.startswith("tileattn.bench"):
                     assert name in public, f"{path.name} imports {name}"
+
+
+def test_cpu_rounds_take_turns_and_stop_on_budget():
+    """time_in_turns: every round runs each callable once, the order reversed every other round; it stops
+    at max_rounds, or after min_rounds once the budget is spent."""
+    from tileattn.bench import cpu_grid
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = cpu_grid.time_in_turns(fns, budget_s=60.0, min_rounds=2, max_rounds=4)
+    assert calls == ["a", "b", "c", "c", "b", "a"] * 2
+    assert all(len(t["wall_ms"]) == len(t["cpu_ms"]) == 4 for t in times.values())
+    calls.clear()
+    cpu_grid.time_in_turns(fns, budget_s=0.0, min_rounds=3, max_rounds=10)
+    assert len(calls) == 3 * 3
+
+
+def _times(wall_a, wall_b, share=1.0, threads=2):
+    return {
+        "tileattn": {"wall_ms": wall_a, "cpu_ms": [w * share * threads for w in wall_a]},
+        "eager": {"wall_ms": wall_b, "cpu_ms": [w * share * threads for w in wall_b]},
+    }
+
+
+def test_cpu_summary_ratios_and_noise():
+    """summarize: medians, the median of the rounds' ratios with its quartiles, the threads' share of time;
+    one slow round moves neither; noisy when the quartiles differ by more than NOISY, or when the run got
+    little of its threads' time while other work loaded the machine (not when the load is its own), and
+    then, with more than one thread, starved: no ratio means anything."""
+    from tileattn.bench.cpu_grid import NOISY, noise_note, summarize
+
+    steady = summarize(_times([10, 11, 10, 12, 10], [20, 22, 20, 24, 20]), "tileattn", threads=2)
+    assert steady["tileattn"]["ms"] == 10 and steady["eager"]["ms"] == 20
+    assert steady["eager"]["ratio"] == steady["eager"]["ratio_lo"] == steady["eager"]["ratio_hi"] == 2.0
+    assert steady["eager"]["share"] == pytest.approx(1.0) and steady["eager"]["rounds"] == 5
+    assert not any(s["noisy"] for s in steady.values())
+
+    # one round in which the machine slowed only the first backend: the median and quartiles hold
+    outlier = summarize(_times([10, 30, 10, 10, 10], [20, 20, 21, 20, 20]), "tileattn", threads=2)
+    assert outlier["eager"]["ratio"] == 2.0 and not outlier["eager"]["noisy"]
+
+    # slowed in three rounds of six: the quartiles part (ratios 0.67, 0.8, 1.43, 2, 2, 2)
+    spread = summarize(_times([10, 30, 10, 25, 10, 14], [20] * 6), "tileattn", threads=2)
+    s = spread["eager"]
+    assert s["ratio"] == pytest.approx((20 / 14 + 2) / 2) and s["ratio_hi"] == 2.0
+    assert s["ratio_lo"] == pytest.approx(0.8 + 0.25 * (20 / 14 - 0.8))
+    assert s["noisy"] and s["ratio_hi"] / s["ratio_lo"] - 1 > NOISY
+
+    starved = _times([10] * 3, [20] * 3, share=0.2)
+    assert not summarize(starved, "tileattn", threads=2, load=0.1)["eager"]["noisy"]
+    busy = summarize(starved, "tileattn", threads=2, load=6.0)
+    assert busy["eager"]["noisy"] and busy["tileattn"]["noisy"] and busy["eager"]["starved"]
+    alone = summarize(_times([10] * 3, [20] * 3, share=0.2, threads=1), "tileattn", threads=1, load=6.0)
+    assert alone["eager"]["noisy"] and not alone["eager"]["starved"]
+
+    def rows(stats):
+        return [
+            {f"fwd_{key}": value for key, value in s.items()} | {"backend": name, "threads": 2}
+            for name, s in stats.items()
+        ]
+
+    assert noise_note(rows(steady), ["fwd"], threads=2) is None
+    note = noise_note(rows(spread), ["fwd"], threads=2)
+    width = 1 - s["ratio_lo"] / s["ratio"]
+    assert note.startswith("noisy: the machine is busy") and f"±{width:.0%}" in note and "--threads 1" in note
+    note = noise_note(rows(busy), ["fwd"], threads=2)
+    assert note.startswith("not meaningful: the machine is busy") and "20% of their time" in note
+    assert noise_note(rows(alone), ["fwd"], threads=1).startswith("noisy: the machine is busy")
+
+
+def test_cpu_threads_follow_the_idle_cores(monkeypatch):
+    """pick_threads: PyTorch's default on an idle machine, capped by the cores a busy one leaves idle (at
+    least one), and what --threads asks."""
+    from tileattn.bench import cpu_grid
+
+    monkeypatch.setattr(cpu_grid, "cores", lambda: 4)
+    monkeypatch.setattr(cpu_grid.torch, "get_num_threads", lambda: 4)
+    for load, threads in [(0.2, 4), (0.6, 4), (1.1, 3), (2.6, 2), (2.8, 1), (9.0, 1)]:
+        monkeypatch.setattr(cpu_grid.os, "getloadavg", lambda load=load: (load, load, load))
+        assert cpu_grid.pick_threads()[0] == threads, load
+    assert "leaves 1 idle" in cpu_grid.pick_threads()[1]
+    assert cpu_grid.pick_threads(3) == (3, "as asked")
+    with pytest.raises(ValueError, match="--threads"):
+        cpu_grid.pick_threads(0)
+
+
+def test_cpu_peak_memory_sees_the_score_matrix():
+    """peak_mib, measured in one child process one call after another: eager holds (batch, nheads, S, S)
+    fp32 scores, so its peak is at least that; the CPU path's blocks stay far below it, also when it runs
+    after eager (whose freed memory must not hide the next call's)."""
+    from tileattn.bench.cpu_grid import peak_mib
+
+    if not pathlib.Path("/proc/self/clear_refs").exists():
+        pytest.skip("peak memory needs Linux's /proc")
+    cases = [(2, 1024, 4, 32, False), (2, 1024, 4, 32, True)]
+    peak = peak_mib(cases, ["eager", "tileattn"], torch.float32, threads=1)
+    scores = 2 * 4 * 1024 * 1024 * 4 / 2**20  # MiB
+    for case in cases:
+        assert peak[(*case, "eager")] >= scores, peak
+        assert peak[(*case, "tileattn")] < scores / 2, peak
+
+
+def test_cpu_grid_end_to_end(tmp_path, capsys):
+    """The grid on CPU through the CLI at tiny sizes: each backend checked and timed in turns, the table
+    with the rounds' ratio ranges, rows with their threads and peak memory, PyTorch's threads restored."""
+    import json
+
+    from tileattn.bench.__main__ import main
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "r.jsonl"
+    argv = ["--device", "cpu", "--headdim", "16", "--seqlen", "64", "128", "--tokens", "128", "--hidden", "32"]
+    assert main([*argv, "--causal", "yes", "--threads", "1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
+    text = capsys.readouterr().out
+    assert "CPU: 1 thread(s), as asked" in text and "tileattn speed-up (bwd)" in text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["backend"], r["seqlen"]) for r in rows] == [
+        ("tileattn", 64),
+        ("eager", 64),
+        ("tileattn", 128),
+        ("eager", 128),
+    ]
+    for r in rows:
+        assert r["threads"] == 1 and r["fwd_rounds"] >= 3 and r["bwd_ms"] > 0 and r["peak_mem_mib"] >= 0
+        assert r["fwd_ratio_lo"] <= r["fwd_ratio"] <= r["fwd_ratio_hi"]
+        assert f"{r['fwd_ratio']:.2f}x ({r['fwd_ratio_lo']:.2f}-{r['fwd_ratio_hi']:.2f})" in text or (
+            r["backend"] == "tileattn"
+        )
+
+
+def test_cli_quick_and_device_choices():
+    """--quick on CPU times the forward unless --mode says otherwise; --device cuda without a GPU and
+    --threads below 1 end in argparse's usage line and a sentence, not a traceback."""
+    from tileattn.bench.__main__ import parse_args
+
+    assert parse_args(["--quick", "--device", "cpu"]).mode == "fwd"
+    assert parse_args(["--quick", "--device", "cpu", "--mode", "fwd+bwd"]).mode == "fwd+bwd"
+    assert parse_args(["--device", "cpu"]).mode == "fwd+bwd"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--threads", "0"])
+    assert exc.value.code == 2
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--device", "cuda"])
+        assert exc.value.code == 2
+
+
+def test_table_of_gpu_rows_is_unchanged():
+    """The GPU grid's rows (timed alone, no rounds) keep their table: ms, TFLOP/s, the plain ms ratio to
+    tileattn, peak GB; CPU rows add the rounds' range and the noisy mark."""
+    from tileattn.bench.__main__ import format_table
+
+    case = dict(headdim=128, causal=True, seqlen=4096, batch=4)
+    gpu = [
+        dict(case, backend="tileattn", fwd_ms=1.0, fwd_tflops=100.0, peak_mem_gb=1.5),
+        dict(case, backend="sdpa-cudnn", fwd_ms=0.8, fwd_tflops=125.0, peak_mem_gb=1.25),
+    ]
+    table = format_table(gpu, ["fwd"], "cuda")
+    assert "| 0.80x " in table and "1.25 GB" in table and "noisy" not in table
+    cpu = [
+        dict(case, backend="tileattn", fwd_ms=10.0, fwd_tflops=1.0, peak_mem_mib=5.0),
+        dict(
+            case,
+            backend="eager",
+            fwd_ms=20.0,
+            fwd_tflops=0.5,
+            peak_mem_mib=137.0,
+            fwd_ratio=2.0,
+            fwd_ratio_lo=1.5,
+            fwd_ratio_hi=2.5,
+            fwd_noisy=True,
+        ),
+    ]
+    table = format_table(cpu, ["fwd"], "cpu")
+    assert "2.00x (1.50-2.50) noisy" in table and "137 MiB" in table

@@ -1,7 +1,10 @@
 """PagedKVCache: allocation, growth by pages, forks with copy-on-write, errors that change nothing, and
-the end-to-end example (a small decoder served from the cache matches the uncached model)."""
+the end-to-end example (a small decoder served from the cache matches the uncached model; its command
+line refuses bad arguments with a sentence), and the pool's default dtype."""
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +161,59 @@ def test_example_matches_uncached_model(backend):
     with ctx:
         worst = _example().run(device, dtype, steps=6, verbose=False)
     assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
+
+
+def _run_example(*args):
+    path = Path(__file__).parents[2] / "examples" / "paged_decode.py"
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=600)
+
+
+def test_example_command_line_on_cpu():
+    """``python examples/paged_decode.py`` as printed (a few steps): it checks itself and says so."""
+    res = _run_example("--device", "cpu", "--steps", "5")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cached decoding matches the uncached model" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--device", "cuda"], ["--device cuda", "no CUDA GPU", "--device cpu"]),
+        (["--device", "nonsense"], ["'nonsense'", "cuda or cpu"]),
+        (["--device", "meta"], ["cuda or cpu"]),
+        (["--steps", "201"], ["--steps", "between 0 and 200"]),
+    ],
+    ids=["cuda-without-gpu", "unknown-device", "meta", "too-many-steps"],
+)
+def test_example_refuses_bad_arguments_with_a_sentence(args, words):
+    """Bad arguments end in argparse's usage line and a sentence naming the argument (exit status 2), not
+    a traceback from deep inside."""
+    if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("there is a GPU here")
+    res = _run_example(*args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    for word in words:
+        assert word in res.stderr, res.stderr
+
+
+def test_default_dtype_follows_the_device():
+    """dtype=None: the default dtype on CPU (what a CPU model holds, so fp32 queries meet an fp32 pool),
+    bf16 on CUDA; a dtype that is not a torch.dtype is refused by name."""
+    assert PagedKVCache(1, 2, 4, 1, 8).k.dtype == torch.float32
+    assert PagedKVCache(1, 2, 4, 1, 8, device="cpu").v.dtype == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert PagedKVCache(1, 2, 4, 1, 8, device="cpu").k.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert PagedKVCache(1, 2, 4, 1, 8, dtype=torch.float16).k.dtype == torch.float16
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        PagedKVCache(1, 2, 4, 1, 8, dtype="bf16")
+    if torch.cuda.is_available():
+        assert PagedKVCache(1, 2, 4, 1, 8, device="cuda").k.dtype == torch.bfloat16
+    cache = PagedKVCache(1, 4, 4, 2, 16)
+    seq = cache.add_sequence()
+    q, k = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16)
+    out = tileattn.flash_attn_with_kvcache(q, k=k, v=k, causal=True, **cache.append(seq, 3).kwargs(0))
+    assert out.dtype == torch.float32 and torch.equal(cache.k[0, cache.pages(seq)[0], :3], k[0])

@@ -6,8 +6,10 @@ The default is the FlashAttention papers' setting: batch * seqlen = 16k tokens, 
 Before anything is timed, each backend's output is checked against the reference with the project's
 tolerance rule. Results are appended to a JSON-lines file; ``--plot`` draws PNG charts from it.
 
-On a machine without a GPU, ``--quick`` compares the CPU path with eager attention (time and peak
-memory), so the command always does something useful.
+On a machine without a GPU, ``--quick`` compares the CPU path with eager attention (forward time and
+peak memory, under a minute on two idle cores), so the command always does something useful. On CPU
+the backends of a case are timed in turns with as many threads as the machine has idle cores, and the
+table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``).
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
@@ -18,6 +20,7 @@ cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-boun
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -30,10 +33,12 @@ from pathlib import Path
 import torch
 
 import tileattn
-from tileattn.bench.backends import BACKENDS, Unavailable, check_backend
+from tileattn.bench.backends import BACKENDS, Unavailable, check_backend, slice_refs
+from tileattn.bench.cpu_grid import noise_note, others_load, peak_mib, pick_threads, summarize, time_in_turns
 from tileattn.bench.decode import AB_DEFAULT_LAYOUTS, AB_LAYOUTS, DECODE_BACKENDS
 
 GPU_DEFAULT_BACKENDS = ["tileattn", "fa4", "flash_attn", "sdpa-cudnn", "sdpa-flash", "flex"]
+CPU_BUDGET_S = 4.0  # seconds of rounds per case and mode on CPU (at least three rounds)
 
 
 def banner(device: str) -> str:
@@ -80,36 +85,12 @@ def time_ms(fn, device: str) -> float:
     return statistics.median(times)
 
 
-def cpu_peak_mib(name: str, case: tuple) -> float:
-    """Peak resident memory one forward of backend ``name`` adds, measured in a fresh process (CPU
-    allocations are invisible to tracemalloc, and a new process keeps earlier runs from hiding the
-    peak)."""
-    batch, seqlen, nheads, headdim, causal, dtype = case
-    script = (
-        "import torch\n"
-        "from tileattn.bench.backends import BACKENDS\n"
-        f"q, k, v = (torch.randn({batch}, {seqlen}, {nheads}, {headdim}, dtype={dtype}) for _ in range(3))\n"
-        f"fn = BACKENDS[{name!r}](q, k, v, {causal})\n"
-        "def status(key):\n"
-        "    line = next(l for l in open('/proc/self/status') if l.startswith(key))\n"
-        "    return int(line.split()[1]) / 1024\n"
-        "open('/proc/self/clear_refs', 'w').write('5')  # resets the high-water mark VmHWM\n"
-        "before = status('VmRSS')\n"
-        "fn()\n"
-        "print(status('VmHWM') - before)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    try:
-        return float(res.stdout.split()[-1])
-    except (IndexError, ValueError):
-        return float("nan")
-
-
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def run_case(case, backends, device, modes, progress):
+    """Rows of one case on CUDA: each backend checked, then timed alone (``time_ms``), with its peak memory."""
     batch, seqlen, nheads, headdim, causal, dtype = case
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3))
@@ -162,11 +143,84 @@ def run_case(case, backends, device, modes, progress):
                 progress(f"{name} backward failed: {_first_line(exc)[:160]}")
         if device == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        else:
-            row["peak_mem_mib"] = cpu_peak_mib(name, case)
         rows.append(row)
         progress(f"{name} hd{headdim} {'causal' if causal else 'full'} {seqlen}: {row['fwd_tflops']:.3g} TFLOP/s fwd")
     return rows
+
+
+def run_case_cpu(case, backends, modes, threads, peak, progress, budget_s=CPU_BUDGET_S):
+    """Rows of one case on CPU: each backend checked, then all of them timed in turns (``cpu_grid``) with
+    ``threads`` threads: per mode the median ms, the rounds' median ratio to tileattn with its range
+    (``{mode}_ratio``, ``_ratio_lo``, ``_ratio_hi``) and the share of the threads' time the run got
+    (``{mode}_share``). ``peak``: ``peak_mib``'s result, the forward's peak memory."""
+    batch, seqlen, nheads, headdim, causal, dtype = case
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, generator=gen) for _ in range(3))
+    rows, timed = {}, {"fwd": {}, "bwd": {}}
+    refs = slice_refs(q, k, v, causal)  # computed once for every backend
+    for name in backends:
+        row = dict(
+            backend=name,
+            batch=batch,
+            seqlen=seqlen,
+            nheads=nheads,
+            headdim=headdim,
+            causal=causal,
+            dtype=str(dtype).replace("torch.", ""),
+            device="cpu",
+            kind="attention",
+            threads=threads,
+        )
+        try:
+            fn = BACKENDS[name](q, k, v, causal)
+            check_backend(name, fn(), q, k, v, causal, refs)
+        except Unavailable as exc:
+            progress(f"skip {name}: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - one backend failing must not end the run
+            progress(f"{name} failed: {_first_line(exc)[:160]}")
+            rows[name] = dict(row, error=_first_line(exc)[:300])
+            continue
+        rows[name], timed["fwd"][name] = row, fn
+        row["peak_mem_mib"] = peak.get((batch, seqlen, nheads, headdim, causal, name), float("nan"))
+        if "bwd" in modes:  # the forward is always measured too
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            try:
+                out = BACKENDS[name](qg, kg, vg, causal)()
+                dout = torch.randn_like(out)
+
+                def bwd(out=out, dout=dout, inputs=(qg, kg, vg)):  # the backward alone, over a retained graph
+                    torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+                bwd()
+                timed["bwd"][name] = bwd
+            except Exception as exc:  # noqa: BLE001
+                progress(f"{name} backward failed: {_first_line(exc)[:160]}")
+    for mode, fns in timed.items():
+        if not fns:
+            continue
+        base = "tileattn" if "tileattn" in fns else next(iter(fns))
+        times = time_in_turns(fns, budget_s)
+        for name, s in summarize(times, base, threads, others_load(threads)).items():
+            rows[name].update(
+                {
+                    f"{mode}_ms": s["ms"],
+                    f"{mode}_tflops": flops(batch, nheads, seqlen, seqlen, headdim, causal, mode) / s["ms"] / 1e9,
+                    f"{mode}_ratio": s["ratio"],
+                    f"{mode}_ratio_lo": s["ratio_lo"],
+                    f"{mode}_ratio_hi": s["ratio_hi"],
+                    f"{mode}_share": s["share"],
+                    f"{mode}_rounds": s["rounds"],
+                    f"{mode}_noisy": s["noisy"],
+                    f"{mode}_starved": s["starved"],
+                }
+            )
+    for name, row in rows.items():
+        if "fwd_ms" in row:
+            progress(
+                f"{name} hd{headdim} {'causal' if causal else 'full'} {batch}x{seqlen}: {row['fwd_ms']:.1f} ms fwd"
+            )
+    return list(rows.values())
 
 
 _CSV_FIELDS = [
@@ -193,6 +247,7 @@ _CSV_FIELDS = [
     "nheads_k",
     "ms",
     "gbps",
+    "threads",
     "error",
     "case",
     "baseline",
@@ -219,7 +274,8 @@ def append_results(path: Path, rows: list[dict]) -> None:
 
 
 def format_table(rows, modes, device) -> str:
-    """One line per (case, backend): ms, TFLOP/s and the ratio of tileattn to it."""
+    """One line per (case, backend): ms, TFLOP/s and the ratio of tileattn to it (on CPU the median of the
+    rounds' ratios, their range, and ``noisy`` where ``cpu_grid.summarize`` found them so)."""
     from tabulate import tabulate
 
     out = []
@@ -236,7 +292,10 @@ def format_table(rows, modes, device) -> str:
             for mode in modes:
                 ms, tf = r.get(f"{mode}_ms"), r.get(f"{mode}_tflops")
                 ratio = ""
-                if ours and ms and ours.get(f"{mode}_ms"):
+                if f"{mode}_ratio" in r and r is not ours:  # CPU: the rounds' median and range
+                    lo, hi = r[f"{mode}_ratio_lo"], r[f"{mode}_ratio_hi"]
+                    ratio = f"{r[f'{mode}_ratio']:.2f}x ({lo:.2f}-{hi:.2f}){' noisy' if r[f'{mode}_noisy'] else ''}"
+                elif ours and ms and ours.get(f"{mode}_ms"):
                     ratio = f"{ms / ours[f'{mode}_ms']:.2f}x"
                 line += [f"{ms:.3f}" if ms else "-", f"{tf:.3g}" if tf else "-", ratio]
             mem = r.get("peak_mem_gb")
@@ -389,12 +448,20 @@ def parse_args(argv=None):
     ap.add_argument(
         "--mode",
         choices=["fwd", "bwd", "fwd+bwd"],
-        default="fwd+bwd",
-        help="what the table shows; the backward is timed alone, over a retained graph",
+        default=None,
+        help="what the table shows; the backward is timed alone, over a retained graph (default fwd+bwd; "
+        "fwd for --quick on CPU)",
     )
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
     ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS))
-    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if there is a GPU")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU only: PyTorch threads to time with (default: PyTorch's, capped by the cores the load average "
+        "leaves idle)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench_results/results.jsonl"))
     ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder")
     ap.add_argument(
@@ -438,7 +505,15 @@ def parse_args(argv=None):
         action="store_true",
         help="host time per call at launch-bound sizes (BERT-large's attention, decode at 1 x 8k) against SDPA",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: PyTorch sees no CUDA GPU here; leave --device out to run on the CPU")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
+    if args.mode is None:
+        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+        args.mode = "fwd" if args.quick and on_cpu else "fwd+bwd"
+    return args
 
 
 def main(argv=None) -> int:
@@ -447,8 +522,8 @@ def main(argv=None) -> int:
     if args.quick:
         if device == "cuda":
             args.headdim, args.seqlen = [128], [1024, 4096]
-        else:
-            args.headdim, args.seqlen, args.tokens, args.hidden = [64], [1024, 4096, 8192], 8192, 256
+        else:  # tileattn's CPU path against eager, forward only: under a minute on two idle cores
+            args.headdim, args.seqlen, args.tokens, args.hidden = [64], [512, 2048], 2048, 256
             args.causal = "yes"
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
@@ -547,16 +622,32 @@ def main(argv=None) -> int:
         rows.extend(case_rows)
         append_results(args.out, case_rows)  # case by case, so an interrupted run keeps its results
 
-    if progress_ctx is not None:
-        with progress_ctx as bar:
-            task = bar.add_task("benchmarking", total=len(cases))
+    run = functools.partial(run_case, backends=backends, device=device, modes=modes)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        default_threads, (threads, why) = threads, pick_threads(args.threads)
+        torch.set_num_threads(threads)
+        print(f"CPU: {threads} thread(s), {why}; backends timed in turns, medians of the rounds", flush=True)
+        print("peak memory of each forward, in a child process ...", flush=True)
+        peak = peak_mib([c[:5] for c in cases], backends, dtype, threads)
+        run = functools.partial(run_case_cpu, backends=backends, modes=modes, threads=threads, peak=peak)
+    try:
+        if progress_ctx is not None:
+            with progress_ctx as bar:
+                task = bar.add_task("benchmarking", total=len(cases))
+                for case in cases:
+                    record(run(case, progress=lambda msg: bar.console.log(msg)))
+                    bar.advance(task)
+        else:
             for case in cases:
-                record(run_case(case, backends, device, modes, lambda msg: bar.console.log(msg)))
-                bar.advance(task)
-    else:
-        for case in cases:
-            record(run_case(case, backends, device, modes, print))
+                record(run(case, progress=print))
+    finally:
+        if device == "cpu":
+            torch.set_num_threads(default_threads)
     print(format_table(rows, modes, device))
+    note = noise_note(rows, modes, threads) if device == "cpu" else None
+    if note:
+        print(note)
     print(f"results appended to {args.out} and {args.out.with_suffix('.csv')}")
     if args.plot:
         for path in plot(args.out, args.out.parent):
