@@ -39,6 +39,9 @@ CASES = {
     "varlen": (1, False, (-1, -1), True, 0.0, False),
     "dropout": (1, False, (-1, -1), False, 0.1, False),
     "softcap-alibi": (1, False, (-1, -1), False, 0.0, True),
+    # FlashMask: a causal document mask (the lower interval), and global tokens + window (both intervals)
+    "flashmask": (1, True, (-1, -1), False, 0.0, False),
+    "flashmask-upper": (1, False, (-1, -1), False, 0.0, False),
 }
 
 
@@ -231,6 +234,12 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
         philox_seed=1,
         **extra,
     )
+    if case.startswith("flashmask"):
+        from tileattn import flashmask, masks
+
+        docs = [seqlen // 3, seqlen - seqlen // 3]  # (one boundary inside a tile)
+        idx = masks.causal_document_mask(docs) if causal else masks.global_sliding_window_mask(seqlen, 64, 512)
+        p.flashmask = flashmask.canonical(torch.cat([idx] * batch), causal, varlen=False)
     if "fwd" in kernels:
         forward.attn_fwd(q, k, k, p, configs.current(q.device))
     if "bwd" in kernels:

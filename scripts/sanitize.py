@@ -2,7 +2,7 @@
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/sanitize.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
-    (add --kvcache for the KV-cache kernels only)
+    (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -22,7 +22,43 @@ from tileattn.kernels import configs
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
 KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter run)
+FLASHMASK_ONLY = "--flashmask" in sys.argv
+
+
+def flashmask_calls() -> None:
+    """FlashMask: builders and random per-head bounds on odd shapes (ragged tiles, GQA, seqlen_q != seqlen_k,
+    head dims 59 / 111 / 256, dropout, the deterministic backward, a packed batch with empty sequences)."""
+    from tileattn import masks
+
+    def run(b, sq, sk, h, hk, d, idx, **kw):
+        q = torch.randn(b, sq, h, d, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(b, sk, hk, d, device=dev, dtype=dt, requires_grad=True)
+        out = tileattn.flashmask_attention(q, k, v, idx.to(dev), **kw)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+    run(2, 301, 301, 4, 2, 59, torch.cat([masks.causal_document_mask([100, 1, 200])] * 2), causal=True)
+    run(1, 257, 257, 2, 1, 111, masks.global_sliding_window_mask(257, 5, 40), dropout_p=0.2)
+    run(1, 203, 203, 2, 2, 256, masks.prefix_lm_document_mask([70, 133], [30, 0]), deterministic=True)
+    run(1, 130, 130, 2, 2, 128, masks.causal_blockwise_mask([30, 40, 60]), causal=True)
+    bounds = torch.randint(0, 90, (2, 3, 150, 2), dtype=torch.int32).sort(-1).values  # C = 2, per head
+    run(2, 90, 150, 3, 1, 64, bounds.int(), causal=True)
+    lens = [37, 0, 1, 130]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    idx = torch.cat([masks.document_mask([n])[0, 0] if n else torch.zeros(0, 2, dtype=torch.int32) for n in lens])
+    q = torch.randn(sum(lens), 4, 72, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(sum(lens), 2, 72, device=dev, dtype=dt, requires_grad=True)
+    out = tileattn.flashmask_varlen_attention(q, k, k, cu, cu, 130, 130, idx[None].to(dev))
+    torch.autograd.grad(out, (q, k), torch.randn_like(out))
+
+
+if FLASHMASK_ONLY:
+    flashmask_calls()
+    torch.cuda.synchronize()
+    print("sanitize workload done")
+    sys.exit(0)
 if not KVCACHE_ONLY:
+    flashmask_calls()
     CASES = [
         (1, 113, 203, 4, 2, 59, dict(causal=True)),
         (2, 203, 113, 3, 1, 111, dict(window_size=(17, 5), softcap=3.0)),

@@ -92,6 +92,7 @@ def attention(
     query_padding_mask: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     window_seqlen_k: int | None = None,
+    visible_mask: torch.Tensor | None = None,
     precision: torch.dtype | None = torch.float64,
 ) -> Attention:
     """Dense attention with materialised scores (differentiable).
@@ -107,6 +108,8 @@ def attention(
             real tokens, which come first: the bottom-right alignment (and ALiBi's distance) then uses each
             sequence's real lengths, as a varlen call would; padded rows output 0.
         window_seqlen_k: the key length from which a window side is unbounded; default k's seqlen_k.
+        visible_mask: bool ``(batch or 1, nheads or 1, seqlen_q, seqlen_k)``, False where a key is hidden
+            from a row on top of the window (a FlashMask: ``flashmask_visible``).
         precision: the dtype to compute in (default float64, the oracle); None computes in q's dtype
             (plain PyTorch's error, for the tolerance rule).
 
@@ -145,7 +148,9 @@ def attention(
         seen = torch.stack([visible(sq, sk, left, right, seqlen_q, seqlen_k) for sq, sk in zip(lengths_q, lengths_k)])
         seen = seen[:, None]  # (batch, 1, seqlen_q, seqlen_k)
     seen = seen.to(q.device)
-    has_key = seen.any(-1)  # (batch or 1, 1, seqlen_q)
+    if visible_mask is not None:
+        seen = seen & visible_mask.to(q.device)
+    has_key = seen.any(-1)  # (batch or 1, 1 or nheads, seqlen_q)
     scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores.detach(), dim=-1).masked_fill(~has_key, float("inf"))  # (not differentiated)
     if not bool(has_key.all()):  # rows that see no key: a finite row, so that no NaN enters the graph
@@ -170,6 +175,7 @@ def attention_varlen(
     *,
     alibi_slopes: torch.Tensor | None = None,
     dropout_mask: torch.Tensor | None = None,
+    visible_masks: list[torch.Tensor] | None = None,
     **kwargs,
 ) -> Attention:
     """A packed batch, each sequence on its own through ``attention``.
@@ -182,6 +188,7 @@ def attention_varlen(
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)`` (row b for sequence b).
         dropout_mask: bool ``(batch, nheads, max_seqlen_q, max_seqlen_k)``; sequence b keeps
             ``[b, :, :seqlen_q, :seqlen_k]`` (the layout of varlen's ``S_dmask``).
+        visible_masks: one ``visible_mask`` of ``attention`` per sequence.
         kwargs: the other arguments of ``attention``.
 
     Returns:
@@ -203,6 +210,7 @@ def attention_varlen(
             alibi_slopes=slopes,
             dropout_mask=keep,
             window_seqlen_k=max_seqlen_k,
+            visible_mask=None if visible_masks is None else visible_masks[b],
             **kwargs,
         )
         outs.append(res.out[0])
@@ -241,3 +249,27 @@ def rotary(
     else:
         head = torch.cat((turned[..., 0], turned[..., 1]), dim=-1)
     return torch.cat((head.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def flashmask_visible(startend_row_indices: torch.Tensor, causal: bool, seqlen_q: int) -> torch.Tensor:
+    """Bool ``(batch, heads, seqlen_q, seqlen_k)``, False where FlashMask's ``startend_row_indices``
+    ``(batch, heads, seqlen_k, C)`` hides a row from a key column (the causal mask not included). From the
+    semantics of ``tileattn.flashmask_attention``, column by column: C = 1 (causal) hides rows from LTS
+    on; C = 2 hides rows LTS..LTE-1 with causal, and rows from LTS on plus rows before UTE without; C = 4
+    hides rows LTS..LTE-1 and UTS..UTE-1."""
+    batch, heads, seqlen_k, columns = startend_row_indices.shape
+    seen = torch.ones(batch, heads, seqlen_q, seqlen_k, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(heads):
+            for j, bounds in enumerate(startend_row_indices[b, h].tolist()):
+                if columns == 1:
+                    seen[b, h, bounds[0] :, j] = False
+                elif columns == 2 and causal:
+                    seen[b, h, bounds[0] : bounds[1], j] = False
+                elif columns == 2:
+                    seen[b, h, bounds[0] :, j] = False
+                    seen[b, h, : bounds[1], j] = False
+                else:
+                    seen[b, h, bounds[0] : bounds[1], j] = False
+                    seen[b, h, bounds[2] : bounds[3], j] = False
+    return seen

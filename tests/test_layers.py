@@ -15,11 +15,11 @@ ROOT = Path(tileattn.__file__).parent
 
 # Lowest first: a module may import modules of its own layer or below, never above.
 LAYERS = [
-    {"params", "reference", "rng", "rotary_torch", "testing", "bert_padding", "cache"},
+    {"params", "reference", "rng", "rotary_torch", "testing", "bert_padding", "cache", "flashmask"},
     {"checks", "cpu", "kernels"},
     {"backend"},
     {"ops"},
-    {"api", "kvcache", "rotary", "interface"},
+    {"api", "kvcache", "rotary", "interface", "masks"},
     {"modules", "shim", "integrations", "bench", "__init__"},
 ]
 

@@ -13,6 +13,7 @@ from tileattn.api import (
 )
 from tileattn.checks import InvalidArgument, InvalidArgumentType
 from tileattn.kvcache import flash_attn_with_kvcache
+from tileattn.masks import flashmask_attention, flashmask_varlen_attention
 
 __version__ = "0.1.0"
 
@@ -27,4 +28,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flashmask_attention",
+    "flashmask_varlen_attention",
 ]

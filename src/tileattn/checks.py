@@ -229,7 +229,8 @@ def check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, d
 
 
 class CheckedOnce:
-    """Results of host-side value checks (each one a device sync), remembered per set of tensors.
+    """Results of host-side value checks (each one a device sync), or of other work derived from tensors
+    (FlashMask schedules), remembered per set of tensors.
 
     A model passes the same cu_seqlens, cache_seqlens and block_table to every layer: reading them on
     the host once per tensor instead of once per call keeps the launches queued ahead of the GPU. An
@@ -521,3 +522,67 @@ def cache_values(
             "query tokens when q rotates per token and is longer)"
         )
     return longest
+
+
+def check_startend_row_indices(
+    idx: object, causal: bool, lead: tuple[int, ...], seqlen_k: int, nheads: int, layout: str, device: torch.device
+) -> torch.Tensor:
+    """FlashMask's ``startend_row_indices`` (metadata only; values: ``flashmask_values``): int32 of shape
+    ``(*lead, 1 or nheads, seqlen_k, C)`` (``layout``) on q's device, with C = 1 (causal only), 2 or 4
+    (not causal: causal already hides the upper triangle)."""
+    if not isinstance(idx, torch.Tensor):
+        raise InvalidArgumentType(
+            f"startend_row_indices must be an int32 tensor of shape {layout}, got {type(idx).__name__}"
+        )
+    if idx.dtype != torch.int32:
+        raise InvalidArgumentType(f"startend_row_indices must be int32, got {idx.dtype}")
+    rank = len(lead) + 3
+    if idx.dim() != rank or idx.shape[-1] not in (1, 2, 4):
+        raise InvalidArgument(
+            f"startend_row_indices must have shape {layout} with C in (1, 2, 4), got {tuple(idx.shape)}"
+        )
+    if tuple(idx.shape[:-3]) != lead or idx.shape[-3] not in (1, nheads) or idx.shape[-2] != seqlen_k:
+        want = ", ".join([*map(str, lead), f"1 or {nheads}", str(seqlen_k), "C"])
+        raise InvalidArgument(f"startend_row_indices must have shape {layout} = ({want}), got {tuple(idx.shape)}")
+    columns = idx.shape[-1]
+    if columns == 1 and not causal:
+        raise InvalidArgument(
+            "startend_row_indices with C = 1 (rows i >= LTS hidden) needs causal=True; use C = 2 or 4"
+        )
+    if columns == 4 and causal:
+        raise InvalidArgument(
+            "startend_row_indices with C = 4 needs causal=False (causal already hides the upper triangle: use C = 2)"
+        )
+    if idx.device != device:
+        raise InvalidArgument(f"startend_row_indices is on {idx.device} but q is on {device}")
+    return idx
+
+
+def flashmask_values(idx: torch.Tensor, causal: bool, seqlen_q: int) -> None:
+    """Every bound of ``startend_row_indices`` in [0, seqlen_q] (``seqlen_q``: max_seqlen_q in varlen
+    calls), and each interval's start at most its end (LTS <= LTE for C = 2 causal and C = 4, UTS <= UTE for
+    C = 4). Read on the host once per unmodified tensor (``checked_once``)."""
+
+    def check() -> None:
+        if idx.numel() == 0:
+            return
+        flat = idx.reshape(-1, idx.shape[-1])
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0 or high > seqlen_q:
+            raise InvalidArgument(
+                f"startend_row_indices must hold query rows in [0, seqlen_q] = [0, {seqlen_q}], got values from "
+                f"{low} to {high}"
+            )
+        columns = idx.shape[-1]
+        pairs = [(0, 1, "LTS", "LTE")] if columns == 4 or (columns == 2 and causal) else []
+        pairs += [(2, 3, "UTS", "UTE")] if columns == 4 else []
+        for start, end, start_name, end_name in pairs:
+            bad = flat[:, start] > flat[:, end]
+            if bool(bad.any()):
+                at = first_bad(bad)
+                raise InvalidArgument(
+                    f"startend_row_indices: {start_name} must be at most {end_name} in every key column, got "
+                    f"{int(flat[at, start])} > {int(flat[at, end])} at flat column {at}"
+                )
+
+    checked_once((idx,), ("flashmask", causal, seqlen_q), check)

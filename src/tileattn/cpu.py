@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from tileattn import reference, rng
+from tileattn import flashmask, reference, rng
 from tileattn.params import AttnParams, CacheLayout, Settings
 from tileattn.rotary_torch import rotary_at
 
@@ -53,6 +53,11 @@ def _lse_seq(lse: torch.Tensor, p: AttnParams, b: int, rows: slice) -> torch.Ten
     return lse[:, rows] if p.is_varlen else lse[b]
 
 
+def _key_token(p: AttnParams, b: int, rows_k: slice) -> int:
+    """The first key token of sequence ``b`` in the FlashMask bounds' token axis (``params.FlashMask``)."""
+    return rows_k.start if p.is_varlen else b * p.seqlen_k
+
+
 def _key_span(m0: int, m1: int, seqlen_q: int, seqlen_k: int, p: AttnParams) -> tuple[int, int]:
     """Columns [lo, hi) that rows [m0, m1) can see at all; blocks outside are skipped."""
     diag = seqlen_k - seqlen_q
@@ -65,7 +70,9 @@ class _Scores:
     """Score blocks of one sequence: scale, softcap, ALiBi, mask and dropout, for rows [m0, m1) of all
     query heads against columns [n0, n1). Query heads are grouped as (nheads_k, group) for GQA."""
 
-    def __init__(self, p: AttnParams, b: int, nheads: int, seqlen_q: int, seqlen_k: int, device: torch.device):
+    def __init__(
+        self, p: AttnParams, b: int, nheads: int, seqlen_q: int, seqlen_k: int, device: torch.device, k_token: int = 0
+    ):
         self.p, self.b, self.nheads = p, b, nheads
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.window = (p.window_left, p.window_right)
@@ -74,6 +81,22 @@ class _Scores:
             slopes = p.alibi_slopes if p.alibi_slopes.dim() == 1 else p.alibi_slopes[b]
             self.slopes = slopes.to(device=device, dtype=torch.float32).view(nheads, 1, 1)
         self.heads = torch.arange(nheads, device=device).view(nheads, 1, 1)
+        self.bounds = None  # the sequence's FlashMask bounds (nheads_mask, 4, seqlen_k), from its first key token
+        if p.flashmask is not None:
+            self.bounds = p.flashmask.bounds[:, :, k_token : k_token + seqlen_k].to(device)
+
+    def hidden(self, m0: int, m1: int, n0: int, n1: int) -> torch.Tensor:
+        """True where rows [m0, m1) must not see columns [n0, n1): ``(1 or nheads, m1 - m0, n1 - n0)``."""
+        i = torch.arange(m0, m1, device=self.heads.device).view(1, -1, 1)
+        j = torch.arange(n0, n1, device=self.heads.device).view(1, 1, -1)
+        masked = ~reference.local_mask(i, j, self.seqlen_q, self.seqlen_k, self.window)
+        if self.bounds is not None:
+            masked = masked | flashmask.hidden(self.bounds[:, :, n0:n1], i.view(-1, 1))
+        return masked
+
+    def skipped(self, m0: int, m1: int, n0: int, n1: int) -> bool:
+        """Whether no row of [m0, m1) sees any column of [n0, n1) under a FlashMask (the block is skipped)."""
+        return self.bounds is not None and bool(self.hidden(m0, m1, n0, n1).all())
 
     def __call__(self, qk: torch.Tensor, m0: int, n0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """qk: raw products ``(nheads, bm, bn)``. Returns (scores with -inf where hidden, tanh of the
@@ -90,7 +113,7 @@ class _Scores:
             s = qk * p.softmax_scale
         if self.slopes is not None:
             s = s + reference.alibi_bias(self.slopes, i, j, self.seqlen_q, self.seqlen_k)
-        s = s.masked_fill(~reference.local_mask(i, j, self.seqlen_q, self.seqlen_k, self.window), float("-inf"))
+        s = s.masked_fill(self.hidden(m0, m0 + bm, n0, n0 + bn), float("-inf"))
         keep = None
         if p.dropout_p > 0:
             offsets = rng.dropout_offsets(self.b, self.heads, i, j, self.nheads, p.seqlen_q, p.seqlen_k)
@@ -113,7 +136,7 @@ def attn_fwd(
     for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
         qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
-        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
+        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device, _key_token(p, b, rows_k))
         o_seq = _seq(out, p, b, rows_q)
         lse_seq = _lse_seq(lse, p, b, rows_q)
         for m0 in range(0, seqlen_q, BLOCK_M):
@@ -125,6 +148,8 @@ def attn_fwd(
             lo, hi = _key_span(m0, m1, seqlen_q, seqlen_k, p)
             for n0 in range(lo, hi, BLOCK_N):
                 n1 = min(n0 + BLOCK_N, hi)
+                if score.skipped(m0, m1, n0, n1):
+                    continue
                 kb = _expand_kv(ks[:, n0:n1].float(), group)
                 vb = _expand_kv(vs[:, n0:n1].float(), group)
                 s, _, keep = score(qb @ kb.transpose(1, 2), m0, n0)
@@ -168,7 +193,7 @@ def attn_bwd(
         dos, os_ = _seq(dout, p, b, rows_q), _seq(out, p, b, rows_q)
         dqs, dks, dvs = _seq(dq, p, b, rows_q), _seq(dk, p, b, rows_k), _seq(dv, p, b, rows_k)
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
-        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)
+        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device, _key_token(p, b, rows_k))
         lse_seq = _lse_seq(lse, p, b, rows_q)
         for m0 in range(0, seqlen_q, BLOCK_M):
             m1 = min(m0 + BLOCK_M, seqlen_q)
@@ -178,6 +203,8 @@ def attn_bwd(
             lo, hi = _key_span(m0, m1, seqlen_q, seqlen_k, p)
             for n0 in range(lo, hi, BLOCK_N):
                 n1 = min(n0 + BLOCK_N, hi)
+                if score.skipped(m0, m1, n0, n1):
+                    continue
                 kb = _expand_kv(ks[:, n0:n1].float(), group)
                 vb = _expand_kv(vs[:, n0:n1].float(), group)
                 s, t, keep = score(qb @ kb.transpose(1, 2), m0, n0)

@@ -181,6 +181,11 @@ class AttnParams:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     deterministic: bool = False
+    # FlashMask (``tileattn.masks``): the caller's ``startend_row_indices`` and whether the call is causal
+    # (which decides what two columns mean); the ops layer turns them into ``flashmask``
+    startend_row_indices: torch.Tensor | None = None
+    mask_causal: bool = False
+    flashmask: FlashMask | None = None
 
     @property
     def is_varlen(self) -> bool:
@@ -228,6 +233,25 @@ class AttnParams:
     def alibi_batch_stride(self) -> int:
         slopes = self.alibi_slopes
         return slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+
+
+@dataclass(frozen=True)
+class FlashMask:
+    """A FlashMask in the form the kernels and the CPU path read (``tileattn.flashmask.canonical``).
+
+    ``bounds``: int32 ``(nheads_mask, 4, tokens_k)``, for each key token (``b * seqlen_k + j`` in dense
+    calls, the packed row in varlen calls) the query rows ``[lower_start, lower_end)`` and
+    ``[upper_start, upper_end)`` that it hides (rows counted from its sequence's start; an empty
+    interval is ``(EMPTY, EMPTY)`` below and ``(0, 0)`` above). ``has_upper``: whether any call's mode
+    uses the upper interval (else it is all empty and the kernels skip it). ``nheads_mask`` is 1 (one mask
+    for every head) or the number of query heads."""
+
+    bounds: torch.Tensor
+    has_upper: bool
+
+    @property
+    def heads(self) -> int:
+        return self.bounds.shape[0]
 
 
 @dataclass

@@ -37,6 +37,22 @@ def _varlen(q_tokens=10, k_tokens=10, cu_q=(0, 4, 10), cu_k=(0, 4, 10), max_q=6,
     return lambda: tileattn.flash_attn_varlen_func(q, k, k, cq, ck, max_q, max_k, **kw)
 
 
+def _fm(idx, causal=False, **kw):
+    q, k, v = _qkv()
+    return lambda: tileattn.flashmask_attention(q, k, v, idx, causal=causal, **kw)
+
+
+def _fm_varlen(idx, causal=False):
+    q = torch.randn(10, 4, 16, dtype=F16)
+    k = torch.randn(10, 2, 16, dtype=F16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    return lambda: tileattn.flashmask_varlen_attention(q, k, k, cu, cu, 6, 6, idx, causal=causal)
+
+
+def _bounds(*shape, value=0, dtype=torch.int32):
+    return torch.full(shape, value, dtype=dtype)
+
+
 q0, k0, v0 = _qkv()
 CASES = [
     # (id, call, exception, words the message must contain)
@@ -152,6 +168,25 @@ CASES = [
         ValueError,
         ["seqlen_offsets", "(2,)"],
     ),
+    ("fm-not-tensor", _fm([[0]]), TypeError, ["startend_row_indices", "int32 tensor"]),
+    ("fm-int64", _fm(_bounds(2, 1, 8, 2, dtype=torch.int64)), TypeError, ["startend_row_indices", "int32"]),
+    ("fm-rank", _fm(_bounds(1, 8, 2)), ValueError, ["startend_row_indices", "(batch, 1 or nheads, seqlen_k, C)"]),
+    ("fm-C3", _fm(_bounds(2, 1, 8, 3)), ValueError, ["C in (1, 2, 4)"]),
+    ("fm-C1-not-causal", _fm(_bounds(2, 1, 8, 1)), ValueError, ["C = 1", "causal=True"]),
+    ("fm-C4-causal", _fm(_bounds(2, 1, 8, 4), causal=True), ValueError, ["C = 4", "causal=False"]),
+    ("fm-heads", _fm(_bounds(2, 3, 8, 2)), ValueError, ["1 or 4", "(2, 3, 8, 2)"]),
+    ("fm-batch", _fm(_bounds(1, 1, 8, 2)), ValueError, ["(2, 1 or 4, 8, C)"]),
+    ("fm-seqlen", _fm(_bounds(2, 1, 7, 2)), ValueError, ["(2, 1 or 4, 8, C)"]),
+    ("fm-above-seqlen-q", _fm(_bounds(2, 1, 8, 2, value=9)), ValueError, ["[0, 8]", "9"]),
+    ("fm-negative", _fm(_bounds(2, 1, 8, 1, value=-1), causal=True), ValueError, ["[0, 8]", "-1"]),
+    (
+        "fm-start-after-end",
+        _fm(torch.tensor([5, 3], dtype=torch.int32).expand(2, 1, 8, 2).contiguous(), causal=True),
+        ValueError,
+        ["LTS must be at most LTE", "5 > 3"],
+    ),
+    ("fm-varlen-shape", _fm_varlen(_bounds(1, 8, 2)), ValueError, ["(1 or nheads, total_k, C)", "(1 or 4, 10, C)"]),
+    ("fm-varlen-above", _fm_varlen(_bounds(1, 10, 1, value=7), causal=True), ValueError, ["[0, 6]"]),
     (
         "unpad-mask-shape",
         lambda: unpad_input(torch.randn(2, 5, 8), torch.ones(2, 4, dtype=torch.bool)),

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileattn.kernels import common
+from tileattn.kernels import common, flashmask
 from tileattn.kernels.configs import bwd_dkdv_config, bwd_dq_config
 from tileattn.params import AttnParams, Settings, cdiv
 
@@ -57,7 +57,7 @@ def _dkdv_tiles(
     Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
     stride_qm, stride_dom, stride_dqm,
     sm_scale,
-    offs_m_base, offs_n, offs_d, lo, hi,
+    offs_m_base, offs_n, offs_d, lo, hi, fm_bounds,
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
@@ -65,11 +65,12 @@ def _dkdv_tiles(
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     Q_MAJOR: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     """Accumulates dK, dV of one key block over query tiles [lo, hi) of one query head (Q/dO through
-    descriptors with USE_TMA).
+    descriptors with USE_TMA). With HAS_FLASHMASK, masked tiles also hide what the key block's FlashMask
+    bounds ``fm_bounds`` hide (loaded once, in the score tile's key orientation).
 
     By default the score tile is transposed (keys are rows), so P and dS feed the dK / dV dots from
     registers. With Q_MAJOR it is queries x keys, as in the forward: dropout's draws are then the ones
@@ -115,6 +116,10 @@ def _dkdv_tiles(
             window_left, window_right,
             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
         )  # fmt: skip
+        if HAS_FLASHMASK and MASKED:
+            lower_start, lower_end, upper_start, upper_end = fm_bounds
+            hidden = common.flashmask_hides(rows_i, lower_start, lower_end, upper_start, upper_end, HAS_UPPER)
+            s = tl.where(hidden, float("-inf"), s)
         p = tl.exp2(s - lse_b * common.LOG2E)  # 0 for rows with lse=+inf
         pv = p  # the weights dV sees: p with dropout applied
         if HAS_DROPOUT:
@@ -152,6 +157,7 @@ def _dkdv_tiles(
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, DK, DV, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds, DQacc,
+    Bounds, Runs, Counts, stride_bh, stride_bc, stride_rh, stride_ch, n_list,  #
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -168,7 +174,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     Q_MAJOR: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
@@ -225,24 +231,40 @@ def _attn_bwd_dkdv(
         do_desc = common.rows_desc(DO_base, seqlen_q, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         DQ_base = DQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqm + h.to(tl.int64) * stride_dqh
         dq_desc = common.rows_desc(DQ_base, seqlen_q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D, DQ_ATOMIC == 2)
+        if HAS_FLASHMASK:  # the key tile's runs of query tiles under head h's mask (flat tile t)
+            t = pid if IS_VARLEN else b * tl.num_programs(0) + n_block
+            runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+            bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
+            cols = offs_n[None, :] if Q_MAJOR else offs_n[:, None]  # the score tile's key axis
+            fm_bounds = common.flashmask_bounds(bounds, stride_bc, cols, seqlen_k, HAS_UPPER)
+        else:
+            runs, fm_bounds = Runs, (0, 0, 0, 0)
         for seg in tl.static_range(3):
-            seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v,
-                Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
-                stride_qm, stride_dom, stride_dqm,
-                sm_scale,
-                offs_m, offs_n, offs_d, seg_lo, seg_hi,
-                seqlen_q, seqlen_k,
-                qk_scale, softcap_scale, softcap_log2, slope_log2,
-                window_left, window_right,
-                philox_seed, rng_base, row_groups, dropout_p,
-                HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
-                seg != 1, MASK_LEFT, MASK_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT,
-                Q_MAJOR, USE_TMA, DQ_ATOMIC,
-            )  # fmt: skip
+            if HAS_FLASHMASK:
+                r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
+            else:
+                r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+            for r in range(r_lo, r_hi):
+                if HAS_FLASHMASK:
+                    seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_M)
+                else:
+                    seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v,
+                    Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
+                    stride_qm, stride_dom, stride_dqm,
+                    sm_scale,
+                    offs_m, offs_n, offs_d, seg_lo, seg_hi, fm_bounds,
+                    seqlen_q, seqlen_k,
+                    qk_scale, softcap_scale, softcap_log2, slope_log2,
+                    window_left, window_right,
+                    philox_seed, rng_base, row_groups, dropout_p,
+                    HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+                    seg != 1, MASK_LEFT, MASK_RIGHT,
+                    HAS_SOFTCAP, HAS_ALIBI,
+                    HAS_DROPOUT, HAS_FLASHMASK, HAS_UPPER,
+                    Q_MAJOR, USE_TMA, DQ_ATOMIC,
+                )  # fmt: skip
     dk = dk * sm_scale
     mask = offs_n[:, None] < seqlen_k
     if PAD_D:
@@ -257,7 +279,7 @@ def _attn_bwd_dkdv(
 def _dq_tiles(
     dq, q, do, lse2, delta,
     K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
-    offs_m, offs_n_base, offs_d, lo, hi,
+    offs_m, offs_n_base, offs_d, lo, hi, Bounds, stride_bc,
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
@@ -265,12 +287,15 @@ def _dq_tiles(
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):  # fmt: skip
-    """Accumulates dQ of one query block over key tiles [lo, hi) (K/V through descriptors with USE_TMA)."""
+    """Accumulates dQ of one query block over key tiles [lo, hi) (K/V through descriptors with USE_TMA;
+    with HAS_FLASHMASK, masked tiles also hide what the FlashMask bounds at ``Bounds`` hide)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
+        if HAS_FLASHMASK and MASKED:  # the tile's column bounds, loaded before the matmul they wait for
+            fm_bounds = common.flashmask_bounds(Bounds, stride_bc, offs_n[None, :], seqlen_k, HAS_UPPER)
         k = common.load_rows(
             k_desc, K_base, stride_kn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
@@ -284,6 +309,10 @@ def _dq_tiles(
             window_left, window_right,
             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
         )  # fmt: skip
+        if HAS_FLASHMASK and MASKED:
+            lower_start, lower_end, upper_start, upper_end = fm_bounds
+            hidden = common.flashmask_hides(offs_m[:, None], lower_start, lower_end, upper_start, upper_end, HAS_UPPER)
+            s = tl.where(hidden, float("-inf"), s)
         p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
         if HAS_DROPOUT:
@@ -300,6 +329,7 @@ def _dq_tiles(
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_bwd_dq(
     Q, K, V, DO, DQ, Lse, Delta, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds,
+    Bounds, Runs, Counts, stride_bh, stride_bc, stride_rh, stride_ch, n_list,  #
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -314,7 +344,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):  # fmt: skip
@@ -362,25 +392,39 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    lo, full_lo, full_hi, hi = common.key_range(
-        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
-    )
+    if HAS_FLASHMASK:  # the runs of the program's schedule (flat tile t) and its sequence's bounds
+        t = pid if IS_VARLEN else b * tl.num_programs(0) + m_block
+        runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+        bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
+    else:
+        runs, bounds = Runs, Bounds
+        lo, full_lo, full_hi, hi = common.key_range(
+            m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+        )
     for seg in tl.static_range(3):
-        seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta,
-            K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, seg_lo, seg_hi,
-            seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope_log2,
-            window_left, window_right,
-            philox_seed, rng_base, row_groups, dropout_p,
-            HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
-            seg != 1, MASK_LEFT, MASK_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI,
-            HAS_DROPOUT,
-            USE_TMA,
-        )  # fmt: skip
+        if HAS_FLASHMASK:
+            r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
+        else:
+            r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+        for r in range(r_lo, r_hi):
+            if HAS_FLASHMASK:
+                seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_N)
+            else:
+                seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+            dq = _dq_tiles(
+                dq, q, do, lse2, delta,
+                K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+                offs_m, offs_n, offs_d, seg_lo, seg_hi, bounds, stride_bc,
+                seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope_log2,
+                window_left, window_right,
+                philox_seed, rng_base, row_groups, dropout_p,
+                HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+                seg != 1, MASK_LEFT, MASK_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HAS_FLASHMASK, HAS_UPPER,
+                USE_TMA,
+            )  # fmt: skip
     dq = dq * sm_scale
     mask = mask_m[:, None]
     if PAD_D:
@@ -434,6 +478,7 @@ def attn_bwd(
         MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
         HAS_DROPOUT=p.dropout_p > 0,
+        HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
         IS_VARLEN=p.is_varlen,
     )  # fmt: skip
 
@@ -459,6 +504,7 @@ def attn_bwd(
     _attn_bwd_dkdv[grid](
         q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
         dq_acc if dq_acc is not None else dk4,
+        *flashmask.launch_args(p, cfg.block_m, cfg.block_n, True, grid[0] * grid[2], lse),
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
@@ -486,6 +532,7 @@ def attn_bwd(
     tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
     _attn_bwd_dq[grid](
         q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+        *flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse),
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),

@@ -321,6 +321,50 @@ def query_range(
 
 
 @triton.jit
+def flashmask_bounds(Bounds, stride_bc, j, seqlen_k, HAS_UPPER: tl.constexpr):
+    """The FlashMask bounds ``(lower_start, lower_end, upper_start, upper_end)`` of key columns ``j`` (any
+    shape; columns past seqlen_k hide nothing): ``Bounds`` points at the sequence's first key token of the
+    head's int32 rows (``params.FlashMask``), ``stride_bc`` apart. Without HAS_UPPER the upper pair is 0."""
+    mask_j = j < seqlen_k
+    lower_start = tl.load(Bounds + j, mask=mask_j, other=0)
+    lower_end = tl.load(Bounds + stride_bc + j, mask=mask_j, other=0)
+    upper_start = tl.zeros_like(lower_start)
+    upper_end = tl.zeros_like(lower_start)
+    if HAS_UPPER:
+        upper_start = tl.load(Bounds + 2 * stride_bc + j, mask=mask_j, other=0)
+        upper_end = tl.load(Bounds + 3 * stride_bc + j, mask=mask_j, other=0)
+    return lower_start, lower_end, upper_start, upper_end
+
+
+@triton.jit
+def flashmask_hides(i, lower_start, lower_end, upper_start, upper_end, HAS_UPPER: tl.constexpr):
+    """True where query rows ``i`` fall in a column's hidden intervals (broadcast, as ``visible``); the
+    semantics of ``tileattn.flashmask.hidden``."""
+    hidden = (i >= lower_start) & (i < lower_end)
+    if HAS_UPPER:
+        hidden = hidden | ((i >= upper_start) & (i < upper_end))
+    return hidden
+
+
+@triton.jit
+def tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h):
+    """``(Runs_t, n_masked, n_runs)`` of program ``t`` (head ``h``'s mask) in a FlashMask schedule
+    (``kernels.flashmask``): its runs of tiles as [first, end) pairs, the first ``n_masked`` of them
+    partial (the element mask applies), the others up to ``n_runs`` full."""
+    counts = Counts + h * stride_ch + 2 * t
+    n_masked = tl.load(counts)
+    n_runs = n_masked + tl.load(counts + 1)
+    return Runs + h * stride_rh + t.to(tl.int64) * (2 * n_list), n_masked, n_runs
+
+
+@triton.jit
+def run_bounds(Runs_t, r, BLOCK: tl.constexpr):
+    """The first and the end row ``(lo, hi)`` of run ``r`` of a program's FlashMask schedule (``tile_runs``),
+    multiples of BLOCK (the end may pass a ragged sequence's end: such tiles are in partial runs)."""
+    return tl.load(Runs_t + 2 * r) * BLOCK, tl.load(Runs_t + 2 * r + 1) * BLOCK
+
+
+@triton.jit
 def tanh(x):
     """tanh through exp2 (no libdevice, so it also runs under the interpreter); saturates to ±1."""
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)

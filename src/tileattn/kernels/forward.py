@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileattn.kernels import common
+from tileattn.kernels import common, flashmask
 from tileattn.kernels.configs import fwd_config
 from tileattn.params import AttnParams, Settings, cdiv
 
@@ -17,7 +17,7 @@ from tileattn.params import AttnParams, Settings, cdiv
 def _fwd_tiles(
     acc, l_i, m_i, q,
     K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
-    i, offs_n_base, offs_d, lo, hi,
+    i, offs_n_base, offs_d, lo, hi, Bounds, stride_bc,
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
@@ -25,10 +25,11 @@ def _fwd_tiles(
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block.
+    """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block. With
+    HAS_FLASHMASK, masked tiles also hide what the FlashMask bounds at ``Bounds`` hide.
 
     With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
     HEAD_DIM read as zeros), otherwise through masked pointer loads. With DEFER_SCALE
@@ -36,6 +37,8 @@ def _fwd_tiles(
     exponent, one FMA per score."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n_base
+        if HAS_FLASHMASK and MASKED:  # the tile's column bounds, loaded before the matmul they wait for
+            fm_bounds = common.flashmask_bounds(Bounds, stride_bc, offs_n[None, :], seqlen_k, HAS_UPPER)
         k = common.load_rows(
             k_desc, K_base, stride_kn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
@@ -49,6 +52,10 @@ def _fwd_tiles(
             window_left, window_right,
             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
         )  # fmt: skip
+        if HAS_FLASHMASK and MASKED:
+            lower_start, lower_end, upper_start, upper_end = fm_bounds
+            hidden = common.flashmask_hides(i[:, None], lower_start, lower_end, upper_start, upper_end, HAS_UPPER)
+            s = tl.where(hidden, float("-inf"), s)
         # p: [BLOCK_M, BLOCK_N]
         p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         if HAS_DROPOUT:
@@ -62,6 +69,7 @@ def _fwd_tiles(
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
     Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds,
+    Bounds, Runs, Counts, stride_bh, stride_bc, stride_rh, stride_ch, n_list,  #
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -75,7 +83,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
@@ -127,27 +135,41 @@ def _attn_fwd(
     k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
-    lo, full_lo, full_hi, hi = common.key_range(
-        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
-    )
-    # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and
-    # the ragged end of the keys (masked).
+    if HAS_FLASHMASK:  # the runs of the program's schedule (flat tile t): partial runs, then full ones
+        t = pid if IS_VARLEN else b * tl.num_programs(0) + m_block
+        runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+        bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
+    else:
+        runs, bounds = Runs, Bounds
+        lo, full_lo, full_hi, hi = common.key_range(
+            m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
+        )
+    # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and the
+    # ragged end of the keys (masked); under a FlashMask, its partial runs (masked) and full runs.
     for seg in tl.static_range(3):
-        seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q,
-            K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, seg_lo, seg_hi,
-            seqlen_q, seqlen_k,
-            qk_scale, softcap_scale, softcap_log2, slope_log2,
-            window_left, window_right,
-            philox_seed, rng_base, row_groups, dropout_p,
-            HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
-            seg != 1, MASK_LEFT, MASK_RIGHT,
-            HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
-            HAS_DROPOUT,
-            USE_TMA, WARP_SPEC,
-        )  # fmt: skip
+        if HAS_FLASHMASK:
+            r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
+        else:
+            r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+        for r in range(r_lo, r_hi):
+            if HAS_FLASHMASK:
+                seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_N)
+            else:
+                seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q,
+                K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
+                offs_m, offs_n, offs_d, seg_lo, seg_hi, bounds, stride_bc,
+                seqlen_q, seqlen_k,
+                qk_scale, softcap_scale, softcap_log2, slope_log2,
+                window_left, window_right,
+                philox_seed, rng_base, row_groups, dropout_p,
+                HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
+                seg != 1, MASK_LEFT, MASK_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
+                HAS_DROPOUT, HAS_FLASHMASK, HAS_UPPER,
+                USE_TMA, WARP_SPEC,
+            )  # fmt: skip
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
     # pass's exp(s - lse) is 0 for it (the flash_attn convention).
@@ -190,8 +212,10 @@ def attn_fwd(
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
+    mask_args = flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse)
     _attn_fwd[grid](
         q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+        *mask_args,
         *p.strides(q4),
         *p.strides(k4),
         *p.strides(v4),
@@ -206,6 +230,7 @@ def attn_fwd(
         MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
         HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, DEFER_SCALE=p.defer_scale,
         HAS_DROPOUT=p.dropout_p > 0,
+        HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
         IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
         USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,

@@ -15,9 +15,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tileattn import backend, checks, cpu, rng
+from tileattn import backend, checks, cpu, flashmask, rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
+
+# FlashMasks in the kernels' form, remembered per startend_row_indices tensor while it is alive and unmodified
+# (every layer of a model passes the same one); a few, as each holds 16 bytes per key token on the device
+FLASHMASKS = checks.CheckedOnce(limit=8)
 
 
 def _attn_params(
@@ -34,8 +38,18 @@ def _attn_params(
     dropout_p: float,
     seed: int,
     deterministic: bool,
+    startend_row_indices: Tensor | None,
+    mask_causal: bool,
 ) -> AttnParams:
     varlen = cu_seqlens_q is not None
+    fm = None
+    if startend_row_indices is not None:
+        checks.flashmask_values(startend_row_indices, mask_causal, max_seqlen_q)
+        fm = FLASHMASKS(
+            (startend_row_indices,),
+            (mask_causal, varlen),
+            lambda: flashmask.canonical(startend_row_indices, mask_causal, varlen),
+        )
     return AttnParams(
         batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
         seqlen_q=max_seqlen_q,
@@ -51,6 +65,9 @@ def _attn_params(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         deterministic=deterministic,
+        startend_row_indices=startend_row_indices,
+        mask_causal=mask_causal,
+        flashmask=fm,
     )
 
 
@@ -91,6 +108,8 @@ def forward_impl(
     softcap: float,
     dropout_p: float,
     deterministic: bool,
+    startend_row_indices: Tensor | None = None,
+    mask_causal: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dropout_p > 0 and backend.capturing(q.device):
@@ -113,6 +132,8 @@ def forward_impl(
         dropout_p,
         seed,
         deterministic,
+        startend_row_indices,
+        mask_causal,
     )
     if backend.nothing_to_attend(q, k):
         out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
@@ -157,6 +178,8 @@ def backward_impl(
     softcap: float,
     dropout_p: float,
     deterministic: bool,
+    startend_row_indices: Tensor | None = None,
+    mask_causal: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if backend.nothing_to_attend(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -174,6 +197,8 @@ def backward_impl(
         dropout_p,
         int(rng_state[0]),
         deterministic,
+        startend_row_indices,
+        mask_causal,
     )
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -199,18 +224,20 @@ def _(dout, q, k, v, *args):
 def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
     out, lse, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3])
-    ctx.options = options[3:]
+    # the tensors among the options: alibi_slopes, cu_seqlens_q, cu_seqlens_k and startend_row_indices
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3], options[11])
+    ctx.options = options[3:11] + options[12:]
     # the backward runs with the forward's settings: autograd may run it on another thread, where an
     # override (a context variable) of the calling thread is not set
     ctx.settings = configs.current(q.device)
 
 
 def _grads(bwd, ctx, dout):
-    """(dq, dk, dv, None...) for the forward's 14 inputs, from what ``_setup_context`` saved."""
+    """(dq, dk, dv, None...) for the forward's 16 inputs, from what ``_setup_context`` saved."""
+    *saved, startend_row_indices = ctx.saved_tensors
     with configs.override(ctx.settings):
-        dq, dk, dv = bwd(dout, *ctx.saved_tensors, *ctx.options)
-    return (dq, dk, dv) + (None,) * 11
+        dq, dk, dv = bwd(dout, *saved, *ctx.options[:8], startend_row_indices, *ctx.options[8:])
+    return (dq, dk, dv) + (None,) * 13
 
 
 def _backward(ctx, dout, _dlse, _drng):
@@ -267,6 +294,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Ten
         p.softcap,
         p.dropout_p,
         p.deterministic,
+        p.startend_row_indices,
+        p.mask_causal,
     )
 
 
@@ -295,6 +324,8 @@ def backward(
         p.softcap,
         p.dropout_p,
         p.deterministic,
+        p.startend_row_indices,
+        p.mask_causal,
     )
 
 
