@@ -39,6 +39,7 @@ from tileattn.api import (
 from tileattn.bert_padding import index_first_axis, pad_input
 from tileattn.checks import InvalidArgument
 from tileattn.kvcache import flash_attn_with_kvcache
+from tileattn.masks import flashmask_attention, flashmask_varlen_attention
 from tileattn.rotary import RotaryEmbedding, apply_rotary_emb
 
 __all__ = [
@@ -138,21 +139,27 @@ class FlashSelfAttention(nn.Module):
             deterministic=self.deterministic,
         )
 
-    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None, *, startend_row_indices=None):
         """Args:
             qkv: ``(batch, seqlen, 3, nheads, headdim)``, or ``(total, 3, nheads, headdim)`` with
                 cu_seqlens; float16 or bfloat16 (float32 on CPU too).
             causal: overrides ``self.causal`` if not None.
             cu_seqlens: int32 ``(batch + 1,)``: the sequences of a packed qkv.
             max_seqlen: the longest sequence (an int; needed with cu_seqlens).
+            startend_row_indices: a FlashMask (``tileattn.masks``; tileattn's own): int32 ``(batch, 1 or
+                nheads, seqlen, C)``, or ``(1 or nheads, total, C)`` with cu_seqlens; the call then runs
+                ``flashmask_attention`` (or its varlen form), without ALiBi.
 
         Returns:
             ``(batch, seqlen, nheads, headdim)``, or ``(total, nheads, headdim)`` with cu_seqlens.
         """
         options = self._options(causal)
+        if cu_seqlens is not None and max_seqlen is None:
+            raise InvalidArgument("FlashSelfAttention: max_seqlen is needed with cu_seqlens")
+        if startend_row_indices is not None:
+            q, k, v = qkv.unbind(-3)
+            return _flashmask(q, k, v, startend_row_indices, options, cu_seqlens, max_seqlen, cu_seqlens, max_seqlen)
         if cu_seqlens is not None:
-            if max_seqlen is None:
-                raise InvalidArgument("FlashSelfAttention: max_seqlen is needed with cu_seqlens")
             return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **options)
         return flash_attn_qkvpacked_func(qkv, **options)
 
@@ -172,7 +179,18 @@ class FlashCrossAttention(FlashSelfAttention):
     ):
         super().__init__(causal, softmax_scale, attention_dropout, window_size, alibi_slopes, deterministic)
 
-    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+    def forward(
+        self,
+        q,
+        kv,
+        causal=None,
+        cu_seqlens=None,
+        max_seqlen=None,
+        cu_seqlens_k=None,
+        max_seqlen_k=None,
+        *,
+        startend_row_indices=None,
+    ):
         """Args:
             q: ``(batch, seqlen_q, nheads, headdim)``, or ``(total_q, nheads, headdim)`` with cu_seqlens.
             kv: ``(batch, seqlen_k, 2, nheads_k, headdim)``, or ``(total_k, 2, nheads_k, headdim)`` with
@@ -180,6 +198,7 @@ class FlashCrossAttention(FlashSelfAttention):
             causal: overrides ``self.causal`` if not None.
             cu_seqlens, max_seqlen: int32 ``(batch + 1,)`` and the longest sequence of a packed q.
             cu_seqlens_k, max_seqlen_k: the same for a packed kv (needed with cu_seqlens).
+            startend_row_indices: a FlashMask, as in ``FlashSelfAttention`` (over kv's keys).
 
         Returns:
             ``(batch, seqlen_q, nheads, headdim)``, or ``(total_q, nheads, headdim)`` with cu_seqlens.
@@ -190,8 +209,25 @@ class FlashCrossAttention(FlashSelfAttention):
                 raise InvalidArgument(
                     "FlashCrossAttention: a packed call needs cu_seqlens, max_seqlen, cu_seqlens_k and max_seqlen_k"
                 )
+        if startend_row_indices is not None:
+            k, v = kv.unbind(-3)
+            return _flashmask(
+                q, k, v, startend_row_indices, options, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k
+            )
+        if cu_seqlens is not None:
             return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **options)
         return flash_attn_kvpacked_func(q, kv, **options)
+
+
+def _flashmask(q, k, v, startend_row_indices, options, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k):
+    """The inner attentions' FlashMask call (dense, or packed with cu_seqlens)."""
+    if options.pop("alibi_slopes") is not None:
+        raise InvalidArgument("a FlashMask (startend_row_indices) does not combine with ALiBi")
+    if cu_seqlens is not None:
+        return flashmask_varlen_attention(
+            q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, startend_row_indices, **options
+        )
+    return flashmask_attention(q, k, v, startend_row_indices, **options)
 
 
 def _eager_attention(q, k, v, softmax_scale, causal_mask, key_padding_mask, drop) -> Tensor:
@@ -627,13 +663,19 @@ class MHA(nn.Module):
             inference_params: ``InferenceParams`` for generation: k and v go into the cache of
                 ``layer_idx`` at ``seqlen_offset`` (``lengths_per_sample`` with use_flash_attn once past
                 the prompt) and the queries attend over it; rotary positions start at the offset.
-            kwargs: passed on to the inner attention (e.g. ``causal``).
+            kwargs: passed on to the inner attention (e.g. ``causal``, or ``startend_row_indices``: a FlashMask
+                from ``tileattn.masks`` over x's tokens, with use_flash_attn, dense or packed).
 
         Returns:
             ``out`` of x's shape, or ``(out, x)`` with return_residual. Rotary positions count from 0 in
             each sequence (from the cache offset in generation).
         """
         self._check_forward(x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset, inference_params)
+        if kwargs.get("startend_row_indices") is not None and (not self.use_flash_attn or key_padding_mask is not None):
+            raise InvalidArgument(
+                "MHA: startend_row_indices (a FlashMask) needs use_flash_attn=True and no key_padding_mask (hide "
+                "padded keys in the FlashMask itself)"
+            )
         if key_padding_mask is not None and self.use_flash_attn:
             out = self._forward_padded(x, key_padding_mask, kwargs)
             return out if not self.return_residual else (out, x)

@@ -540,3 +540,31 @@ def test_dropout_only_in_training():
         mha.train()
         assert not torch.allclose(mha(x), mha.eval()(x))
     assert math.isclose(FlashSelfAttention(attention_dropout=0.25).drop.p, 0.25)
+
+
+def test_mha_takes_a_flashmask(backend):
+    """MHA (no rotary) over a row of packed documents under their causal document FlashMask equals MHA on each
+    document alone; the packed (cu_seqlens) form takes the varlen FlashMask; the inner modules refuse ALiBi
+    with a FlashMask and MHA refuses one without use_flash_attn."""
+    from tileattn import masks
+    from tileattn.checks import InvalidArgument
+
+    ctx, device = on(backend)
+    dtype = _dtype(backend)
+    torch.manual_seed(0)
+    mha = MHA(64, 4, num_heads_kv=2, causal=True, use_flash_attn=True, device=device, dtype=dtype)
+    x = torch.randn(1, 13, 64, device=device, dtype=dtype)
+    idx = masks.causal_document_mask([5, 8]).to(device)
+    cu = torch.tensor([0, 13], dtype=torch.int32, device=device)
+    with ctx:
+        out = mha(x, startend_row_indices=idx)
+        packed = mha(x[0], cu_seqlens=cu, max_seqlen=13, startend_row_indices=idx[0])
+        alone = torch.cat([mha(x[:, :5]), mha(x[:, 5:])], 1)
+        with pytest.raises(InvalidArgument, match="ALiBi"):
+            FlashSelfAttention(causal=True, alibi_slopes=torch.ones(4, device=device))(
+                torch.randn(1, 13, 3, 4, 16, device=device, dtype=dtype), startend_row_indices=idx
+            )
+    torch.testing.assert_close(out, alone, atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=0)
+    torch.testing.assert_close(packed, out[0], atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=0)
+    with pytest.raises(InvalidArgument, match="use_flash_attn"):
+        MHA(64, 4, use_flash_attn=False, device=device, dtype=dtype)(x, startend_row_indices=idx)

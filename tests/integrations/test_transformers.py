@@ -240,6 +240,32 @@ def test_bert_encoder_padded_batch_matches_eager(impl):
     check_close("bert hidden states", out[real], ref[real], lowp[real])
 
 
+def test_flashmask_through_model_kwargs():
+    """A FlashMask passed to the model's forward (``startend_row_indices``) reaches every attention layer:
+    two rows of packed documents on "tileattn" match eager with the same mask as a 4-D additive mask."""
+    import oracle
+    from tileattn import masks
+
+    cfg = _decoder_configs()["llama-gqa"]
+    dtype = _dtype("tileattn")
+    ids = torch.randint(0, 97, (2, 13), device=DEVICE)
+    idx = torch.cat([masks.causal_document_mask([5, 8]), masks.causal_document_mask([1, 7, 5])]).to(DEVICE)
+    seen = oracle.flashmask_visible(idx.cpu(), True, 13) & torch.ones(13, 13, dtype=torch.bool).tril()
+    results = {}
+    for run_impl, run_dtype in (("tileattn", dtype), ("eager", dtype), ("eager", REF_DTYPE)):
+        model = _model(cfg, run_impl, run_dtype)
+        if run_impl == "tileattn":
+            logits = model(ids, startend_row_indices=idx).logits
+        else:
+            additive = torch.zeros(seen.shape, dtype=run_dtype).masked_fill(~seen, torch.finfo(run_dtype).min)
+            logits = model(ids, attention_mask=additive.to(DEVICE)).logits
+        ones = torch.ones(ids.shape, device=DEVICE)
+        results[run_dtype if run_impl == "eager" else "tileattn"] = (logits, _grads(model, _loss(logits, ones)))
+    (out, grads), (lowp, lowp_grads), (ref, ref_grads) = results["tileattn"], results[dtype], results[REF_DTYPE]
+    check_close("flashmask logits", out, ref, lowp)
+    _check_grads("flashmask", grads, ref_grads, lowp_grads)
+
+
 def test_custom_4d_mask_is_refused():
     from tileattn.integrations.transformers import tileattn_attention_forward
 

@@ -9,7 +9,13 @@ Models receive the 2-D padding mask (the format transformers builds for FlashAtt
 nothing is padded). Padded batches run packed through ``flash_attn_varlen_func``; packed sequences
 (``position_ids`` restarting at 0 inside one row, or ``cu_seq_lens_q``/``cu_seq_lens_k`` from a
 flattening data collator) run varlen too. Causal masks align to the bottom-right corner, so decoding with
-a cache (fewer queries than keys) is correct. The name has no "flash" in it: transformers 5 sends such
+a cache (fewer queries than keys) is correct.
+
+A FlashMask reaches the attention as a keyword of the model's forward, which transformers hands down to
+every attention layer: ``model(input_ids, startend_row_indices=idx)`` with ``idx`` int32 ``(batch, 1 or
+heads, seq_len, C)`` from ``tileattn.masks`` runs ``flashmask_attention`` (the model's causal flag on top)
+in every layer, in place of a 4-D mask; the padding mask must then be None (hide padded keys in the
+FlashMask itself). The name has no "flash" in it: transformers 5 sends such
 names to its hub-kernel loader.
 """
 
@@ -21,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, flash_attention_m
 
 from tileattn.api import flash_attn_func, flash_attn_varlen_func
 from tileattn.bert_padding import pad_input, unpad_input
+from tileattn.masks import flashmask_attention
 
 NAME = "tileattn"
 
@@ -85,7 +92,16 @@ def tileattn_attention_forward(
         options["window_size"] = (sliding_window - 1, sliding_window - 1)
     batch, q_len = q.shape[:2]
     position_ids = kwargs.get("position_ids")
-    if attention_mask is not None:
+    startend_row_indices = kwargs.get("startend_row_indices")
+    if startend_row_indices is not None:
+        if attention_mask is not None or options["softcap"]:
+            raise NotImplementedError(
+                "startend_row_indices (a FlashMask) with a padding mask or a softcap: hide padded keys in the "
+                "FlashMask and pass attention_mask=None; softcap is not supported with a FlashMask"
+            )
+        options.pop("softcap")
+        out = flashmask_attention(q, k, v, startend_row_indices, **options)
+    elif attention_mask is not None:
         q_mask = attention_mask[:, -q_len:]
         q_flat, q_idx, cu_q, max_q, _ = unpad_input(q, q_mask)
         k_flat, k_idx, cu_k, max_k, _ = unpad_input(k, attention_mask)
