@@ -147,7 +147,7 @@ def test_cli_keeps_its_options_and_defaults():
     assert (args.tokens, args.hidden, args.causal, args.mode) == (16384, 2048, "both", "fwd+bwd")
     assert str(args.out) == "bench_results/results.jsonl" and args.backends is None and args.dtype is None
     assert not any((args.quick, args.plot, args.varlen, args.decode, args.features))
-    assert not any((args.decode_ab, args.host, args.dropout))
+    assert not any((args.decode_ab, args.host, args.dropout, args.masks))
     args = parse_args(["--decode-ab", "--rows", "64x4096", "--layouts", "tileattn append", "--anchors", "fa4"])
     assert args.decode_ab and args.rows == ["64x4096"] and args.layouts == ["tileattn append"]
     assert args.anchors == ["fa4"] and (args.rounds, args.replays) == (5, 5)
@@ -504,3 +504,43 @@ def test_table_of_gpu_rows_is_unchanged():
     ]
     table = format_table(cpu, ["fwd"], "cpu")
     assert "2.00x (1.50-2.50) noisy" in table and "137 MiB" in table
+
+
+def test_masks_cases_are_their_builders():
+    """--masks compares backends on one mask each: FlexAttention's mask_mod and the FlashMask builder's indices
+    must describe the same mask (here at 4k tokens, several documents)."""
+    import oracle
+    from tileattn.bench.masks import dense_visible, mask_cases
+
+    n = 4096
+    for name, idx, causal, mask_mod in mask_cases(n, "cpu"):
+        seen = oracle.flashmask_visible(idx, causal, n)[0, 0]
+        if causal:
+            seen &= torch.ones(n, n, dtype=torch.bool).tril()
+        assert torch.equal(seen, dense_visible(mask_mod, n, "cpu")), name
+
+
+def test_masks_harness_on_the_cpu_path():
+    """The --masks harness's backends and step on CPU tensors (FlexAttention stood in for by SDPA with the
+    dense mask), and its table's ratios."""
+    from tileattn.bench.masks import _backends, _step, dense_visible, format_masks, mask_cases
+
+    n = 256
+    name, idx, causal, mask_mod = mask_cases(n, "cpu")[2]  # a shared question
+    q, k, v = (torch.randn(1, n, 2, 16, requires_grad=True) for _ in range(3))
+    dense = dense_visible(mask_mod, n, "cpu")[None, None]
+
+    def flex(qt, kt, vt, block_mask):
+        assert block_mask == "block mask"
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=dense)
+
+    calls = _backends(q, k, v, idx, causal, flex, "block mask", dense)
+    assert set(calls) == {"tileattn", "flex", "sdpa dense mask"}
+    outs = {backend: call() for backend, call in calls.items()}
+    torch.testing.assert_close(outs["tileattn"], outs["flex"], atol=1e-5, rtol=0)
+    _step(calls["tileattn"], (q, k, v), torch.ones_like(q))
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+    row = dict(kind="masks", mask=name, seqlen=n, density=0.5, fwd_tflops=300.0, bwd_tflops=200.0)
+    rows = [dict(row, backend="tileattn"), dict(row, backend="flex", fwd_tflops=200.0, bwd_tflops=200.0)]
+    table = format_masks(rows)
+    assert "1.50x" in table and "1.00x" in table

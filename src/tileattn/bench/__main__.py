@@ -495,6 +495,11 @@ def parse_args(argv=None):
         "--rows", nargs="+", metavar="BxN", help="batch x cache length rows, as 64x4096 (default: --decode's)"
     )
     ap.add_argument(
+        "--masks",
+        action="store_true",
+        help="FlashMask: each mask builder against FlexAttention and SDPA with the dense mask (8k and 32k tokens)",
+    )
+    ap.add_argument(
         "--dropout",
         action="store_true",
         help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
@@ -574,6 +579,18 @@ def main(argv=None) -> int:
         rows = run_host(device, dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
         append_results(args.out, rows)
         print(format_host(rows))
+        return 0
+    if args.masks:
+        if device != "cuda":
+            print("--masks times CUDA kernels against FlexAttention; no GPU here")
+            return 1
+        from tileattn.bench.masks import format_masks, run_masks
+
+        seqlens = args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else [8192, 32768]
+        headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128
+        rows = run_masks(time_ms, seqlens, headdim, args.hidden, dtype=dtype)
+        append_results(args.out, rows)
+        print(format_masks(rows))
         return 0
     if args.dropout:
         from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout
