@@ -19,7 +19,7 @@ LAYERS = [
     {"checks", "cpu", "kernels"},
     {"backend"},
     {"ops"},
-    {"api", "kvcache", "rotary", "interface", "masks"},
+    {"api", "kvcache", "rotary", "interface", "masks", "fp8"},
     {"modules", "shim", "integrations", "bench", "__init__"},
 ]
 

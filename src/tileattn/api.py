@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tileattn import checks, kvcache
+from tileattn import checks, fp8, kvcache
 from tileattn.backend import cpu_backend
 from tileattn.checks import resolve_scale
 from tileattn.ops import attention
@@ -94,6 +94,11 @@ _DENSE_DOC_ARGS = """
             the tables may add dQ from the dK/dV pass by fp32 reduce-adds, whose order varies (causal
             calls at head dim 128, which are faster that way); dK and dV are reproducible either way.
         return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (see Returns).
+        q_descale, k_descale, v_descale: keyword-only, FlashAttention-3's FP8 arguments: with q, k, v in
+            ``torch.float8_e4m3fn`` (all three), fp32 ``(batch, nheads_k)`` factors (None: 1.0) by which each
+            sequence's kv head (and the query heads of its group) is multiplied; ``tileattn.fp8.quantize``
+            makes them. The output is bf16; FP8 calls are forward only. Today they are dequantized to bf16
+            and run the bf16 kernels.
 """
 
 _RETURNS_DOC = """
@@ -121,12 +126,15 @@ def dense_call(
     alibi_slopes: object,
     deterministic: object,
     return_attn_probs: object,
+    descales: tuple = (None, None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
     """Validates a dense call (q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k,
-    nheads_k, headdim)``): q, k, v contiguous in their last dimension, and the call's AttnParams."""
+    nheads_k, headdim)``): q, k, v contiguous in their last dimension (dequantized to bf16 if they are FP8,
+    with ``descales = (q_descale, k_descale, v_descale)``: ``tileattn.fp8``), and the call's AttnParams."""
     q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     k = checks.check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
+    q, k, v = fp8.inputs(q, k, v, *descales, batch=q.shape[0])
     q, k, v = checks.check_qkv(q, k, v)
     batch, seqlen_q, nheads, headdim = q.shape
     if k.shape[0] != batch:
@@ -162,9 +170,24 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     q, k, v, p = dense_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        (q_descale, k_descale, v_descale),
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
@@ -273,16 +296,19 @@ def varlen_call(
     alibi_slopes: object,
     deterministic: object,
     return_attn_probs: object,
+    descales: tuple = (None, None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
     """Validates a packed call (q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k,
-    headdim)``, int32 cu_seqlens): q, k, v contiguous in their last dimension, and the call's
-    AttnParams. The cu_seqlens values are checked where the kernels run (``ops.attention``)."""
+    headdim)``, int32 cu_seqlens): q, k, v contiguous in their last dimension (dequantized if FP8, as in
+    ``dense_call``), and the call's AttnParams. The cu_seqlens values are checked where the kernels run
+    (``ops.attention``)."""
     q = checks.check_tensor("q", q, "(total_q, nheads, headdim)")
     k = checks.check_tensor("k", k, "(total_k, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(total_k, nheads_k, headdim)")
-    q, k, v = checks.check_qkv(q, k, v)
     checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.device)
     checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, q.device)
+    q, k, v = fp8.inputs(q, k, v, *descales, cu_seqlens_q.numel() - 1, cu_seqlens_q, cu_seqlens_k)
+    q, k, v = checks.check_qkv(q, k, v)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise checks.InvalidArgument(
             f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel() - 1} and "
@@ -327,8 +353,14 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     if block_table is not None:
+        if any(d is not None for d in (q_descale, k_descale, v_descale)):
+            raise checks.InvalidArgument("FP8 descales with a block_table (paged prefill) are not supported")
         options = dict(
             dropout_p=dropout_p,
             softmax_scale=softmax_scale,
@@ -357,6 +389,7 @@ def flash_attn_varlen_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        (q_descale, k_descale, v_descale),
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
