@@ -275,14 +275,9 @@ def no_probs(q: Tensor) -> Tensor:
     return q.new_empty((0,))
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
-    """``(out, softmax_lse, rng_state)`` from ``tileattn::fwd``, which carries the autograd, or in eager
-    mode on plain tensors the same implementation without the op's dispatch (``backend.direct``)."""
-    op = EagerAttention.apply if backend.direct(q, k, v) else torch.ops.tileattn.fwd
-    return op(
-        q,
-        k,
-        v,
+def op_options(p: AttnParams) -> tuple:
+    """The inputs of ``tileattn::fwd`` and ``tileattn::bwd`` after their tensors, from ``p``."""
+    return (
         p.alibi_slopes,
         p.cu_seqlens_q,
         p.cu_seqlens_k,
@@ -297,6 +292,13 @@ def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Ten
         p.startend_row_indices,
         p.mask_causal,
     )
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, softmax_lse, rng_state)`` from ``tileattn::fwd``, which carries the autograd, or in eager
+    mode on plain tensors the same implementation without the op's dispatch (``backend.direct``)."""
+    op = EagerAttention.apply if backend.direct(q, k, v) else torch.ops.tileattn.fwd
+    return op(q, k, v, *op_options(p))
 
 
 def backward(
@@ -305,28 +307,7 @@ def backward(
     """``(dq, dk, dv)`` from ``tileattn::bwd`` (or its implementation directly, as ``forward``) for a
     forward that returned ``out``, ``lse`` and ``rng_state`` with the same ``p``."""
     op = backward_impl if backend.direct(dout, q, k, v, out, lse) else torch.ops.tileattn.bwd
-    return op(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        rng_state,
-        p.alibi_slopes,
-        p.cu_seqlens_q,
-        p.cu_seqlens_k,
-        p.seqlen_q,
-        p.seqlen_k,
-        p.softmax_scale,
-        p.window_left,
-        p.window_right,
-        p.softcap,
-        p.dropout_p,
-        p.deterministic,
-        p.startend_row_indices,
-        p.mask_causal,
-    )
+    return op(dout, q, k, v, out, lse, rng_state, *op_options(p))
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):
