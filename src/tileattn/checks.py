@@ -336,12 +336,7 @@ def check_grad_inputs(
     for name, t in (("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentType(f"{name} must be a torch.Tensor shaped like q, got {type(t).__name__}")
-        if t.shape != q.shape:
-            raise InvalidArgument(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            raise InvalidArgumentType(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise InvalidArgument(f"{name} is on {t.device} but q is on {q.device}")
+        _check_like(name, t, "q", q)
     lse = softmax_lse
     if not isinstance(lse, torch.Tensor):
         raise InvalidArgumentType(
@@ -363,12 +358,17 @@ def check_grad_buffer(name: str, buf: object, like_name: str, like: torch.Tensor
         return
     if not isinstance(buf, torch.Tensor):
         raise InvalidArgumentType(f"{name} must be None or a tensor shaped like {like_name}, got {type(buf).__name__}")
-    if buf.shape != like.shape:
-        raise InvalidArgument(f"{name} must have {like_name}'s shape {tuple(like.shape)}, got {tuple(buf.shape)}")
-    if buf.dtype != like.dtype:
-        raise InvalidArgumentType(f"{name} must have {like_name}'s dtype {like.dtype}, got {buf.dtype}")
-    if buf.device != like.device:
-        raise InvalidArgument(f"{name} is on {buf.device} but {like_name} is on {like.device}")
+    _check_like(name, buf, like_name, like)
+
+
+def _check_like(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """``t`` has ``like``'s shape, dtype and device."""
+    if t.shape != like.shape:
+        raise InvalidArgument(f"{name} must have {like_name}'s shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    if t.dtype != like.dtype:
+        raise InvalidArgumentType(f"{name} must have {like_name}'s dtype {like.dtype}, got {t.dtype}")
+    if t.device != like.device:
+        raise InvalidArgument(f"{name} is on {t.device} but {like_name} is on {like.device}")
 
 
 def check_rng_state(rng_state: object, dropout_p: float) -> torch.Tensor | None:
