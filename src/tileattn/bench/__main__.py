@@ -89,33 +89,70 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _case_row(case, name: str, device: str, **extra) -> dict:
+    """The fields every result row of ``case`` (batch, seqlen, nheads, headdim, causal, dtype) starts with."""
+    batch, seqlen, nheads, headdim, causal, dtype = case
+    return dict(
+        backend=name,
+        batch=batch,
+        seqlen=seqlen,
+        nheads=nheads,
+        headdim=headdim,
+        causal=causal,
+        dtype=str(dtype).replace("torch.", ""),
+        device=device,
+        **extra,
+    )
+
+
+def _checked_forward(name, q, k, v, causal, refs, progress):
+    """``(fn, error)``: backend ``name``'s forward on q, k, v once its output has passed the check against
+    ``refs`` (``slice_refs``); ``fn`` is None when the backend cannot run here (skipped, ``error`` None) or
+    failed (``error``: what it raised). One backend failing, or rejecting a shape, must not end the run."""
+    try:
+        fn = BACKENDS[name](q, k, v, causal)
+        check_backend(name, fn(), q, k, v, causal, refs)
+    except Unavailable as exc:
+        progress(f"skip {name}: {exc}")
+        return None, None
+    except Exception as exc:  # noqa: BLE001
+        progress(f"{name} failed: {_first_line(exc)[:160]}")
+        return None, _first_line(exc)[:300]
+    return fn, None
+
+
+def _backward_alone(name, q, k, v, causal, progress):
+    """A callable running backend ``name``'s backward alone, over one retained graph of a forward on leaf
+    copies of q, k, v (the difference of a forward + backward and a forward timing varied by up to 15 %
+    at the shortest cells), or None if the backward fails."""
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    try:
+        out = BACKENDS[name](*inputs, causal)()
+        dout = torch.randn_like(out)
+
+        def bwd():
+            torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+        bwd()
+    except Exception as exc:  # noqa: BLE001
+        progress(f"{name} backward failed: {_first_line(exc)[:160]}")
+        return None
+    return bwd
+
+
 def run_case(case, backends, device, modes, progress):
     """Rows of one case on CUDA: each backend checked, then timed alone (``time_ms``), with its peak memory."""
     batch, seqlen, nheads, headdim, causal, dtype = case
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    refs = slice_refs(q, k, v, causal)  # computed once for every backend
     rows = []
     for name in backends:
-        row = dict(
-            backend=name,
-            batch=batch,
-            seqlen=seqlen,
-            nheads=nheads,
-            headdim=headdim,
-            causal=causal,
-            dtype=str(dtype).replace("torch.", ""),
-            device=device,
-        )
-        try:
-            fn = BACKENDS[name](q, k, v, causal)
-            check_backend(name, fn(), q, k, v, causal)
-        except Unavailable as exc:
-            progress(f"skip {name}: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - one backend failing (or rejecting a shape) must not end the run
-            progress(f"{name} failed: {_first_line(exc)[:160]}")
-            row["error"] = _first_line(exc)[:300]
-            rows.append(row)
+        row = _case_row(case, name, device)
+        fn, error = _checked_forward(name, q, k, v, causal, refs, progress)
+        if fn is None:
+            if error is not None:
+                rows.append(dict(row, error=error))
             continue
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -124,23 +161,11 @@ def run_case(case, backends, device, modes, progress):
         row["fwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd") / t_fwd / 1e9
         row["kind"] = "attention"
         if "bwd" in modes:  # the forward is always measured too (fwd+bwd adds the two)
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            fn_g = BACKENDS[name](qg, kg, vg, causal)
-            dout = torch.randn_like(q)
-
-            try:
-                out = fn_g()
-
-                # the backward alone, over one retained graph (the difference of a forward + backward and
-                # a forward timing varied by up to 15 % at the shortest cells)
-                def bwd(out=out, dout=dout, inputs=(qg, kg, vg)):
-                    torch.autograd.grad(out, inputs, dout, retain_graph=True)
-
+            bwd = _backward_alone(name, q, k, v, causal, progress)
+            if bwd is not None:
                 row["bwd_ms"] = time_ms(bwd, device)
                 row["bwd_tflops"] = flops(batch, nheads, seqlen, seqlen, headdim, causal, "bwd") / row["bwd_ms"] / 1e9
-                del out, bwd  # the retained graph, before the next backend's peak memory is measured
-            except Exception as exc:  # noqa: BLE001
-                progress(f"{name} backward failed: {_first_line(exc)[:160]}")
+                del bwd  # the retained graph, before the next backend's peak memory is measured
         if device == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         rows.append(row)
@@ -159,43 +184,18 @@ def run_case_cpu(case, backends, modes, threads, peak, progress, budget_s=CPU_BU
     rows, timed = {}, {"fwd": {}, "bwd": {}}
     refs = slice_refs(q, k, v, causal)  # computed once for every backend
     for name in backends:
-        row = dict(
-            backend=name,
-            batch=batch,
-            seqlen=seqlen,
-            nheads=nheads,
-            headdim=headdim,
-            causal=causal,
-            dtype=str(dtype).replace("torch.", ""),
-            device="cpu",
-            kind="attention",
-            threads=threads,
-        )
-        try:
-            fn = BACKENDS[name](q, k, v, causal)
-            check_backend(name, fn(), q, k, v, causal, refs)
-        except Unavailable as exc:
-            progress(f"skip {name}: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - one backend failing must not end the run
-            progress(f"{name} failed: {_first_line(exc)[:160]}")
-            rows[name] = dict(row, error=_first_line(exc)[:300])
+        row = _case_row(case, name, "cpu", kind="attention", threads=threads)
+        fn, error = _checked_forward(name, q, k, v, causal, refs, progress)
+        if fn is None:
+            if error is not None:
+                rows[name] = dict(row, error=error)
             continue
         rows[name], timed["fwd"][name] = row, fn
         row["peak_mem_mib"] = peak.get((batch, seqlen, nheads, headdim, causal, name), float("nan"))
         if "bwd" in modes:  # the forward is always measured too
-            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            try:
-                out = BACKENDS[name](qg, kg, vg, causal)()
-                dout = torch.randn_like(out)
-
-                def bwd(out=out, dout=dout, inputs=(qg, kg, vg)):  # the backward alone, over a retained graph
-                    torch.autograd.grad(out, inputs, dout, retain_graph=True)
-
-                bwd()
+            bwd = _backward_alone(name, q, k, v, causal, progress)
+            if bwd is not None:
                 timed["bwd"][name] = bwd
-            except Exception as exc:  # noqa: BLE001
-                progress(f"{name} backward failed: {_first_line(exc)[:160]}")
     for mode, fns in timed.items():
         if not fns:
             continue
