@@ -215,7 +215,7 @@ def _attn_bwd_dkdv(
     qk_scale, softcap_scale, softcap_log2 = common.prologue(
         b, h_k, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, False, False
     )[:3]
-    lo, full_lo, full_hi, hi = common.query_range(
+    query_ranges = common.query_range(
         n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
     )
     for g in range(0, group_size):
@@ -233,22 +233,16 @@ def _attn_bwd_dkdv(
         dq_desc = common.rows_desc(DQ_base, seqlen_q, stride_dqm, HEAD_DIM, BLOCK_M, BLOCK_D, DQ_ATOMIC == 2)
         if HAS_FLASHMASK:  # the key tile's runs of query tiles under head h's mask (flat tile t)
             t = pid if IS_VARLEN else b * tl.num_programs(0) + n_block
-            runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+            ranges = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
             bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
             cols = offs_n[None, :] if Q_MAJOR else offs_n[:, None]  # the score tile's key axis
             fm_bounds = common.flashmask_bounds(bounds, stride_bc, cols, seqlen_k, HAS_UPPER)
         else:
-            runs, fm_bounds = Runs, (0, 0, 0, 0)
+            ranges, fm_bounds = query_ranges, (0, 0, 0, 0)
         for seg in tl.static_range(3):
-            if HAS_FLASHMASK:
-                r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
-            else:
-                r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+            r_lo, r_hi = common.passes(seg, ranges, HAS_FLASHMASK)
             for r in range(r_lo, r_hi):
-                if HAS_FLASHMASK:
-                    seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_M)
-                else:
-                    seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+                seg_lo, seg_hi = common.pass_tiles(seg, r, ranges, BLOCK_M, HAS_FLASHMASK)
                 dk, dv = _dkdv_tiles(
                     dk, dv, k, v,
                     Q_base, DO_base, q_desc, do_desc, Lse_base, Delta_base, DQ_base, dq_desc,
@@ -394,23 +388,17 @@ def _attn_bwd_dq(
     v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     if HAS_FLASHMASK:  # the runs of the program's schedule (flat tile t) and its sequence's bounds
         t = pid if IS_VARLEN else b * tl.num_programs(0) + m_block
-        runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+        ranges = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
         bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
     else:
-        runs, bounds = Runs, Bounds
-        lo, full_lo, full_hi, hi = common.key_range(
+        bounds = Bounds
+        ranges = common.key_range(
             m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
         )
     for seg in tl.static_range(3):
-        if HAS_FLASHMASK:
-            r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
-        else:
-            r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+        r_lo, r_hi = common.passes(seg, ranges, HAS_FLASHMASK)
         for r in range(r_lo, r_hi):
-            if HAS_FLASHMASK:
-                seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_N)
-            else:
-                seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+            seg_lo, seg_hi = common.pass_tiles(seg, r, ranges, BLOCK_N, HAS_FLASHMASK)
             dq = _dq_tiles(
                 dq, q, do, lse2, delta,
                 K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,

@@ -358,10 +358,33 @@ def tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h):
 
 
 @triton.jit
-def run_bounds(Runs_t, r, BLOCK: tl.constexpr):
-    """The first and the end row ``(lo, hi)`` of run ``r`` of a program's FlashMask schedule (``tile_runs``),
-    multiples of BLOCK (the end may pass a ragged sequence's end: such tiles are in partial runs)."""
-    return tl.load(Runs_t + 2 * r) * BLOCK, tl.load(Runs_t + 2 * r + 1) * BLOCK
+def passes(seg: tl.constexpr, ranges, HAS_FLASHMASK: tl.constexpr):
+    """``[r_lo, r_hi)``, the passes of segment ``seg`` (``tl.static_range(3)``) of a tile loop over
+    ``ranges``: under a FlashMask, ``tile_runs``'s ``(Runs_t, n_masked, n_runs)`` and one pass per run
+    (segment 0 the partial runs, 1 the full ones, 2 none); otherwise ``key_range``'s or ``query_range``'s
+    ``(lo, full_lo, full_hi, hi)`` and one pass over the segment (a loop the compiler drops)."""
+    if HAS_FLASHMASK:
+        runs, n_masked, n_runs = ranges
+        r_lo, r_hi = segment(seg, 0, n_masked, n_runs, n_runs)
+    else:
+        r_lo = 0
+        r_hi = 1
+    return r_lo, r_hi
+
+
+@triton.jit
+def pass_tiles(seg: tl.constexpr, r, ranges, BLOCK: tl.constexpr, HAS_FLASHMASK: tl.constexpr):
+    """The rows ``[lo, hi)`` that pass ``r`` of segment ``seg`` (``passes``) visits, multiples of BLOCK:
+    run ``r`` of the FlashMask schedule (its end may pass a ragged sequence's end: such tiles are in
+    partial runs), or the segment itself."""
+    if HAS_FLASHMASK:
+        runs, n_masked, n_runs = ranges
+        seg_lo = tl.load(runs + 2 * r) * BLOCK
+        seg_hi = tl.load(runs + 2 * r + 1) * BLOCK
+    else:
+        lo, full_lo, full_hi, hi = ranges
+        seg_lo, seg_hi = segment(seg, lo, full_lo, full_hi, hi)
+    return seg_lo, seg_hi
 
 
 @triton.jit

@@ -137,25 +137,19 @@ def _attn_fwd(
 
     if HAS_FLASHMASK:  # the runs of the program's schedule (flat tile t): partial runs, then full ones
         t = pid if IS_VARLEN else b * tl.num_programs(0) + m_block
-        runs, n_masked, n_runs = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
+        ranges = common.tile_runs(Runs, Counts, t, stride_rh, stride_ch, n_list, h)
         bounds = Bounds + h * stride_bh + (k_start if IS_VARLEN else b64 * max_seqlen_k)
     else:
-        runs, bounds = Runs, Bounds
-        lo, full_lo, full_hi, hi = common.key_range(
+        bounds = Bounds
+        ranges = common.key_range(
             m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT
         )
     # Left edge of a window (masked), the fully visible middle (no element mask), the diagonal and the
     # ragged end of the keys (masked); under a FlashMask, its partial runs (masked) and full runs.
     for seg in tl.static_range(3):
-        if HAS_FLASHMASK:
-            r_lo, r_hi = common.segment(seg, 0, n_masked, n_runs, n_runs)
-        else:
-            r_lo, r_hi = 0, 1  # (one pass over the segment: the compiler drops the loop)
+        r_lo, r_hi = common.passes(seg, ranges, HAS_FLASHMASK)
         for r in range(r_lo, r_hi):
-            if HAS_FLASHMASK:
-                seg_lo, seg_hi = common.run_bounds(runs, r, BLOCK_N)
-            else:
-                seg_lo, seg_hi = common.segment(seg, lo, full_lo, full_hi, hi)
+            seg_lo, seg_hi = common.pass_tiles(seg, r, ranges, BLOCK_N, HAS_FLASHMASK)
             acc, l_i, m_i = _fwd_tiles(
                 acc, l_i, m_i, q,
                 K_base, V_base, k_desc, v_desc, stride_kn, stride_vn,
