@@ -2,7 +2,8 @@
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/sanitize.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
-    (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only)
+    (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
+    FP8 calls only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -23,6 +24,55 @@ torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
 KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter run)
 FLASHMASK_ONLY = "--flashmask" in sys.argv
+FP8_ONLY = "--fp8" in sys.argv
+
+
+def fp8_calls() -> None:
+    """FP8: the forward on e4m3 q, k, v (ragged tiles, GQA, causal with seqlen_q != seqlen_k, a window,
+    softcap, head dims 40 / 111 / 256, a packed batch with an empty sequence; V read through its
+    transposed copy and directly), and FP8 KV caches (contiguous and paged, append, split-KV)."""
+    from tileattn import fp8
+
+    def quantized(*shape, nheads_k=None):
+        return fp8.quantize(torch.randn(*shape, device=dev, dtype=dt), nheads_k)
+
+    base = configs.for_device(torch.device(dev))
+    for settings in (base, dataclasses.replace(base, fp8_v_transposed=False)):
+        with configs.override(settings):
+            for b, sq, sk, h, hk, d, kw in (
+                (2, 113, 301, 4, 2, 40, {"causal": True}),
+                (1, 257, 130, 2, 1, 111, {"window_size": (33, 7), "softcap": 5.0}),
+                (1, 129, 129, 2, 2, 256, {}),
+            ):
+                (q, qd), (k, kd), (v, vd) = (
+                    quantized(b, sq, h, d, nheads_k=hk),
+                    quantized(b, sk, hk, d),
+                    quantized(b, sk, hk, d),
+                )
+                tileattn.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+            lens = [37, 0, 130]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            (q, qd), (k, kd) = (fp8.quantize(torch.randn(167, hh, 72, device=dev), 2, cu) for hh in (4, 2))
+            tileattn.flash_attn_varlen_func(
+                q, k, k, cu, cu, 130, 130, causal=True, q_descale=qd, k_descale=kd, v_descale=kd
+            )
+    for page in (None, 16):
+        q = torch.randn(3, 2, 8, 72, device=dev, dtype=dt)
+        new_k, new_v = (torch.randn(3, 2, 2, 72, device=dev, dtype=dt) for _ in range(2))
+        layout = {}
+        if page:
+            kc = torch.randn(3 * 10, page, 2, 72, device=dev).to(torch.float8_e4m3fn)
+            layout["block_table"] = torch.randperm(30, device=dev).view(3, 10).int()
+        else:
+            kc = torch.randn(3, 157, 2, 72, device=dev).to(torch.float8_e4m3fn)
+        vc = kc.clone()
+        descale = torch.rand(3, 2, device=dev) + 0.5
+        seqlens = torch.tensor([0, 61, 155], dtype=torch.int32, device=dev)
+        for splits in (1, 4):
+            tileattn.flash_attn_with_kvcache(
+                q, kc, vc, new_k, new_v, cache_seqlens=seqlens, causal=True, num_splits=splits,
+                k_descale=descale, v_descale=descale, **layout,
+            )  # fmt: skip
 
 
 def flashmask_calls() -> None:
@@ -52,6 +102,11 @@ def flashmask_calls() -> None:
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 
 
+if FP8_ONLY:
+    fp8_calls()
+    torch.cuda.synchronize()
+    print("sanitize workload done")
+    sys.exit(0)
 if FLASHMASK_ONLY:
     flashmask_calls()
     torch.cuda.synchronize()
@@ -59,6 +114,7 @@ if FLASHMASK_ONLY:
     sys.exit(0)
 if not KVCACHE_ONLY:
     flashmask_calls()
+    fp8_calls()
     CASES = [
         (1, 113, 203, 4, 2, 59, dict(causal=True)),
         (2, 203, 113, 3, 1, 111, dict(window_size=(17, 5), softcap=3.0)),

@@ -63,12 +63,13 @@ def randn(*shape, dtype, device, requires_grad=True):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
 
-def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=True, varlen=None):
+def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=True, varlen=None, lowp_kwargs=None):
     """Checks ``out`` and ``grads = (dq, dk, dv)`` of an attention call on ``q, k, v`` (and ``dout``)
     with the tolerance rule: against ``oracle.attention`` in fp64 (on fp64 copies of the inputs, so its
     gradients are not rounded either), where the PyTorch error is the oracle's in the inputs' precision.
     ``ref_kwargs``: the call's keyword arguments (``dropout_mask`` with dropout); ``varlen``: for a packed
-    call, ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (``oracle.attention_varlen``)."""
+    call, ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (``oracle.attention_varlen``); ``lowp_kwargs``:
+    more arguments of the low-precision run (FP8's ``probs_dtype``)."""
 
     def run(*qkv, **kwargs):
         if varlen is None:
@@ -77,7 +78,7 @@ def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=Tru
 
     exact = [t.detach().double().requires_grad_(check_grads) for t in (q, k, v)]
     plain = [t.detach().clone().requires_grad_(check_grads) for t in (q, k, v)]
-    ref, ref_lowp = run(*exact), run(*plain, precision=None)
+    ref, ref_lowp = run(*exact), run(*plain, precision=None, **(lowp_kwargs or {}))
     check_close(f"{name} out", out, ref, ref_lowp)
     if not check_grads or not out.numel():
         return

@@ -94,6 +94,7 @@ def attention(
     window_seqlen_k: int | None = None,
     visible_mask: torch.Tensor | None = None,
     precision: torch.dtype | None = torch.float64,
+    probs_dtype: torch.dtype | None = None,
 ) -> Attention:
     """Dense attention with materialised scores (differentiable).
 
@@ -112,6 +113,8 @@ def attention(
             from a row on top of the window (a FlashMask: ``flashmask_visible``).
         precision: the dtype to compute in (default float64, the oracle); None computes in q's dtype
             (plain PyTorch's error, for the tolerance rule).
+        probs_dtype: round the probabilities to this dtype before ``· V``, at their row max 1 (plain FP8
+            attention, ``exp(s - rowmax)`` in e4m3 over the fp32 sum), for the FP8 tolerance.
 
     Returns:
         ``Attention(out, lse, probs)`` in the compute precision.
@@ -161,6 +164,9 @@ def attention(
         if dropout_mask is None:
             raise ValueError("oracle: dropout_p > 0 needs dropout_mask (True where kept)")
         weights = probs.masked_fill(~dropout_mask, 0.0) / (1 - dropout_p)
+    if probs_dtype is not None and weights.numel():
+        row_max = weights.detach().amax(-1, keepdim=True).clamp_min(torch.finfo(compute).tiny)
+        weights = (weights / row_max).to(probs_dtype).to(compute) * row_max
     out = torch.einsum("bhqk,bkhd->bqhd", weights, v)
     return Attention(out, lse, probs)
 

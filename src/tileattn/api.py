@@ -97,8 +97,8 @@ _DENSE_DOC_ARGS = """
         q_descale, k_descale, v_descale: keyword-only, FlashAttention-3's FP8 arguments: with q, k, v in
             ``torch.float8_e4m3fn`` (all three), fp32 ``(batch, nheads_k)`` factors (None: 1.0) by which each
             sequence's kv head (and the query heads of its group) is multiplied; ``tileattn.fp8.quantize``
-            makes them. The output is bf16; FP8 calls are forward only. Today they are dequantized to bf16
-            and run the bf16 kernels.
+            makes them. The output is bf16; FP8 calls are forward only. Both matmuls run in FP8 on GPUs
+            with FP8 tensor cores (sm89+).
 """
 
 _RETURNS_DOC = """
@@ -134,8 +134,8 @@ def dense_call(
     q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     k = checks.check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
-    q, k, v = fp8.inputs(q, k, v, *descales, batch=q.shape[0])
-    q, k, v = checks.check_qkv(q, k, v)
+    q, k, v, fp8_descales = fp8.inputs(q, k, v, *descales, batch=q.shape[0])
+    q, k, v = checks.check_qkv(q, k, v, fp8=fp8_descales is not None)
     batch, seqlen_q, nheads, headdim = q.shape
     if k.shape[0] != batch:
         raise checks.InvalidArgument(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
@@ -155,6 +155,7 @@ def dense_call(
         deterministic,
         return_attn_probs,
     )
+    p.descales = fp8.checked_options(fp8_descales, p)
     return q, k, v, p
 
 
@@ -307,8 +308,8 @@ def varlen_call(
     v = checks.check_tensor("v", v, "(total_k, nheads_k, headdim)")
     checks.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.device)
     checks.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, q.device)
-    q, k, v = fp8.inputs(q, k, v, *descales, cu_seqlens_q.numel() - 1, cu_seqlens_q, cu_seqlens_k)
-    q, k, v = checks.check_qkv(q, k, v)
+    q, k, v, fp8_descales = fp8.inputs(q, k, v, *descales, cu_seqlens_q.numel() - 1, cu_seqlens_q, cu_seqlens_k)
+    q, k, v = checks.check_qkv(q, k, v, fp8=fp8_descales is not None)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise checks.InvalidArgument(
             f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_seqlens_q.numel() - 1} and "
@@ -333,6 +334,7 @@ def varlen_call(
         cu_seqlens_q=cu_seqlens_q.contiguous(),
         cu_seqlens_k=cu_seqlens_k.contiguous(),
     )
+    p.descales = fp8.checked_options(fp8_descales, p)
     return q, k, v, p
 
 

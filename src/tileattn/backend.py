@@ -40,12 +40,12 @@ def cpu_backend(name: str) -> Iterator[None]:
 def implementation(q: torch.Tensor) -> ModuleType | SimpleNamespace:
     """The module whose ``attn_fwd`` / ``attn_bwd`` run this call.
 
-    Under the interpreter only float16 takes the kernels: Triton 3.6's interpreter multiplies bfloat16
-    ``tl.dot`` operands as raw 16-bit integers, so bfloat16 CPU tensors stay on the PyTorch path."""
+    Under the interpreter only float16 and FP8 take the kernels: Triton 3.6's interpreter multiplies
+    bfloat16 ``tl.dot`` operands as raw 16-bit integers, so bfloat16 CPU tensors stay on the PyTorch path."""
     if not q.is_cuda:
         chosen = _CPU_BACKEND.get()
         wants_triton = chosen == "triton" or (chosen is None and interpreting())
-        if not (wants_triton and q.dtype == torch.float16):
+        if not (wants_triton and q.dtype in (torch.float16, torch.float8_e4m3fn)):
             return cpu
     return _triton_implementation()
 

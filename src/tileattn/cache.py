@@ -42,15 +42,37 @@ class CacheStep:
     seq_ids: list[int]
     cache_seqlens: torch.Tensor  # int32 (batch,), lengths before the step
     block_table: torch.Tensor  # int32 (batch, max_pages)
+    # FP8 pools: fp32 (num_layers, batch, nheads_k), each layer's descales for the step's sequences
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
 
     def kwargs(self, layer: int) -> dict:
-        """``k_cache``, ``v_cache``, ``cache_seqlens`` and ``block_table`` for ``layer``."""
-        return dict(
+        """``k_cache``, ``v_cache``, ``cache_seqlens`` and ``block_table`` for ``layer`` (and the layer's
+        ``k_descale`` and ``v_descale`` with an FP8 pool)."""
+        args = dict(
             k_cache=self.cache.k[layer],
             v_cache=self.cache.v[layer],
             cache_seqlens=self.cache_seqlens,
             block_table=self.block_table,
         )
+        if self.k_descale is not None:
+            args.update(k_descale=self.k_descale[layer], v_descale=self.v_descale[layer])
+        return args
+
+
+def _descales(name: str, value: object, num_layers: int, nheads_k: int, device) -> torch.Tensor:
+    """An FP8 pool's descale argument as fp32 ``(num_layers, nheads_k)``."""
+    value = 1.0 if value is None else value
+    try:
+        d = torch.as_tensor(value, dtype=torch.float32, device=device).expand(num_layers, nheads_k).clone()
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be a float or a tensor broadcastable to (num_layers, nheads_k) = ({num_layers}, "
+            f"{nheads_k}), got {value!r}"
+        ) from None
+    if not bool((d > 0).all()):
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return d
 
 
 class PagedKVCache:
@@ -60,10 +82,16 @@ class PagedKVCache:
         num_layers, num_pages, page_size, nheads_k, headdim: pool geometry; ``k[layer]`` and
             ``v[layer]`` are ``(num_pages, page_size, nheads_k, headdim)``, so the pool holds
             ``2 * num_layers * num_pages * page_size * nheads_k * headdim`` elements.
-        dtype: of the pool, which must be the dtype of the queries and new keys passed with it. Default
-            ``None``: bfloat16 on a CUDA device, ``torch.get_default_dtype()`` (float32 unless changed)
-            elsewhere, the dtypes a model runs in there.
+        dtype: of the pool, which must be the dtype of the queries and new keys passed with it, or
+            ``torch.float8_e4m3fn`` (an FP8 pool, half the bytes: queries and new keys in float16 or
+            bfloat16, the new keys and values quantized as they are written). Default ``None``: bfloat16
+            on a CUDA device, ``torch.get_default_dtype()`` (float32 unless changed) elsewhere, the
+            dtypes a model runs in there.
         device: of the pool; default ``None``, PyTorch's default device.
+        k_descale, v_descale: FP8 pools only: the scales of the keys and values, a float or a tensor
+            broadcastable to ``(num_layers, nheads_k)`` (default 1.0): the pool holds ``x / descale``
+            rounded to e4m3 (saturated at ±448), so a descale near ``max|x| / 448`` keeps the most
+            precision. Every step passes them to ``flash_attn_with_kvcache`` (``CacheStep.kwargs``).
     """
 
     def __init__(
@@ -75,6 +103,8 @@ class PagedKVCache:
         headdim: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        k_descale: float | torch.Tensor | None = None,
+        v_descale: float | torch.Tensor | None = None,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -93,6 +123,14 @@ class PagedKVCache:
         shape = (num_layers, num_pages, page_size, nheads_k, headdim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_descale = self.v_descale = None
+        if dtype == torch.float8_e4m3fn:
+            self.k_descale, self.v_descale = (
+                _descales(name, d, num_layers, nheads_k, self.k.device)
+                for name, d in (("k_descale", k_descale), ("v_descale", v_descale))
+            )
+        elif k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale and v_descale are for a torch.float8_e4m3fn pool; this one is {dtype}")
         self.page_size = page_size
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out low pages first
@@ -216,9 +254,15 @@ class PagedKVCache:
             pages = self._seqs[i].pages
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         device = self.k.device
-        return CacheStep(
+        step = CacheStep(
             cache=self,
             seq_ids=ids,
             cache_seqlens=torch.tensor(before, dtype=torch.int32).to(device),
             block_table=table.to(device),
         )
+        if self.k_descale is not None:  # (contiguous (batch, nheads_k) per layer, as the kernels read them)
+            layers, nheads_k = self.k_descale.shape
+            step.k_descale, step.v_descale = (
+                d[:, None].expand(layers, len(ids), nheads_k).contiguous() for d in (self.k_descale, self.v_descale)
+            )
+        return step

@@ -46,11 +46,14 @@ def contiguous_last(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.shape[-1] > 1 and t.stride(-1) != 1 else t
 
 
-def check_inputs(named: dict[str, torch.Tensor], in_place: tuple[str, ...] = ()) -> tuple[torch.dtype, torch.device]:
+def check_inputs(
+    named: dict[str, torch.Tensor], in_place: tuple[str, ...] = (), fp8: bool = False
+) -> tuple[torch.dtype, torch.device]:
     """Dtype and device checks shared by q, k, v (and their packed forms, and the caches). Tensors only
     read may have any strides (the caller copies them with ``contiguous_last``); those named in
     ``in_place`` are written and must be contiguous in their last dimension, as flash_attn requires
-    (a copy would hide the write from the caller)."""
+    (a copy would hide the write from the caller). ``fp8``: float8_e4m3fn is allowed too (its caller
+    has checked the descales, ``tileattn.fp8``)."""
     (first_name, first), *rest = named.items()
     for name in in_place:
         t = named[name]
@@ -60,6 +63,8 @@ def check_inputs(named: dict[str, torch.Tensor], in_place: tuple[str, ...] = ())
                 f"{tuple(t.stride())} (flash_attn requires this too)"
             )
     for name, t in named.items():
+        if fp8 and t.dtype == torch.float8_e4m3fn:
+            continue
         if t.dtype not in _CPU_DTYPES:
             raise InvalidArgumentType(f"{name} must be float16 or bfloat16 (or float32 on CPU), got {t.dtype}")
         if t.dtype not in _GPU_DTYPES and t.is_cuda:
@@ -67,7 +72,7 @@ def check_inputs(named: dict[str, torch.Tensor], in_place: tuple[str, ...] = ())
                 f"{name} is a CUDA tensor of dtype {t.dtype}; on CUDA only float16 and bfloat16 are supported"
             )
     for name, t in rest:
-        if t.dtype != first.dtype:
+        if t.dtype != first.dtype and not (fp8 and torch.float8_e4m3fn in (t.dtype, first.dtype)):
             raise InvalidArgumentType(
                 f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; all inputs must share one dtype"
             )
@@ -107,11 +112,13 @@ def check_extent(seqlen: int, named: dict[str, torch.Tensor]) -> None:
             )
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checks shared by the dense and varlen layouts: dtypes and devices, k and v alike, head counts and
-    head dims (the last two dims of every layout). Returns q, k, v contiguous in their last dimension
-    (copied where they are not, as flash_attn does)."""
-    check_inputs({"q": q, "k": k, "v": v})
+def check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks shared by the dense and varlen layouts: dtypes and devices (float8_e4m3fn too with ``fp8``),
+    k and v alike, head counts and head dims (the last two dims of every layout). Returns q, k, v
+    contiguous in their last dimension (copied where they are not, as flash_attn does)."""
+    check_inputs({"q": q, "k": k, "v": v}, fp8=fp8)
     if k.shape != v.shape:
         raise InvalidArgument(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     check_heads(q.shape[-2], k.shape[-2], q.shape[-1], k.shape[-1], v.shape[-1])

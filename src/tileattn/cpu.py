@@ -26,6 +26,7 @@ from tileattn.rotary_torch import rotary_at
 
 BLOCK_M = 128
 BLOCK_N = 256
+E4M3_MAX = 448.0
 
 
 def _sequences(p: AttnParams, total_q: int, total_k: int):
@@ -121,6 +122,11 @@ class _Scores:
         return s, t, keep
 
 
+def _descaled(t: torch.Tensor, descale: torch.Tensor, group: int) -> torch.Tensor:
+    """A sequence's ``(nheads, seqlen, d)`` FP8 values in fp32, times their kv heads' descales."""
+    return t.float() * _expand_kv(descale.view(-1, 1, 1), group)
+
+
 def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     """(nheads_k, s, d) -> (nheads, s, d) view for GQA/MQA."""
     return t.repeat_interleave(group, dim=0) if group > 1 else t
@@ -129,12 +135,14 @@ def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
 def attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     nheads = q.shape[-2]
     group = nheads // k.shape[-2]
     lse = q.new_empty(p.new_lse(p.as_4d(q)).shape, dtype=torch.float32)
     for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
         qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
+        if p.is_fp8:  # FP8 inputs: their values, x_fp8 * descale (exact in fp32)
+            qs, ks, vs = (_descaled(t, d, g) for t, d, g in zip((qs, ks, vs), p.descales[:, b], (group, 1, 1)))
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
         score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device, _key_token(p, b, rows_k))
         o_seq = _seq(out, p, b, rows_q)
@@ -253,6 +261,8 @@ def _write_rows(
     batch_idx: torch.Tensor | None,
 ) -> None:
     """Writes ``new (batch, seqlen_new, nheads_k, d)`` into ``cache`` at ``positions (batch, seqlen_new)``."""
+    if cache.dtype == torch.float8_e4m3fn:  # (as bytes: index_put has no float8 kernels)
+        cache, new = cache.view(torch.uint8), new.view(torch.uint8)
     if block_table is not None:
         page_size = cache.shape[1]
         pages = block_table.long().gather(1, positions.div(page_size, rounding_mode="floor"))
@@ -262,15 +272,23 @@ def _write_rows(
         cache[rows.unsqueeze(1), positions] = new
 
 
-def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None):
+def kvcache_append(
+    k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None, descales=(None, None), interpret=False
+):
     """Rotates the new keys at their cache positions ``seqlens[b] + t`` and writes k, v into the caches
-    in place. ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as
-    ``kernels.decode.kvcache_append`` (``plans`` is not used here)."""
+    in place (into FP8 caches divided by ``descales = (k_descale, v_descale)``, saturated and rounded to
+    nearest). ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as
+    ``kernels.decode.kvcache_append`` (``plans`` and ``interpret`` are not used here)."""
     if k is None:
         return
     positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
     if rotary is not None:
         k = rotary_at(k, *rotary[:2], positions, rotary[2])
+    if descales[0] is not None:
+        k, v = (
+            (t.float() / d[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            for t, d in zip((k, v), descales)
+        )
     # as the kernels (and flash_attn) write: also into caches that require grad or are inference tensors,
     # which torch's in-place writes refuse outside no_grad / inference mode (after the first cache's write)
     inference = k_cache.is_inference() or v_cache.is_inference()
@@ -309,6 +327,9 @@ def attn_fwd_kvcache(
             row = int(c.batch_idx[b]) if c.batch_idx is not None else b
             ks.append(k_cache[row, pos])
             vs.append(v_cache[row, pos])
+        if c.k_descale is not None:  # FP8 caches: their values, x_fp8 * descale (in fp32)
+            ks[-1] = ks[-1].float() * c.k_descale[b][:, None]
+            vs[-1] = vs[-1].float() * c.v_descale[b][:, None]
     lengths_k = [len(t) for t in ks]
     cu_k = torch.tensor([0, *itertools.accumulate(lengths_k)], dtype=torch.int32)
     if p.is_varlen:

@@ -1,11 +1,12 @@
 """FP8 (e4m3) inputs: quantizing to them with per-(batch, kv head) descales, and the checks and dequantization
 of FP8 calls to the attention functions (FlashAttention-3's ``q_descale``, ``k_descale``, ``v_descale``).
 
-A tensor ``x`` in FP8 stands for ``x_fp8 * descale``: ``descale`` is fp32 ``(batch, nheads_k)``, one factor
-per sequence and kv head, shared by the query heads of its GQA group (FlashAttention-3's layout). The
-attention functions take q, k, v in ``torch.float8_e4m3fn`` with their descales (None: 1.0) and return
-bf16. Today every path dequantizes the inputs to bf16 (exact up to bf16's rounding of the product) and
-runs the bf16 attention; a backward through FP8 inputs raises ``NotImplementedError``.
+A tensor ``x`` in FP8 stands for ``x_fp8 * descale``: ``descale`` is fp32 ``(batch, nheads_k)``, one positive
+factor per sequence and kv head, shared by the query heads of its GQA group (FlashAttention-3's layout).
+The attention functions take q, k, v in ``torch.float8_e4m3fn`` with their descales (None: 1.0) and return
+bf16. On GPUs with FP8 tensor cores (sm89+) the forward kernel reads FP8 and multiplies in FP8
+(``tileattn.kernels.forward``); the CPU path descales in fp32; older GPUs run the bf16 kernels on
+dequantized inputs. A backward through FP8 inputs raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def dequantize(
 
 
 class _Dequantized(torch.autograd.Function):
-    """Dequantization of the attention's FP8 inputs, with a backward that refuses (no FP8 backward)."""
+    """Dequantization of the attention's FP8 inputs (GPUs without FP8 tensor cores), with a backward that
+    refuses (no FP8 backward)."""
 
     @staticmethod
     def forward(ctx, x, descale, cu_seqlens):
@@ -106,6 +108,27 @@ class _Dequantized(torch.autograd.Function):
         )
 
 
+def _check_descale(name: str, d: object, batch: int, nheads_k: int, device: torch.device) -> None:
+    """A descale argument: None, or fp32 ``(batch, nheads_k)`` on ``device``."""
+    if d is None:
+        return
+    if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
+        got = d.dtype if isinstance(d, torch.Tensor) else type(d).__name__
+        raise checks.InvalidArgumentType(f"{name} must be a float32 tensor of shape (batch, nheads_k), got {got}")
+    if tuple(d.shape) != (batch, nheads_k):
+        raise checks.InvalidArgument(
+            f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(d.shape)}"
+        )
+    if d.device != device:
+        raise checks.InvalidArgument(f"{name} is on {d.device} but q is on {device}")
+
+
+def _native(device: torch.device) -> bool:
+    """Whether attention on ``device`` reads FP8 itself: CPU (the PyTorch path descales block by block) and
+    GPUs with FP8 tensor cores (sm89+); older GPUs take dequantized bf16 inputs."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def inputs(
     q: object,
     k: object,
@@ -116,9 +139,12 @@ def inputs(
     batch: int,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
-) -> tuple[object, object, object]:
-    """q, k, v of an attention call, dequantized to bf16 when they are FP8 (after checking them and their
-    descales); other calls unchanged (and refused if they pass a descale). ``batch``: the call's."""
+) -> tuple[object, object, object, torch.Tensor | None]:
+    """``(q, k, v, descales)`` of an attention call: FP8 q, k, v (after checking them and their
+    descales) with ``descales`` fp32 ``(3, batch, nheads_k)`` (``AttnParams.descales``; 1.0 where a
+    descale is None), which the kernels read; on GPUs without FP8 tensor cores q, k, v dequantized to
+    bf16 and None. Other calls unchanged, with None (and refused if they pass a descale). ``batch``: the
+    call's."""
     tensors = {"q": q, "k": k, "v": v}
     descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     fp8 = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.dtype in _FP8]
@@ -126,7 +152,7 @@ def inputs(
         given = [name for name, d in descales.items() if d is not None]
         if given:
             raise checks.InvalidArgument(f"{given[0]} is for float8_e4m3fn q, k and v; these are not FP8")
-        return q, k, v
+        return q, k, v, None
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
             got = type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype
@@ -136,21 +162,65 @@ def inputs(
             )
     nheads_k = k.shape[-2] if k.dim() >= 2 else 0
     for name, d in descales.items():
-        if d is None:
-            continue
-        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
-            got = d.dtype if isinstance(d, torch.Tensor) else type(d).__name__
-            raise checks.InvalidArgumentType(f"{name} must be a float32 tensor of shape (batch, nheads_k), got {got}")
-        if tuple(d.shape) != (batch, nheads_k):
-            raise checks.InvalidArgument(
-                f"{name} must have shape (batch, nheads_k) = ({batch}, {nheads_k}), got {tuple(d.shape)}"
-            )
-        if d.device != q.device:
-            raise checks.InvalidArgument(f"{name} is on {d.device} but q is on {q.device}")
+        _check_descale(name, d, batch, nheads_k, q.device)
     if q.shape[-2] % max(nheads_k, 1):
         raise checks.InvalidArgument(f"nheads ({q.shape[-2]}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
-    return (
-        _Dequantized.apply(q, q_descale, cu_seqlens_q),
-        _Dequantized.apply(k, k_descale, cu_seqlens_k),
-        _Dequantized.apply(v, v_descale, cu_seqlens_k),
-    )
+    if not _native(q.device):
+        return (
+            _Dequantized.apply(q, q_descale, cu_seqlens_q),
+            _Dequantized.apply(k, k_descale, cu_seqlens_k),
+            _Dequantized.apply(v, v_descale, cu_seqlens_k),
+            None,
+        )
+    ones = None
+    stacked = []
+    for d in descales.values():
+        if d is None:
+            ones = torch.ones(batch, nheads_k, device=q.device) if ones is None else ones
+            d = ones
+        stacked.append(d)
+    return q, k, v, torch.stack(stacked)
+
+
+def checked_options(descales: torch.Tensor | None, p) -> torch.Tensor | None:
+    """``descales`` after refusing what FP8 calls do not take (dropout: FP8 attention is forward only)."""
+    if descales is not None and p.dropout_p > 0:
+        raise checks.InvalidArgument(
+            f"dropout_p must be 0.0 with float8_e4m3fn inputs (FP8 attention is forward only), got {p.dropout_p}"
+        )
+    return descales
+
+
+def is_fp8(t: object) -> bool:
+    """Whether ``t`` is a tensor of an 8-bit float dtype (e4m3, e5m2 and their fnuz forms)."""
+    return isinstance(t, torch.Tensor) and t.dtype in _FP8
+
+
+def cache_descales(named: dict, k_descale: object, v_descale: object, batch: int, nheads_k: int) -> torch.Tensor | None:
+    """Checks the FP8 arguments of ``flash_attn_with_kvcache`` (``named``: q, k_cache, v_cache and any new
+    k, v, already checked by ``checks.check_inputs`` with FP8 allowed): e4m3 caches both, q, k, v in
+    float16/bfloat16, descales fp32 ``(batch, nheads_k)``. Returns the ones a None descale stands for, or
+    None when the caches are not FP8 (and no descale is given)."""
+    caches = {name: named[name] for name in ("k_cache", "v_cache")}
+    descales = {"k_descale": k_descale, "v_descale": v_descale}
+    if not any(t.dtype in _FP8 for t in caches.values()):
+        given = [name for name, d in descales.items() if d is not None]
+        if given:
+            raise checks.InvalidArgument(f"{given[0]} is for float8_e4m3fn k_cache and v_cache; these are not FP8")
+        return None
+    for name, t in caches.items():
+        if t.dtype != E4M3:
+            raise checks.InvalidArgumentType(
+                f"{name} must be torch.float8_e4m3fn like the other cache (FP8 caches are e4m3 both; e5m2 is not "
+                f"supported), got {t.dtype}"
+            )
+    for name, t in named.items():
+        if name not in caches and t.dtype not in (torch.float16, torch.bfloat16):
+            raise checks.InvalidArgumentType(
+                f"{name} must be float16 or bfloat16 with FP8 caches (the new keys and values are quantized as "
+                f"they are written), got {t.dtype}"
+            )
+    device = named["q"].device
+    for name, d in descales.items():
+        _check_descale(name, d, batch, nheads_k, device)
+    return torch.ones(batch, nheads_k, device=device)

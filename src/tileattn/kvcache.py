@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tileattn import backend, checks
+from tileattn import backend, checks, fp8
 from tileattn.ops import kvcache as ops
 from tileattn.params import remember
 
@@ -44,6 +44,9 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention of new queries against a KV cache, appending new keys/values to it in place first.
 
@@ -76,6 +79,11 @@ def flash_attn_with_kvcache(
             count that fills the GPU; 1 disables splitting.
         return_softmax_lse: also return the fp32 LSE ``(batch, nheads, seqlen_q)`` (+inf for rows that
             see no key).
+        k_descale, v_descale: keyword-only, for FP8 caches (``torch.float8_e4m3fn`` k_cache and v_cache,
+            with float16/bfloat16 q, k, v): fp32 ``(batch, nheads_k)`` factors (None: 1.0), sequence b's
+            keys and values of kv head h being ``cache * descale[b, h]``. New k and v are divided by them,
+            saturated at ±448 and rounded to e4m3 as they are written; the kernels widen the cache's
+            tiles to q's dtype and fold the factors into the scores and the output.
 
     Returns:
         ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
@@ -90,7 +98,7 @@ def flash_attn_with_kvcache(
     if direct:
         key = _call_key(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
-            + (block_table, alibi_slopes),
+            + (block_table, alibi_slopes, k_descale, v_descale),
             (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits),
             return_softmax_lse,
         )
@@ -119,6 +127,8 @@ def flash_attn_with_kvcache(
             alibi_slopes,
             num_splits,
             return_softmax_lse,
+            k_descale,
+            v_descale,
         )
         if key is not None:
             remember(calls, key, call, _MAX_CALLS)
@@ -152,6 +162,7 @@ def flash_attn_with_kvcache(
         rotary_interleaved,
         call.num_splits,
         call.q_span,
+        *call.descales(k_descale, v_descale),
     )
     if direct:
         out, lse = ops.fwd_kvcache_impl(*args, plans=call.plans, seqlens_value=seqlens_value)
@@ -222,6 +233,8 @@ def _check_call(
     alibi_slopes,
     num_splits,
     return_softmax_lse,
+    k_descale=None,
+    v_descale=None,
 ) -> _Call:
     """Every check of flash_attn_with_kvcache's arguments that their metadata decides (all but the index
     values, which ``checks.cache_values`` reads on the device): the normalised call, or a clear error."""
@@ -236,7 +249,8 @@ def _check_call(
     if has_new:
         named["k"] = checks.check_tensor("k", k, "(batch, seqlen_new, nheads_k, headdim)")
         named["v"] = checks.check_tensor("v", v, "(batch, seqlen_new, nheads_k, headdim)")
-    dtype, device = checks.check_inputs(named, in_place=("k_cache", "v_cache"))
+    fp8_cache = fp8.is_fp8(k_cache) or fp8.is_fp8(v_cache)
+    dtype, device = checks.check_inputs(named, in_place=("k_cache", "v_cache"), fp8=fp8_cache)
     if k_cache.shape != v_cache.shape:
         raise checks.InvalidArgument(
             f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
@@ -299,6 +313,7 @@ def _check_call(
     if batch > checks.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {checks.MAX_DENSE_BATCH}; split it into several calls")
     checks.check_alibi(alibi_slopes, batch, nheads, device)
+    ones = fp8.cache_descales(named, k_descale, v_descale, batch, nheads_k)
     return _Call(
         batch=batch,
         capacity=capacity,
@@ -309,13 +324,14 @@ def _check_call(
         num_splits=int(num_splits),
         q_span=seqlen_q if (causal or local) else 1,
         plans={},
+        ones=ones,
     )
 
 
 class _Call(NamedTuple):
     """A validated flash_attn_with_kvcache call, normalised (capacity: of each sequence's cache row or
     pages). ``plans``: where the kernels keep the launch plans of calls with this metadata
-    (``CacheLayout.plans``)."""
+    (``CacheLayout.plans``). Its tensors are the call's device's (a call key includes the device)."""
 
     batch: int
     capacity: int
@@ -326,6 +342,13 @@ class _Call(NamedTuple):
     num_splits: int
     q_span: int
     plans: dict
+    ones: Tensor | None  # FP8 caches: the descale a None stands for, fp32 (batch, nheads_k) ones
+
+    def descales(self, k_descale: Tensor | None, v_descale: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """The op's ``(k_descale, v_descale)``: contiguous, ones for None, with FP8 caches; else Nones."""
+        if self.ones is None:
+            return None, None
+        return tuple(self.ones if d is None else d.contiguous() for d in (k_descale, v_descale))
 
 
 def paged_varlen_fwd(

@@ -123,6 +123,10 @@ class DecodeSettings:
     sm_count: int | None = None
     # whether the planner counts on programmatic dependent launches (None: whether the device takes them)
     has_pdl: bool | None = None
+    # FP8 caches: the dtype their tiles are widened to for the matmuls: "q" (q's dtype), "f16" (fp16 by
+    # the conversion instruction, q converted too) or "bits" (fp16 by integer shifts, the factor 2**-8 this
+    # leaves folded into the descales)
+    fp8_widen: str = "f16"
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,6 +142,10 @@ class Settings:
     fwd_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_window: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_pointer: Mapping[int, KernelConfig] = field(default_factory=dict)
+    # the forward of FP8 inputs (``AttnParams.is_fp8``), and whether it reads V through a transposed
+    # copy (key-major rows, as FP8 tensor-core B operands want) rather than V itself
+    fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
+    fp8_v_transposed: bool = False
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)
@@ -186,6 +194,13 @@ class AttnParams:
     startend_row_indices: torch.Tensor | None = None
     mask_causal: bool = False
     flashmask: FlashMask | None = None
+    # FP8 (e4m3) q, k, v: their descales, fp32 ``(3, batch, nheads_k)`` contiguous (q's, k's, v's; 1.0
+    # where the caller gave none), by which the kernels scale the scores and the output (``tileattn.fp8``)
+    descales: torch.Tensor | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.descales is not None
 
     @property
     def is_varlen(self) -> bool:
@@ -193,8 +208,10 @@ class AttnParams:
 
     @property
     def block_d(self) -> int:
-        """``padded_headdim`` of this call's head dim."""
-        return padded_headdim(self.headdim)
+        """``padded_headdim`` of this call's head dim (at least 32 with FP8 inputs: the K of FP8
+        tensor-core matmuls)."""
+        padded = padded_headdim(self.headdim)
+        return max(32, padded) if self.descales is not None else padded
 
     def as_4d(self, t: torch.Tensor) -> torch.Tensor:
         """Varlen ``(total, nheads, d)`` tensors are seen as one batch of ``total`` rows."""
@@ -266,7 +283,7 @@ class CacheLayout:
     dict in which the launches of calls with the same metadata as this one are planned once (the API
     layer keeps one per call signature, ``kvcache.calls``), or None to plan them for this call only; q_rotary: ``(cos,
     sin, interleaved, per_token)`` to rotate q at ``seqlens_k[b]`` (plus its token index if per_token)
-    as it is read (dense q only), or None."""
+    as it is read (dense q only), or None; k_descale, v_descale: of FP8 caches."""
 
     seqlens_k: torch.Tensor
     new_tokens: int = 0
@@ -277,3 +294,7 @@ class CacheLayout:
     max_seqlen_k: int | None = None
     plans: dict | None = None
     q_rotary: tuple | None = None
+    # FP8 (e4m3) caches: fp32 ``(batch, nheads_k)`` contiguous descales of the keys and values (the cache
+    # holds ``x_fp8 * descale``; the append divides by them), else None
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None

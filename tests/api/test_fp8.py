@@ -3,15 +3,23 @@ FlashAttention-3's descales against the oracle on the dequantized inputs (the to
 PyTorch error being the oracle's in bf16 on them), packed batches with one descale per sequence, the
 refused backward, and bad input."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from hypothesis import strategies as st
 
+import oracle
 import tileattn
 from attention_cases import _cu
-from helpers import check_attention, on
+from helpers import check_attention, check_lse, on, run_property
 from tileattn import fp8
+from tileattn.kernels import configs
 
 E4M3 = torch.float8_e4m3fn
+# The FP8 tolerance: the tolerance rule against plain FP8 attention, bf16 with its probabilities rounded to
+# e4m3 at their row max (oracle.attention's probs_dtype), as FP8 tensor cores take them
+FP8_PROBS = {"probs_dtype": E4M3}
 
 
 def _within_e4m3(x, x_fp8, descale_rows):
@@ -57,14 +65,19 @@ FEATURES = [{}, {"causal": True}, {"window_size": (5, 3)}, {"softcap": 3.0, "cau
 
 @pytest.mark.parametrize("feats", FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize(
-    "shape", [(2, 63, 113, 4, 2, 59), (1, 1, 40, 2, 1, 96)], ids=["63x113-gqa-d59", "1x40-mqa-d96"]
+    "shape",
+    [(2, 63, 113, 4, 2, 59), (1, 1, 40, 2, 1, 96), (1, 113, 63, 2, 2, 40)],
+    ids=["63x113-gqa-d59", "1x40-mqa-d96", "113x63-d40"],  # (seqlen_q > seqlen_k: causal rows that see nothing)
 )
 def test_fp8_matches_oracle_on_dequantized_inputs(backend, shape, feats):
+    _check_fp8_call(backend, shape, feats)
+
+
+def _check_fp8_call(backend, shape, feats, scale=1.0):
     batch, sq, sk, h, hk, d = shape
-    _, device = on(backend)
-    ctx, _ = on(backend)
-    q = torch.randn(batch, sq, h, d, device=device)
-    k = torch.randn(batch, sk, hk, d, device=device)
+    ctx, device = on(backend)
+    q = torch.randn(batch, sq, h, d, device=device) * scale
+    k = torch.randn(batch, sk, hk, d, device=device) * scale
     v = torch.randn(batch, sk, hk, d, device=device)
     (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, hk), fp8.quantize(k), fp8.quantize(v)
     with ctx:
@@ -72,8 +85,61 @@ def test_fp8_matches_oracle_on_dequantized_inputs(backend, shape, feats):
             q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True, **feats
         )
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    deq = [fp8.dequantize(t, s) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
-    check_attention("fp8", out, None, *deq, None, feats, check_grads=False)
+    # the inputs' values in fp32 (x_fp8 * descale, exact to fp32's rounding), of which the oracle takes fp64
+    # copies; its plain-PyTorch run is fp32 with e4m3 probabilities
+    deq = [fp8.dequantize(t, s, dtype=torch.float32) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
+    check_attention("fp8", out, None, *deq, None, feats, check_grads=False, lowp_kwargs=FP8_PROBS)
+    # The LSE: FP8 tensor cores add the products of q·kᵀ with fewer bits than fp32 (about 2**-14 of
+    # the largest term), so the bar is plain bf16 attention's LSE on the same values
+    exact = oracle.attention(*(t.double() for t in deq), **feats).lse
+    check_lse("fp8 lse", lse, exact, oracle.attention(*(t.bfloat16() for t in deq), precision=None, **feats).lse)
+
+
+def test_fp8_transposed_v_build(backend):
+    """The build that reads V through a key-major copy (Settings.fp8_v_transposed), dense and packed."""
+    ctx, device = on(backend)
+    base = configs.current(torch.device(device))
+    with configs.override(replace(base, fp8_v_transposed=not base.fp8_v_transposed)):
+        _check_fp8_call(backend, (2, 63, 113, 4, 2, 59), {"causal": True})
+        test_fp8_varlen_one_descale_per_sequence(backend)
+
+
+def test_fp8_peaked_scores_and_alibi(backend):
+    """Large scores (a peaked softmax, where most probabilities are tiny) and ALiBi on top."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    _check_fp8_call(backend, (1, 70, 130, 4, 2, 64), {"causal": True}, scale=3.0)
+    _check_fp8_call(backend, (1, 70, 130, 4, 2, 64), {"alibi_slopes": slopes.to(on(backend)[1])})
+
+
+@st.composite
+def _fp8_examples(draw):
+    """(shape, features, input scale) of a random FP8 call: odd lengths (1 included), head dims 8-256,
+    GQA, causal / windows / softcap, inputs from small to large (the descales absorb the scale)."""
+    hk = draw(st.sampled_from([1, 2]))
+    shape = (
+        draw(st.integers(1, 2)),
+        draw(st.integers(1, 140)),
+        draw(st.integers(1, 140)),
+        hk * draw(st.sampled_from([1, 2])),
+        hk,
+        draw(st.sampled_from([8, 40, 59, 64, 111, 128, 256])),
+    )
+    feats = draw(
+        st.sampled_from([{}, {"causal": True}, {"window_size": (9, 0)}, {"window_size": (3, 20)}, {"softcap": 2.0}])
+    )
+    # (scores up to tens of units: at hundreds, FP8 tensor cores' accumulation moves the winning scores
+    # by more than plain FP8's error, docs/perf.md "FP8")
+    return shape, feats, draw(st.sampled_from([0.05, 1.0, 3.0]))
+
+
+def _fp8_property_check(backend, example):
+    shape, feats, scale = example
+    _check_fp8_call(backend, shape, feats, scale=scale)
+
+
+@pytest.mark.parametrize("shard", range(2))
+def test_fp8_random_calls(backend, shard):
+    run_property(_fp8_property_check, _fp8_examples(), {"cuda": 40, "torch": 20, "interpret": 6}, backend, shard)
 
 
 def test_fp8_varlen_one_descale_per_sequence(backend):
@@ -90,15 +156,25 @@ def test_fp8_varlen_one_descale_per_sequence(backend):
         out = tileattn.flash_attn_varlen_func(
             q8, k8, v8, cu, cu, 30, 30, causal=True, q_descale=qd, k_descale=kd, v_descale=vd
         )
-    deq = [fp8.dequantize(t, s, cu) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
-    check_attention("fp8 varlen", out, None, *deq, None, {"causal": True}, check_grads=False, varlen=(cu, cu, 30))
+    deq = [fp8.dequantize(t, s, cu, torch.float32) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
+    check_attention(
+        "fp8 varlen",
+        out,
+        None,
+        *deq,
+        None,
+        {"causal": True},
+        check_grads=False,
+        varlen=(cu, cu, 30),
+        lowp_kwargs=FP8_PROBS,
+    )
 
 
 def test_fp8_descales_default_to_one_and_backward_is_refused():
     q8, k8, v8 = (torch.randn(1, 8, 2, 16).to(E4M3).requires_grad_() for _ in range(3))
     out = tileattn.flash_attn_func(q8, k8, v8)
-    plain = tileattn.flash_attn_func(*(t.detach().to(torch.bfloat16) for t in (q8, k8, v8)))
-    assert torch.equal(out, plain)
+    ones = torch.ones(1, 2)
+    assert torch.equal(out, tileattn.flash_attn_func(q8, k8, v8, q_descale=ones, k_descale=ones, v_descale=ones))
     with pytest.raises(NotImplementedError, match="forward only"):
         out.sum().backward()
 

@@ -226,7 +226,7 @@ from triton.compiler import ASTSource
 from tileattn.kernels.decode import append
 fn = append._rotate_rows
 consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, PAGED=False)
-consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False)
+consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False, QUANTIZE=False, INTERPRET=False)
 sig, constexprs = {}, {}
 for i, name in enumerate(fn.arg_names):
     if name in consts:

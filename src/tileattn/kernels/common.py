@@ -191,6 +191,58 @@ def rows_desc(
 
 
 @triton.jit
+def cols_desc(
+    base,
+    n_cols,
+    stride_row,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """``rows_desc`` of a transposed tensor, ``[HEAD_DIM, n_cols]`` with row stride ``stride_row``, read
+    in [BLOCK_D, BLOCK_C] tiles (with USE_TMA; else ``base``, for ``load_cols``)."""
+    desc = base
+    if USE_TMA:
+        cols = tl.maximum(n_cols, 1)
+        desc = tl.make_tensor_descriptor(base, [HEAD_DIM, cols], [stride_row, 1], [BLOCK_D, BLOCK_C])
+    return desc
+
+
+@triton.jit
+def load_cols(
+    desc,
+    base,
+    stride_row,
+    start,
+    offs_cols,
+    n_cols,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
+    PAD_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """The [BLOCK_D, cols] tile of a transposed tensor starting at column ``start`` (``offs_cols = start
+    + arange``; columns past ``n_cols`` and rows past HEAD_DIM read as zeros)."""
+    if USE_TMA:
+        tile = desc.load([0, start])
+    else:
+        ptrs = base + offs_d[:, None] * stride_row + offs_cols[None, :]
+        if CHECK_COLS:
+            if PAD_D:
+                mask = (offs_cols[None, :] < n_cols) & (offs_d[:, None] < HEAD_DIM)
+            else:
+                mask = offs_cols[None, :] < n_cols
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+        elif PAD_D:
+            tile = tl.load(ptrs, mask=offs_d[:, None] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def load_rows(
     desc,
     base,
@@ -435,7 +487,7 @@ def scores(
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i, acc, scale):
+def online_softmax(s, m_i, l_i, acc, scale, P_LOG2: tl.constexpr = 0):
     """One key tile of the online softmax over scores ``s [BLOCK_M, BLOCK_N]`` that become log2-domain
     scores times ``scale`` (> 0): returns ``p = exp2(s·scale - m_new)`` and the running max, sum and
     accumulator rescaled to ``m_new``; the caller adds ``p @ v`` to the accumulator.
@@ -445,11 +497,33 @@ def online_softmax(s, m_i, l_i, acc, scale):
     is one fused multiply-add per element instead of a multiply and a subtraction; otherwise 1.0.
 
     m_i starts at a large finite negative value instead of -inf, so a row whose tiles are all masked
-    keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf)."""
+    keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
+
+    ``P_LOG2`` > 0 returns p (and the sum) times 2**P_LOG2, which the caller divides out: FP8 p keeps
+    values down to 2**-9 (e4m3's smallest subnormal), so p up to 2**8 keeps 2**-17 of the row max."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(s, scale, -m_new[:, None]))
+    if P_LOG2 != 0:
+        p = tl.exp2(tl.fma(s, scale, -(m_new - P_LOG2)[:, None]))
+    else:
+        p = tl.exp2(tl.fma(s, scale, -m_new[:, None]))
     return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
+def to_e4m3(x, ROUND_FIRST: tl.constexpr):
+    """fp32 ``x`` in float8 e4m3, saturated at ±448 and rounded to nearest (the GPU's conversion,
+    ``cvt.rn.satfinite``). With ROUND_FIRST the saturation and rounding are done in fp32 first (ties away
+    from zero), for Triton's interpreter, whose conversion drops the carry when a value rounds up to the
+    next power of two (124.5 becomes 64, not 128)."""
+    if ROUND_FIRST:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        mag = tl.abs(x)
+        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0)  # subnormals: spacing 2**-9
+        ulp = tl.exp2(exponent - 3.0)
+        mag = tl.floor(mag / ulp + 0.5) * ulp
+        x = tl.where(x < 0, -mag, mag)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit

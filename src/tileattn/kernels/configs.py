@@ -35,6 +35,14 @@ HOPPER = Settings(
     fwd_causal={128: KernelConfig(64, 64, 4, 3, tma=True)},
     # a left window and no dropout (a short key loop)
     fwd_window={64: KernelConfig(64, 64, 4, 3, maxnreg=128)},
+    # FP8 inputs: one warpgroup of 64 rows over 128-key tiles (two CTAs an SM) up to head dim 128; V read
+    # through its transposed copy (2-4x faster than V itself)
+    fwd_fp8={
+        64: KernelConfig(64, 128, 4, 3, tma=True),
+        128: KernelConfig(64, 128, 4, 3, tma=True),
+        256: KernelConfig(128, 64, 8, 3, tma=True),
+    },
+    fp8_v_transposed=True,
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     bwd_dkdv={
@@ -118,6 +126,7 @@ def with_builds(s: Settings, fwd: dict | None = None, dkdv: dict | None = None, 
         fwd_causal=changed(s.fwd_causal, fwd),
         fwd_window=changed(s.fwd_window, fwd),
         fwd_pointer=changed(s.fwd_pointer, fwd),
+        fwd_fp8=changed(s.fwd_fp8, fwd),
         bwd_dkdv=changed(s.bwd_dkdv, dkdv),
         bwd_dkdv_causal=changed(s.bwd_dkdv_causal, dkdv),
         bwd_dkdv_varlen=changed(s.bwd_dkdv_varlen, dkdv),
@@ -135,6 +144,8 @@ def fwd_config(p: AttnParams, s: Settings, tma_ok: bool = True) -> KernelConfig:
     cfg = s.fwd[p.block_d]
     if s.interpret:
         cfg = _interpreted(cfg, p)
+    elif p.is_fp8:
+        cfg = s.fwd_fp8.get(p.block_d, cfg)
     elif p.window_left < 0:  # no left window (which keeps the key loop short): the shape tables
         if p.seqlen_k >= s.long_seqlen_k:
             cfg = s.fwd_long.get(p.block_d, cfg)

@@ -1,7 +1,15 @@
 """The forward kernel: one fused pass of QKᵀ, score modifiers, mask, online softmax and ·V.
 
 Every feature is a constexpr flag of the one kernel ``_attn_fwd``: windows and causal (MASK_LEFT /
-MASK_RIGHT), softcap, ALiBi, dropout, GQA (a runtime group size), packed varlen batches (IS_VARLEN).
+MASK_RIGHT), softcap, ALiBi, dropout, GQA (a runtime group size), packed varlen batches (IS_VARLEN),
+FlashMask (HAS_FLASHMASK) and FP8 inputs (IS_FP8).
+
+FP8 (e4m3 q, k, v with descales, ``AttnParams.descales``): both matmuls run on FP8 tensor cores with fp32
+accumulation. The scores are scaled by q_descale·k_descale with the softmax scale; p is rounded to e4m3
+at 2**8 times its value (``common.online_softmax``'s P_LOG2, so that small probabilities stay above
+e4m3's subnormals; the row sums carry the same factor) and the output is scaled by v_descale. FP8 tensor cores read both operands
+key-major: with V_T the kernel reads a transposed copy of V (``Settings.fp8_v_transposed``) instead of
+V, whose key-major shared-memory copy Triton otherwise makes through registers.
 """
 
 import torch
@@ -27,6 +35,8 @@ def _fwd_tiles(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    IS_FP8: tl.constexpr = False, V_T: tl.constexpr = False, VT_TMA: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block. With
     HAS_FLASHMASK, masked tiles also hide what the FlashMask bounds at ``Bounds`` hide.
@@ -42,9 +52,15 @@ def _fwd_tiles(
         k = common.load_rows(
             k_desc, K_base, stride_kn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
-        v = common.load_rows(
-            v_desc, V_base, stride_vn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
-        )  # [BLOCK_N, BLOCK_D]
+        if V_T:  # [BLOCK_D, BLOCK_N] of the transposed copy; columns past seqlen_k are zeros
+            vt = common.load_cols(
+                v_desc, V_base, stride_vn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, VT_TMA
+            )
+            v = tl.trans(vt)
+        else:
+            v = common.load_rows(
+                v_desc, V_base, stride_vn, start_n, offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D, USE_TMA
+            )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
         s, _ = common.scores(
             qk, i[:, None], offs_n[None, :], seqlen_q, seqlen_k,
@@ -57,18 +73,28 @@ def _fwd_tiles(
             hidden = common.flashmask_hides(i[:, None], lower_start, lower_end, upper_start, upper_end, HAS_UPPER)
             s = tl.where(hidden, float("-inf"), s)
         # p: [BLOCK_M, BLOCK_N]
-        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
+        if IS_FP8:
+            p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0, P_LOG2)
+        else:
+            p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         if HAS_DROPOUT:
             keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
+        if IS_FP8:
+            acc = tl.dot(common.to_e4m3(p, INTERPRET), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_i
+
+
+# FP8: p is rounded to e4m3 at 2**P_LOG2 times its value (common.online_softmax)
+P_LOG2 = tl.constexpr(8)
 
 
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
-    Q, K, V, Out, Lse, Alibi, CuSeqlensQ, CuSeqlensK, TileEnds,
+    Q, K, V, Out, Lse, Alibi, Descales, CuSeqlensQ, CuSeqlensK, TileEnds,
     Bounds, Runs, Counts, stride_bh, stride_bc, stride_rh, stride_ch, n_list,  #
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -86,6 +112,7 @@ def _attn_fwd(
     HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    IS_FP8: tl.constexpr, V_T: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
@@ -112,7 +139,10 @@ def _attn_fwd(
     b64 = b.to(tl.int64)
     Q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
     K_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + h_k.to(tl.int64) * stride_kh
-    V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k.to(tl.int64) * stride_vh
+    if V_T:  # (batch, nheads_k, headdim, keys): stride_vn steps over head-dim rows, keys are columns
+        V_base = V + b64 * stride_vb + k_start.to(tl.int64) + h_k.to(tl.int64) * stride_vh
+    else:
+        V_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + h_k.to(tl.int64) * stride_vh
     O_base = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
     Lse_base = Lse + b64 * stride_lb + h * stride_lh + q_start
 
@@ -124,6 +154,11 @@ def _attn_fwd(
     q = common.load_tile(
         Q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, seqlen_q, offs_d, HEAD_DIM, True, PAD_D
     )  # [BLOCK_M, BLOCK_D]
+    v_descale = 1.0
+    if IS_FP8:  # Descales: (3, batch, nheads_k), q's, k's and v's
+        d_base = Descales + b * (nheads // group_size) + h_k
+        sm_scale = sm_scale * tl.load(d_base) * tl.load(d_base + batch * (nheads // group_size))
+        v_descale = tl.load(d_base + 2 * batch * (nheads // group_size))
     qk_scale, softcap_scale, softcap_log2, slope_log2, rng_base = common.prologue(
         b, h, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT
     )
@@ -133,7 +168,11 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     k_desc = common.rows_desc(K_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    VT_TMA: tl.constexpr = USE_TMA and not IS_VARLEN  # (a packed sequence's columns are not 16-byte aligned)
+    if V_T:
+        v_desc = common.cols_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, VT_TMA)
+    else:
+        v_desc = common.rows_desc(V_base, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     if HAS_FLASHMASK:  # the runs of the program's schedule (flat tile t): partial runs, then full ones
         t = pid if IS_VARLEN else b * tl.num_programs(0) + m_block
@@ -162,18 +201,22 @@ def _attn_fwd(
                 seg != 1, MASK_LEFT, MASK_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
                 HAS_DROPOUT, HAS_FLASHMASK, HAS_UPPER,
-                USE_TMA, WARP_SPEC,
+                USE_TMA, WARP_SPEC, IS_FP8, V_T, VT_TMA, INTERPRET,
             )  # fmt: skip
 
     # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
     # pass's exp(s - lse) is 0 for it (the flash_attn convention).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    if HAS_DROPOUT:
-        acc = acc / (l_safe * (1.0 - dropout_p))[:, None]
+    if IS_FP8:  # (p and l carry 2**P_LOG2, which acc / l cancels)
+        acc = acc * (v_descale / (l_safe * (1.0 - dropout_p)))[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(l_safe) - P_LOG2) * common.LN2, float("inf"))
     else:
-        acc = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * common.LN2, float("inf"))
+        if HAS_DROPOUT:
+            acc = acc / (l_safe * (1.0 - dropout_p))[:, None]
+        else:
+            acc = acc / l_safe[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(l_safe)) * common.LN2, float("inf"))
     mask_m = offs_m < seqlen_q
     tl.store(Lse_base + offs_m, lse, mask=mask_m)
     o_ptrs = O_base + offs_m[:, None] * stride_om + offs_d[None, :]
@@ -192,11 +235,14 @@ def attn_fwd(
     total_q)`` varlen."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(q, k, v, p, s)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     lse = p.new_lse(q4)
     cfg = fwd_config(p, s)
+    v_t = p.is_fp8 and s.fp8_v_transposed
+    if v_t:
+        v4 = _transposed(v4)
     use_tma = common.use_tma(cfg, k4, v4)
     if cfg.tma and not use_tma:
         cfg = fwd_config(p, s, tma_ok=False)
@@ -208,11 +254,11 @@ def attn_fwd(
     tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
     mask_args = flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse)
     _attn_fwd[grid](
-        q4, k4, v4, o4, lse, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+        q4, k4, v4, o4, lse, alibi, p.descales if p.is_fp8 else lse, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
         *mask_args,
         *p.strides(q4),
         *p.strides(k4),
-        *p.strides(v4),
+        *(_vt_strides(v4, p) if v_t else p.strides(v4)),
         *p.strides(o4),
         *p.lse_strides(lse),
         p.alibi_batch_stride(),
@@ -227,9 +273,26 @@ def attn_fwd(
         HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
         IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
         USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
+        IS_FP8=p.is_fp8, V_T=v_t, INTERPRET=s.interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return out, lse
+
+
+def _transposed(v4: torch.Tensor) -> torch.Tensor:
+    """V ``(batch, seqlen_k, nheads_k, headdim)`` as ``(batch, nheads_k, headdim, seqlen_k)`` with rows of
+    16-byte multiples (so TMA can read it), a view of a padded copy."""
+    batch, seqlen, nheads_k, headdim = v4.shape
+    padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
+    vt = torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
+    vt.copy_(v4.permute(0, 2, 3, 1))
+    return vt
+
+
+def _vt_strides(vt: torch.Tensor, p: AttnParams) -> tuple[int, int, int]:
+    """(batch, head-dim row, head) strides of a ``_transposed`` V (batch stride 0 when varlen)."""
+    s = vt.stride()
+    return (0 if p.is_varlen else s[0]), s[2], s[1]
 
 
 def _dense_as_packed(

@@ -40,6 +40,7 @@ def _attn_params(
     deterministic: bool,
     startend_row_indices: Tensor | None,
     mask_causal: bool,
+    descales: Tensor | None = None,
 ) -> AttnParams:
     varlen = cu_seqlens_q is not None
     fm = None
@@ -68,15 +69,17 @@ def _attn_params(
         startend_row_indices=startend_row_indices,
         mask_causal=mask_causal,
         flashmask=fm,
+        descales=descales,
     )
 
 
 def _like(t: Tensor, ref: Tensor) -> Tensor:
-    """``t`` with the strides ``torch.empty_like(ref)`` has (what the fake implementations promise). ``t``
-    is dense, so equal strides mean ``ref`` is dense too and ``empty_like`` would keep them."""
+    """``t`` with the strides ``torch.empty_like(ref)`` has (what the fake implementations promise), in
+    its own dtype. ``t`` is dense, so equal strides mean ``ref`` is dense too and ``empty_like`` would
+    keep them."""
     if t.stride() == ref.stride():
         return t
-    out = torch.empty_like(ref)
+    out = torch.empty_like(ref, dtype=t.dtype)
     if out.stride() == t.stride():
         return t
     return out.copy_(t)
@@ -110,6 +113,7 @@ def forward_impl(
     deterministic: bool,
     startend_row_indices: Tensor | None = None,
     mask_causal: bool = False,
+    descales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dropout_p > 0 and backend.capturing(q.device):
@@ -134,9 +138,10 @@ def forward_impl(
         deterministic,
         startend_row_indices,
         mask_causal,
+        descales,
     )
     if backend.nothing_to_attend(q, k):
-        out, lse = torch.zeros_like(q), p.new_lse(p.as_4d(q)).fill_(float("inf"))
+        out, lse = torch.zeros_like(q, dtype=_out_dtype(q)), p.new_lse(p.as_4d(q)).fill_(float("inf"))
     else:
         with backend.on_device(q):
             out, lse = backend.implementation(q).attn_fwd(q, k, v, p, configs.current(q.device))
@@ -144,6 +149,11 @@ def forward_impl(
         out[tokens_q:] = 0
         lse[:, tokens_q:] = float("inf")
     return _like(out, q), lse, torch.tensor([seed, 0], dtype=torch.int64)
+
+
+def _out_dtype(q: Tensor) -> torch.dtype:
+    """The output's dtype: q's, bf16 for FP8 q."""
+    return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
 
 
 attn_fwd = torch.library.custom_op("tileattn::fwd", forward_impl, mutates_args=())
@@ -156,7 +166,7 @@ def _(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *args):
         lse = q.new_empty((nheads, q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[0], nheads, q.shape[1]), dtype=torch.float32)
-    return torch.empty_like(q), lse, torch.empty(2, dtype=torch.int64)
+    return torch.empty_like(q, dtype=_out_dtype(q)), lse, torch.empty(2, dtype=torch.int64)
 
 
 def backward_impl(
@@ -226,18 +236,24 @@ def _setup_context(ctx, inputs, output):
     out, lse, rng_state = output
     # the tensors among the options: alibi_slopes, cu_seqlens_q, cu_seqlens_k and startend_row_indices
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3], options[11])
-    ctx.options = options[3:11] + options[12:]
+    ctx.options = options[3:11] + options[12:13]
+    ctx.fp8 = len(options) > 13 and options[13] is not None
     # the backward runs with the forward's settings: autograd may run it on another thread, where an
     # override (a context variable) of the calling thread is not set
     ctx.settings = configs.current(q.device)
 
 
 def _grads(bwd, ctx, dout):
-    """(dq, dk, dv, None...) for the forward's 16 inputs, from what ``_setup_context`` saved."""
+    """(dq, dk, dv, None...) for the forward's 17 inputs, from what ``_setup_context`` saved."""
+    if ctx.fp8:
+        raise NotImplementedError(
+            "backward through float8_e4m3fn inputs is not supported: FP8 attention is forward only (train in "
+            "bf16 or fp16)"
+        )
     *saved, startend_row_indices = ctx.saved_tensors
     with configs.override(ctx.settings):
         dq, dk, dv = bwd(dout, *saved, *ctx.options[:8], startend_row_indices, *ctx.options[8:])
-    return (dq, dk, dv) + (None,) * 13
+    return (dq, dk, dv) + (None,) * 14
 
 
 def _backward(ctx, dout, _dlse, _drng):
@@ -276,7 +292,8 @@ def no_probs(q: Tensor) -> Tensor:
 
 
 def op_options(p: AttnParams) -> tuple:
-    """The inputs of ``tileattn::fwd`` and ``tileattn::bwd`` after their tensors, from ``p``."""
+    """The inputs of ``tileattn::fwd`` after its tensors, from ``p`` (``tileattn::bwd`` takes all but the
+    last, the FP8 descales)."""
     return (
         p.alibi_slopes,
         p.cu_seqlens_q,
@@ -291,6 +308,7 @@ def op_options(p: AttnParams) -> tuple:
         p.deterministic,
         p.startend_row_indices,
         p.mask_causal,
+        p.descales,
     )
 
 
@@ -307,7 +325,7 @@ def backward(
     """``(dq, dk, dv)`` from ``tileattn::bwd`` (or its implementation directly, as ``forward``) for a
     forward that returned ``out``, ``lse`` and ``rng_state`` with the same ``p``."""
     op = backward_impl if backend.direct(dout, q, k, v, out, lse) else torch.ops.tileattn.bwd
-    return op(dout, q, k, v, out, lse, rng_state, *op_options(p))
+    return op(dout, q, k, v, out, lse, rng_state, *op_options(p)[:-1])
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):

@@ -41,6 +41,8 @@ def fwd_kvcache_impl(
     rotary_interleaved: bool,
     num_splits: int,
     q_span: int,
+    k_descale: Tensor | None = None,
+    v_descale: Tensor | None = None,
     plans: dict | None = None,
     seqlens_value: int | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -49,7 +51,8 @@ def fwd_kvcache_impl(
     out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
     once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
     caller gave cache_seqlens as an int (its checks are then remembered with the other index tensors'
-    instead of reading a new tensor every call)."""
+    instead of reading a new tensor every call). FP8 caches come with ``k_descale`` and ``v_descale``, fp32
+    ``(batch, nheads_k)`` contiguous."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
@@ -95,8 +98,12 @@ def fwd_kvcache_impl(
     )
     impl = backend.implementation(q)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
+    settings = configs.current(device)
     with backend.on_device(q):
-        impl.kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, plans)
+        impl.kvcache_append(
+            k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, plans,
+            (k_descale, v_descale), settings.interpret,
+        )  # fmt: skip
         c = CacheLayout(
             seqlens_k=seqlens,
             new_tokens=seqlen_new,
@@ -107,10 +114,12 @@ def fwd_kvcache_impl(
             max_seqlen_k=max_seqlen_k,
             plans=plans,
             q_rotary=(*rotary, q_span > 1) if rotary is not None else None,
+            k_descale=k_descale,
+            v_descale=v_descale,
         )
         if q.numel() == 0:
             return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
-        out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, configs.current(device))
+        out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, settings)
     return out.contiguous(), lse
 
 

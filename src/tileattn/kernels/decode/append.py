@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tileattn.kernels import common
 from tileattn.kernels.decode.plan import Launch, remember_plan
 from tileattn.kernels.decode.rotary import rotated
 from tileattn.kernels.launch import Launcher
@@ -18,7 +19,7 @@ from tileattn.params import padded_headdim
 @triton.jit
 def _rotate_rows(
     Src, Dst, Src2, Dst2,
-    Seqlens, BatchIdx, Table, Cos, Sin,
+    Seqlens, BatchIdx, Table, Cos, Sin, Descale, Descale2,
     stride_sb, stride_st, stride_sh,
     stride_db, stride_dt, stride_dh,
     stride_s2b, stride_s2t, stride_s2h,
@@ -28,6 +29,7 @@ def _rotate_rows(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Writes row (b, t, h) of ``Src`` into the cache ``Dst`` at position ``pos = Seqlens[b] + t``,
     rotated (if ROTARY) at that position: ``Dst[row, pos, h]`` of a contiguous cache (row = BatchIdx[b]
@@ -37,7 +39,10 @@ def _rotate_rows(
     like ``tileattn.rotary`` (launched without FMA contraction, so the bits match it). Writes whose
     position (``< capacity``), cache row or page (``< num_rows``) is out of range are dropped, and the
     rotary position is clamped to the tables' ``rot_len`` rows: the API refuses such values, and under
-    CUDA graph capture, where it cannot read them, nothing outside the cache or the tables is touched."""
+    CUDA graph capture, where it cannot read them, nothing outside the cache or the tables is touched.
+
+    QUANTIZE: the caches are e4m3; a row is divided by its descale (``Descale`` / ``Descale2``, fp32
+    ``(batch, nheads)`` contiguous), saturated at ±448 and rounded to nearest."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     first = tl.program_id(2) == 0
@@ -74,6 +79,9 @@ def _rotate_rows(
             row = tl.load(BatchIdx + b)
         in_range = in_range & (row >= 0) & (row < num_rows)
         dst = dst_base + row.to(tl.int64) * sdb + safe_pos.to(tl.int64) * sdt + h64 * sdh
+    if QUANTIZE:
+        descale = tl.where(first, tl.load(Descale + b * nheads + h), tl.load(Descale2 + b * nheads + h))
+        x = common.to_e4m3(x.to(tl.float32) / descale, INTERPRET)
     # (!= 0: a boolean mask under the interpreter too, where the scalar in_range broadcasts as int32)
     tl.store(dst + offs_d, x.to(Dst.dtype.element_ty), mask=(mask_d & in_range) != 0)
 
@@ -81,7 +89,7 @@ def _rotate_rows(
 LAUNCHER = Launcher(_rotate_rows)
 
 
-def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair) -> Launch:
+def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair, quantize, interpret) -> Launch:
     """The launch of ``_rotate_rows`` for new rows ``src`` into ``dst`` and ``pair = (src2, dst2)``
     (the values) beside them."""
     batch, seqlen, nheads, headdim = src.shape
@@ -113,23 +121,31 @@ def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair) -> Launch
             "PAGED": paged,
             "PAGE_SIZE": dst.shape[1] if paged else 1,
             "HAS_BATCH_IDX": has_batch_idx,
+            "QUANTIZE": quantize,
+            "INTERPRET": interpret,
         },
         num_warps=1,
         enable_fp_fusion=False,
     )
 
 
-def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None):
+def kvcache_append(
+    k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None, descales=(None, None), interpret=False
+):
     """The in-place append of ``flash_attn_with_kvcache``: k rotated (``rotary``: ``(cos, sin,
     interleaved)`` or None) and v written at ``seqlens[b] + t``, in one launch of ``_rotate_rows``
     (q is rotated by the split kernel as it reads it, ``CacheLayout.q_rotary``); same interface and
     results as ``tileattn.cpu.kvcache_append``. ``plans`` as ``CacheLayout.plans``: the launch is
-    planned once per table."""
+    planned once per table. ``descales``: ``(k_descale, v_descale)`` of FP8 caches (else Nones);
+    ``interpret``: the kernel runs in Triton's interpreter (``common.to_e4m3``)."""
     if k is None or k.numel() == 0:
         return
     launch = plans.get("append") if plans is not None else None
     if launch is None:
-        launch = _append_launch(k, k_cache, block_table, rotary, batch_idx is not None, (v, v_cache))
+        quantize = descales[0] is not None
+        launch = _append_launch(
+            k, k_cache, block_table, rotary, batch_idx is not None, (v, v_cache), quantize, interpret
+        )
         if plans is not None:
             remember_plan(plans, "append", launch)
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
@@ -144,5 +160,6 @@ def kvcache_append(k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_tab
             block_table if block_table is not None else seqlens,
             cos,
             sin,
+            *(descales if descales[0] is not None else (seqlens, seqlens)),
         )
     )

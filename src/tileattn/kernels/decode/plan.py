@@ -266,6 +266,8 @@ def plan_launches(
             "UNIT": d.interleave_unit if interleave else 1,
             "WAIT_PRIOR": pdl_attn,
             "TABLE_TO_L2": paged and prefetch_grid and d.paged_table_l2 and not interpret and not torch.version.hip,
+            "KV_FP8": c.k_descale is not None,
+            "WIDEN": {"q": 0, "f16": 1, "bits": 2}[d.fp8_widen],
         },
         num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
@@ -372,6 +374,7 @@ def attn_fwd_kvcache(
             c.block_table if c.block_table is not None else seqlens,
             p.cu_seqlens_q if p.cu_seqlens_q is not None else seqlens,
             *(c.q_rotary[:2] if c.q_rotary is not None else (seqlens, seqlens)),
+            *((c.k_descale, c.v_descale) if c.k_descale is not None else (lse, lse)),
         )
     )
     if split_kv:

@@ -33,7 +33,7 @@ def _kv_tiles(
     PAGED: tl.constexpr, OFFS_64: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     PREFETCH_TABLE: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-    DEFER_SCALE: tl.constexpr, UNIT: tl.constexpr,
+    DEFER_SCALE: tl.constexpr, UNIT: tl.constexpr, KV_FP8: tl.constexpr = False, WIDEN: tl.constexpr = 0,
 ):  # fmt: skip
     """Online softmax over the key tiles at lo, lo + step, ... below hi (columns counted from k_start;
     step is BLOCK_N, or a multiple with interleaved splits). With UNIT > 1 (splits interleaved in runs
@@ -44,7 +44,8 @@ def _kv_tiles(
     through the descriptors ``k_desc`` / ``v_desc``: for contiguous caches over the sequence's keys
     (rows past seqlen_k read as zeros), for paged ones over the pool's rows of this kv head (unmasked
     tiles only; the page lookup gives the tile's first row). The pointer addresses computed for the
-    other tiles are dropped as dead code where unused."""
+    other tiles are dropped as dead code where unused. With KV_FP8 the e4m3 tiles are widened for the
+    matmuls (``_widened``); the caller has folded the descales into the scale and the output."""
     first = lo
     if UNIT > 1:
         first = unit_lo
@@ -91,6 +92,9 @@ def _kv_tiles(
             v = common.load_tile(
                 V_tile + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
             )
+        if KV_FP8:
+            k = _widened(k, q.dtype, WIDEN)
+            v = _widened(v, q.dtype, WIDEN)
         if PREFETCH_TABLE:
             K_tile, rows_k, V_tile, rows_v = paging.cache_rows(
                 K_base, V_base, Table_row,
@@ -113,10 +117,25 @@ def _kv_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _widened(x, dtype, WIDEN: tl.constexpr):
+    """An e4m3 tile in a 16-bit dtype, exactly: ``dtype`` (WIDEN 0), fp16 by the conversion instruction
+    (1), or fp16 by integer shifts (2: sign to bit 15, exponent and mantissa shifted under fp16's, whose
+    exponent bias is 8 more, so the value comes out times 2**-8, normal and subnormal alike)."""
+    if WIDEN == 0:
+        y = x.to(dtype)
+    elif WIDEN == 1:
+        y = x.to(tl.float16)
+    else:
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        y = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return y
+
+
 @triton.jit(do_not_specialize=["new_tokens"])
 def _attn_fwd_kvcache(
     Q, K, V, Out, Lse,
-    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin,
+    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -135,7 +154,8 @@ def _attn_fwd_kvcache(
     IS_VARLEN: tl.constexpr, SPLIT: tl.constexpr, INTERLEAVE: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr, DEFER_SCALE: tl.constexpr,
     ROTARY_Q: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
-    TABLE_TO_L2: tl.constexpr, UNIT: tl.constexpr, WAIT_PRIOR: tl.constexpr,
+    TABLE_TO_L2: tl.constexpr, UNIT: tl.constexpr, WAIT_PRIOR: tl.constexpr, KV_FP8: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -159,7 +179,12 @@ def _attn_fwd_kvcache(
     WAIT_PRIOR: launched as a programmatic dependent of the kernel ahead (``DecodeSettings.pdl_attn``),
     which may still be writing any of the inputs: before ``griddepcontrol.wait`` only prefetches of the
     table's sectors go out (without leftpad, whose start is a load), no load. LAUNCH_DEPENDENTS lets
-    the combine, launched as our dependent, start early (it waits for our writes)."""
+    the combine, launched as our dependent, start early (it waits for our writes).
+
+    KV_FP8: the caches hold e4m3 values standing for ``x_fp8 * descale``, with fp32 ``(batch, nheads_k)``
+    descales ``KDescale`` / ``VDescale`` (contiguous): k's multiplies the softmax scale, v's the output.
+    Tiles are widened as WIDEN says (``_widened``; with 1 or 2, q is converted to fp16 too, saturated at
+    fp16's ±65504, and p is fp16)."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -243,6 +268,15 @@ def _attn_fwd_kvcache(
             ROT_INTERLEAVED,
         ).to(q.dtype)  # fmt: skip
 
+    v_descale = 1.0
+    if KV_FP8:
+        sm_scale = sm_scale * tl.load(KDescale + bh)  # (bh = b * nheads_k + hk)
+        v_descale = tl.load(VDescale + bh)
+        if WIDEN == 2:  # (the shifted tiles are 2**-8 of their values)
+            sm_scale = sm_scale * 256.0
+            v_descale = v_descale * 256.0
+        if WIDEN != 0:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     qk_scale = sm_scale * common.LOG2E  # scores in the log2 domain: exp2 in the softmax
     softcap_scale = 0.0
     softcap_log2 = 0.0
@@ -308,12 +342,15 @@ def _attn_fwd_kvcache(
             PAGED, OFFS_64, HAS_LEFTPAD,
             PREFETCH_TABLE, USE_TMA, seg != 1,
             HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
-            DEFER_SCALE, UNIT,
+            DEFER_SCALE, UNIT, KV_FP8, WIDEN,
         )  # fmt: skip
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * (v_descale / l_safe)[:, None]
+    else:
+        acc = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * common.LN2  # (natural log)
     if SPLIT:
         lse = tl.where(seen, lse, float("-inf"))
