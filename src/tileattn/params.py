@@ -123,9 +123,8 @@ class DecodeSettings:
     sm_count: int | None = None
     # whether the planner counts on programmatic dependent launches (None: whether the device takes them)
     has_pdl: bool | None = None
-    # FP8 caches: the dtype their tiles are widened to for the matmuls: "q" (q's dtype), "f16" (fp16 by
-    # the conversion instruction, q converted too) or "bits" (fp16 by integer shifts, the factor 2**-8 this
-    # leaves folded into the descales)
+    # FP8 caches: the dtype their tiles are widened to for the matmuls: "f16" (q converted too; one
+    # conversion per two values, 1.3-1.7x the speed of "q" for bf16 q) or "q" (q's dtype)
     fp8_widen: str = "f16"
 
 

@@ -75,7 +75,7 @@ def test_fp8_cache_matches_reference(backend, case, layout, num_splits):
     check_lse(f"fp8 cache {case} {layout} lse", lse, ref.lse, ref_lowp.lse)
 
 
-@pytest.mark.parametrize("widen", ["q", "f16", "bits"])
+@pytest.mark.parametrize("widen", ["q", "f16"])
 def test_fp8_cache_widenings(widen):
     """Each way the decode kernel widens FP8 tiles (DecodeSettings.fp8_widen), paged and split."""
     device = _kernel_device()

@@ -13,6 +13,7 @@ table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``)
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
+``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy),
 ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
 cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-bound sizes).
 """
@@ -500,6 +501,11 @@ def parse_args(argv=None):
         help="FlashMask: each mask builder against FlexAttention and SDPA with the dense mask (8k and 32k tokens)",
     )
     ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 forward against bf16 and the FP8 matmul ceiling (1k-16k tokens), FP8 accuracy, FP8-cache decoding",
+    )
+    ap.add_argument(
         "--dropout",
         action="store_true",
         help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
@@ -591,6 +597,22 @@ def main(argv=None) -> int:
         rows = run_masks(time_ms, seqlens, headdim, args.hidden, dtype=dtype)
         append_results(args.out, rows)
         print(format_masks(rows))
+        return 0
+    if args.fp8:
+        if device != "cuda":
+            print("--fp8 times the FP8 tensor-core kernels; no GPU here")
+            return 1
+        from tileattn.bench.fp8 import accuracy_rows, decode_rows, format_accuracy, format_decode, format_fp8, run_fp8
+
+        seqlens = (
+            args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else [1024, 2048, 4096, 8192, 16384]
+        )
+        rows = run_fp8(time_ms, seqlens, args.headdim, hidden=args.hidden)
+        rows += accuracy_rows() + decode_rows(time_ms)
+        append_results(args.out, rows)
+        print(format_fp8(rows))
+        print(format_accuracy(rows))
+        print(format_decode(rows))
         return 0
     if args.dropout:
         from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout

@@ -267,7 +267,7 @@ def plan_launches(
             "WAIT_PRIOR": pdl_attn,
             "TABLE_TO_L2": paged and prefetch_grid and d.paged_table_l2 and not interpret and not torch.version.hip,
             "KV_FP8": c.k_descale is not None,
-            "WIDEN": {"q": 0, "f16": 1, "bits": 2}[d.fp8_widen],
+            "WIDEN": {"q": 0, "f16": 1}[d.fp8_widen],
         },
         num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,

@@ -119,16 +119,12 @@ def _kv_tiles(
 
 @triton.jit
 def _widened(x, dtype, WIDEN: tl.constexpr):
-    """An e4m3 tile in a 16-bit dtype, exactly: ``dtype`` (WIDEN 0), fp16 by the conversion instruction
-    (1), or fp16 by integer shifts (2: sign to bit 15, exponent and mantissa shifted under fp16's, whose
-    exponent bias is 8 more, so the value comes out times 2**-8, normal and subnormal alike)."""
+    """An e4m3 tile in a 16-bit dtype, exactly: ``dtype`` (WIDEN 0) or fp16 (1, one conversion
+    instruction per two values; bf16 takes three more, through fp32)."""
     if WIDEN == 0:
         y = x.to(dtype)
-    elif WIDEN == 1:
-        y = x.to(tl.float16)
     else:
-        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        y = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        y = x.to(tl.float16)
     return y
 
 
@@ -183,7 +179,7 @@ def _attn_fwd_kvcache(
 
     KV_FP8: the caches hold e4m3 values standing for ``x_fp8 * descale``, with fp32 ``(batch, nheads_k)``
     descales ``KDescale`` / ``VDescale`` (contiguous): k's multiplies the softmax scale, v's the output.
-    Tiles are widened as WIDEN says (``_widened``; with 1 or 2, q is converted to fp16 too, saturated at
+    Tiles are widened as WIDEN says (``_widened``; with 1, q is converted to fp16 too, saturated at
     fp16's ±65504, and p is fp16)."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
@@ -272,10 +268,7 @@ def _attn_fwd_kvcache(
     if KV_FP8:
         sm_scale = sm_scale * tl.load(KDescale + bh)  # (bh = b * nheads_k + hk)
         v_descale = tl.load(VDescale + bh)
-        if WIDEN == 2:  # (the shifted tiles are 2**-8 of their values)
-            sm_scale = sm_scale * 256.0
-            v_descale = v_descale * 256.0
-        if WIDEN != 0:
+        if WIDEN == 1:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     qk_scale = sm_scale * common.LOG2E  # scores in the log2 domain: exp2 in the softmax
     softcap_scale = 0.0
