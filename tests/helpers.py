@@ -59,6 +59,17 @@ def on(backend: str):
     return cpu_backend("triton" if backend == "interpret" else "torch"), "cpu"
 
 
+def check_refused(call, exc, words):
+    """Calls ``call``, which must raise ``exc`` with a message that mentions every one of ``words``;
+    returns the exception."""
+    with pytest.raises(exc) as info:
+        call()
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"message {message!r} does not mention {word!r}"
+    return info.value
+
+
 def randn(*shape, dtype, device, requires_grad=True):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
