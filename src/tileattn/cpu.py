@@ -26,7 +26,7 @@ from tileattn.rotary_torch import rotary_at
 
 BLOCK_M = 128
 BLOCK_N = 256
-E4M3_MAX = 448.0
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def _sequences(p: AttnParams, total_q: int, total_k: int):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tileattn import checks
+from tileattn.ops import attention
 
 __all__ = ["E4M3", "dequantize", "quantize"]
 
@@ -102,10 +103,7 @@ class _Dequantized(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError(
-            "backward through float8_e4m3fn inputs is not supported: FP8 attention is forward only (train in "
-            "bf16 or fp16)"
-        )
+        raise NotImplementedError(attention.FP8_BACKWARD)
 
 
 def _check_descale(name: str, d: object, batch: int, nheads_k: int, device: torch.device) -> None:

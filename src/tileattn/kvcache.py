@@ -82,8 +82,9 @@ def flash_attn_with_kvcache(
         k_descale, v_descale: keyword-only, for FP8 caches (``torch.float8_e4m3fn`` k_cache and v_cache,
             with float16/bfloat16 q, k, v): fp32 ``(batch, nheads_k)`` factors (None: 1.0), sequence b's
             keys and values of kv head h being ``cache * descale[b, h]``. New k and v are divided by them,
-            saturated at ±448 and rounded to e4m3 as they are written; the kernels widen the cache's
-            tiles to q's dtype and fold the factors into the scores and the output.
+            saturated at ±448 and rounded to e4m3 as they are written; the decode kernel widens the
+            cache's tiles to fp16 (``DecodeSettings.fp8_widen``) and folds the factors into the scores
+            and the output.
 
     Returns:
         ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.

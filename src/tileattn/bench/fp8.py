@@ -192,15 +192,18 @@ def format_accuracy(rows) -> str:
     return "FP8 against bf16 attention on the original inputs\n" + tabulate(table, headers=headers, tablefmt="github")
 
 
-def _paged(cache: torch.Tensor, page_size: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """A contiguous ``(batch, seqlen, nheads_k, d)`` cache as a pool of pages in shuffled order and its
-    block table."""
-    batch, seqlen = cache.shape[:2]
+def _paged(caches: tuple, page_size: int, gen) -> tuple[list, torch.Tensor]:
+    """Contiguous ``(batch, seqlen, nheads_k, d)`` caches as pools of pages, all in one shuffled order, and
+    their block table."""
+    batch, seqlen = caches[0].shape[:2]
     pages = seqlen // page_size
-    order = torch.randperm(batch * pages, generator=gen, device=cache.device)
-    pool = torch.empty((batch * pages, page_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
-    pool[order] = cache.reshape(batch * pages, page_size, *cache.shape[2:])
-    return pool, order.view(batch, pages).int()
+    order = torch.randperm(batch * pages, generator=gen, device=caches[0].device)
+    pools = []
+    for cache in caches:
+        pool = torch.empty((batch * pages, page_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+        pool[order] = cache.reshape(batch * pages, page_size, *cache.shape[2:])
+        pools.append(pool)
+    return pools, order.view(batch, pages).int()
 
 
 def decode_rows(time_ms, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8, headdim=128, page_size=64):
@@ -226,15 +229,8 @@ def decode_rows(time_ms, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8,
 
         ref, lowp = attend(torch.float64), attend(torch.bfloat16)
         for paged in (False, True):
-            if paged:  # (the same page order for every pool)
-                gen.manual_seed(0)
-                k16, table = _paged(kc, page_size, gen)
-                gen.manual_seed(0)
-                v16, _ = _paged(vc, page_size, gen)
-                gen.manual_seed(0)
-                k8p, _ = _paged(kc8, page_size, gen)
-                gen.manual_seed(0)
-                v8p, _ = _paged(vc8, page_size, gen)
+            if paged:
+                (k16, v16, k8p, v8p), table = _paged((kc, vc, kc8, vc8), page_size, gen)
                 layout = dict(block_table=table)
             else:
                 k16, v16, k8p, v8p, layout = kc, vc, kc8, vc8, {}

@@ -7,9 +7,10 @@ FlashMask (HAS_FLASHMASK) and FP8 inputs (IS_FP8).
 FP8 (e4m3 q, k, v with descales, ``AttnParams.descales``): both matmuls run on FP8 tensor cores with fp32
 accumulation. The scores are scaled by q_descale·k_descale with the softmax scale; p is rounded to e4m3
 at 2**8 times its value (``common.online_softmax``'s P_LOG2, so that small probabilities stay above
-e4m3's subnormals; the row sums carry the same factor) and the output is scaled by v_descale. FP8 tensor cores read both operands
-key-major: with V_T the kernel reads a transposed copy of V (``Settings.fp8_v_transposed``) instead of
-V, whose key-major shared-memory copy Triton otherwise makes through registers.
+e4m3's subnormals; the row sums carry the same factor) and the output is scaled by v_descale. FP8 tensor
+cores read both operands key-major: with V_T the kernel reads a transposed copy of V
+(``Settings.fp8_v_transposed``) instead of V, whose key-major shared-memory copy Triton otherwise makes
+through registers.
 """
 
 import torch
@@ -156,9 +157,10 @@ def _attn_fwd(
     )  # [BLOCK_M, BLOCK_D]
     v_descale = 1.0
     if IS_FP8:  # Descales: (3, batch, nheads_k), q's, k's and v's
+        per_input = batch * (nheads // group_size)
         d_base = Descales + b * (nheads // group_size) + h_k
-        sm_scale = sm_scale * tl.load(d_base) * tl.load(d_base + batch * (nheads // group_size))
-        v_descale = tl.load(d_base + 2 * batch * (nheads // group_size))
+        sm_scale = sm_scale * tl.load(d_base) * tl.load(d_base + per_input)
+        v_descale = tl.load(d_base + 2 * per_input)
     qk_scale, softcap_scale, softcap_log2, slope_log2, rng_base = common.prologue(
         b, h, nheads, max_seqlen_q, row_groups, Alibi, stride_ab, sm_scale, softcap, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT
     )

@@ -19,6 +19,11 @@ from tileattn import backend, checks, cpu, flashmask, rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
 
+# what a backward through FP8 inputs raises (tileattn.fp8 too, where it dequantizes them)
+FP8_BACKWARD = (
+    "backward through float8_e4m3fn inputs is not supported: FP8 attention is forward only (train in bf16 or fp16)"
+)
+
 # FlashMasks in the kernels' form, remembered per startend_row_indices tensor while it is alive and unmodified
 # (every layer of a model passes the same one); a few, as each holds 16 bytes per key token on the device
 FLASHMASKS = checks.CheckedOnce(limit=8)
@@ -246,10 +251,7 @@ def _setup_context(ctx, inputs, output):
 def _grads(bwd, ctx, dout):
     """(dq, dk, dv, None...) for the forward's 17 inputs, from what ``_setup_context`` saved."""
     if ctx.fp8:
-        raise NotImplementedError(
-            "backward through float8_e4m3fn inputs is not supported: FP8 attention is forward only (train in "
-            "bf16 or fp16)"
-        )
+        raise NotImplementedError(FP8_BACKWARD)
     *saved, startend_row_indices = ctx.saved_tensors
     with configs.override(ctx.settings):
         dq, dk, dv = bwd(dout, *saved, *ctx.options[:8], startend_row_indices, *ctx.options[8:])
