@@ -194,6 +194,7 @@ def _fp8_call(q=None, k=None, v=None, **kw):
         (_fp8_call(q_descale=torch.ones(2, 4)), ValueError, ["q_descale", "(2, 2)"]),
         (_fp8_call(k_descale=torch.ones(2, 2, dtype=torch.float16)), TypeError, ["k_descale", "float32"]),
         (_fp8_call(v_descale=[1.0]), TypeError, ["v_descale", "float32 tensor"]),
+        (_fp8_call(dropout_p=0.1), ValueError, ["dropout_p", "float8_e4m3fn"]),
         (
             lambda: tileattn.flash_attn_func(
                 *(torch.randn(1, 8, 2, 16, dtype=torch.bfloat16) for _ in range(3)), q_descale=torch.ones(1, 2)
@@ -210,6 +211,7 @@ def _fp8_call(q=None, k=None, v=None, **kw):
         "descale-shape",
         "descale-dtype",
         "descale-type",
+        "dropout",
         "descale-without-fp8",
         "quantize-heads",
         "quantize-fp8",
