@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +61,24 @@ def on(backend: str):
     if backend == "cuda":
         return contextlib.nullcontext(), "cuda"
     return cpu_backend("triton" if backend == "interpret" else "torch"), "cpu"
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def example(name: str):
+    """The module of ``examples/<name>.py``, imported."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python examples/<name>.py *args`` in a child process, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def check_refused(call, exc, words):

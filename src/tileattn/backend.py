@@ -54,12 +54,14 @@ def implementation(q: torch.Tensor) -> ModuleType | SimpleNamespace:
 def _triton_implementation() -> SimpleNamespace:
     """The Triton launchers behind the same interface as ``tileattn.cpu``, imported on first use."""
     from tileattn.kernels import backward, decode, forward  # (Triton loads here, on first use)
+    from tileattn.kernels.decode import mla
 
     return SimpleNamespace(
         attn_fwd=forward.attn_fwd,
         attn_bwd=backward.attn_bwd,
         attn_fwd_kvcache=decode.attn_fwd_kvcache,
         kvcache_append=decode.kvcache_append,
+        mla_fwd=mla.mla_fwd,
     )
 
 

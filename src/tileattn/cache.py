@@ -8,6 +8,14 @@ A decoding step for a batch of sequences::
     for layer in range(num_layers):
         out = flash_attn_with_kvcache(q, k=k_new, v=v_new, causal=True, **step.kwargs(layer))
 
+A latent pool (``values=False``: MLA, whose values are the first dims of the cached rows) takes the new
+rows through ``CacheStep.write`` and attends with ``tileattn.mla.flash_mla_with_kvcache``::
+
+    step = cache.append(seq_ids, num_new)
+    for layer in range(num_layers):
+        step.write(layer, rows)                      # (batch, num_new, 1, 576)
+        out, lse = flash_mla_with_kvcache(q, head_dim_v=512, causal=True, **step.mla_kwargs(layer))
+
 ``append`` grows each sequence by whole pages as needed and returns the lengths *before* the step
 (where the kernel writes the new keys and values) with the block table. Sequences made by ``fork``
 share their parent's pages; the first write into a shared, partially filled last page copies it first
@@ -45,10 +53,16 @@ class CacheStep:
     # FP8 pools: fp32 (num_layers, batch, nheads_k), each layer's descales for the step's sequences
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    # int32 (batch,): the tokens the step added to each sequence
+    num_new: torch.Tensor | None = None
 
     def kwargs(self, layer: int) -> dict:
         """``k_cache``, ``v_cache``, ``cache_seqlens`` and ``block_table`` for ``layer`` (and the layer's
         ``k_descale`` and ``v_descale`` with an FP8 pool)."""
+        if self.cache.v is None:
+            raise ValueError(
+                "a latent pool (values=False) has no v_cache: pass mla_kwargs(layer) to flash_mla_with_kvcache"
+            )
         args = dict(
             k_cache=self.cache.k[layer],
             v_cache=self.cache.v[layer],
@@ -58,6 +72,38 @@ class CacheStep:
         if self.k_descale is not None:
             args.update(k_descale=self.k_descale[layer], v_descale=self.v_descale[layer])
         return args
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Writes the step's new rows of ``layer`` into the pool: ``k`` (and ``v``, which a pool with
+        values needs) ``(batch, n, nheads_k, headdim)`` with n at least the most tokens the step added to
+        a sequence; row i of sequence b goes to position ``cache_seqlens[b] + i``, for i below the
+        tokens the step added to it (rows past them are ignored)."""
+        cache = self.cache
+        if (v is None) != (cache.v is None):
+            raise ValueError("write takes v exactly when the pool has values (PagedKVCache(values=True))")
+        if k.dim() != 4 or k.shape[0] != len(self.seq_ids) or tuple(k.shape[2:]) != tuple(cache.k.shape[3:]):
+            raise ValueError(
+                f"k must have shape (batch, n, nheads_k, headdim) = ({len(self.seq_ids)}, n, "
+                f"{', '.join(map(str, cache.k.shape[3:]))}), got {tuple(k.shape)}"
+            )
+        n = k.shape[1]
+        if max(self.num_new.tolist(), default=0) > n:
+            raise ValueError(f"k has {n} rows per sequence but the step added up to {int(self.num_new.max())}")
+        i = torch.arange(n, device=k.device)
+        keep = i[None, :] < self.num_new[:, None]  # (batch, n)
+        pos = self.cache_seqlens[:, None].long() + i[None, :]
+        pages = self.block_table.long().gather(1, (pos // cache.page_size).clamp_max(self.block_table.shape[1] - 1))
+        slots = pos % cache.page_size
+        cache.k[layer][pages[keep], slots[keep]] = k[keep].to(cache.k.dtype)
+        if v is not None:
+            cache.v[layer][pages[keep], slots[keep]] = v[keep].to(cache.v.dtype)
+
+    def mla_kwargs(self, layer: int) -> dict:
+        """``k_cache``, ``block_table`` and ``cache_seqlens`` of ``tileattn.mla.flash_mla_with_kvcache``
+        for ``layer``: the lengths *after* the step, whose rows ``write`` has put in the pool."""
+        return dict(
+            k_cache=self.cache.k[layer], block_table=self.block_table, cache_seqlens=self.cache_seqlens + self.num_new
+        )
 
 
 def _descales(name: str, value: object, num_layers: int, nheads_k: int, device) -> torch.Tensor:
@@ -81,7 +127,7 @@ class PagedKVCache:
     Args:
         num_layers, num_pages, page_size, nheads_k, headdim: pool geometry; ``k[layer]`` and
             ``v[layer]`` are ``(num_pages, page_size, nheads_k, headdim)``, so the pool holds
-            ``2 * num_layers * num_pages * page_size * nheads_k * headdim`` elements.
+            ``2 * num_layers * num_pages * page_size * nheads_k * headdim`` elements (half without values).
         dtype: of the pool, which must be the dtype of the queries and new keys passed with it, or
             ``torch.float8_e4m3fn`` (an FP8 pool, half the bytes: queries and new keys in float16 or
             bfloat16, the new keys and values quantized as they are written). Default ``None``: bfloat16
@@ -92,6 +138,9 @@ class PagedKVCache:
             broadcastable to ``(num_layers, nheads_k)`` (default 1.0): the pool holds ``x / descale``
             rounded to e4m3 (saturated at ±448), so a descale near ``max|x| / 448`` keeps the most
             precision. Every step passes them to ``flash_attn_with_kvcache`` (``CacheStep.kwargs``).
+        values: False for a latent pool (MLA): ``k[layer]`` holds rows whose first dims are also the
+            values, ``v`` is None; steps write rows with ``CacheStep.write`` and pass
+            ``CacheStep.mla_kwargs`` to ``tileattn.mla.flash_mla_with_kvcache``.
     """
 
     def __init__(
@@ -105,6 +154,7 @@ class PagedKVCache:
         device: torch.device | str | None = None,
         k_descale: float | torch.Tensor | None = None,
         v_descale: float | torch.Tensor | None = None,
+        values: bool = True,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -121,8 +171,12 @@ class PagedKVCache:
             where = torch.device(device) if device is not None else torch.get_default_device()
             dtype = torch.bfloat16 if where.type == "cuda" else torch.get_default_dtype()
         shape = (num_layers, num_pages, page_size, nheads_k, headdim)
+        if not isinstance(values, bool):
+            raise TypeError(f"values must be a bool, got {values!r}")
+        if not values and dtype == torch.float8_e4m3fn:
+            raise ValueError("a latent pool (values=False) holds float16, bfloat16 or float32 rows, not float8_e4m3fn")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if values else None
         self.k_descale = self.v_descale = None
         if dtype == torch.float8_e4m3fn:
             self.k_descale, self.v_descale = (
@@ -234,18 +288,19 @@ class PagedKVCache:
                 self._refs[page] = 1
                 seq.pages.append(page)
             seq.length += n
-        return self._step(ids, before)
+        return self._step(ids, before, counts)
 
     def _copy_last_page(self, seq: _Sequence) -> None:
         shared = seq.pages[-1]
         page = self._free.pop()
         self._refs[page] = 1
         self.k[:, page] = self.k[:, shared]
-        self.v[:, page] = self.v[:, shared]
+        if self.v is not None:
+            self.v[:, page] = self.v[:, shared]
         self._release(shared)
         seq.pages[-1] = page
 
-    def _step(self, ids: list[int], before: list[int]) -> CacheStep:
+    def _step(self, ids: list[int], before: list[int], counts: list[int]) -> CacheStep:
         width = max((len(self._seqs[i].pages) for i in ids), default=0)
         # rows shorter than the widest are padded with -1, no page: flash_attn_with_kvcache rejects a
         # step whose new tokens reach past a sequence's pages instead of writing another sequence's page
@@ -259,6 +314,7 @@ class PagedKVCache:
             seq_ids=ids,
             cache_seqlens=torch.tensor(before, dtype=torch.int32).to(device),
             block_table=table.to(device),
+            num_new=torch.tensor(counts, dtype=torch.int32).to(device),
         )
         if self.k_descale is not None:  # (contiguous (batch, nheads_k) per layer, as the kernels read them)
             layers, nheads_k = self.k_descale.shape

@@ -161,23 +161,33 @@ def attn_fwd(
                 kb = _expand_kv(ks[:, n0:n1].float(), group)
                 vb = _expand_kv(vs[:, n0:n1].float(), group)
                 s, _, keep = score(qb @ kb.transpose(1, 2), m0, n0)
-                m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
-                # Rows with nothing visible yet keep m = -inf; subtract 0 there instead of -inf.
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                pb = torch.exp(s - m_safe)
-                alpha = torch.exp(m_i - m_safe)
-                l_i = l_i * alpha + pb.sum(-1, keepdim=True)
-                if keep is not None:
-                    pb = pb * keep
-                acc = acc * alpha + pb @ vb
-                m_i = m_new
-            seen = l_i > 0
-            l_safe = torch.where(seen, l_i, torch.ones_like(l_i))
-            scale = l_safe * (1.0 - p.dropout_p)
-            o_seq[:, m0:m1] = (acc / scale).to(out.dtype)
-            lse_blk = torch.where(seen, m_i + torch.log(l_safe), torch.full_like(l_i, float("inf")))
-            lse_seq[:, m0:m1] = lse_blk.squeeze(-1)
+                m_i, l_i, acc = _online_step(s, m_i, l_i, acc, vb, keep)
+            o_blk, lse_blk = _finished(m_i, l_i, acc, 1.0 - p.dropout_p)
+            o_seq[:, m0:m1] = o_blk.to(out.dtype)
+            lse_seq[:, m0:m1] = lse_blk
     return out, lse
+
+
+def _online_step(s, m_i, l_i, acc, vb, keep=None):
+    """One key block of the online softmax: scores ``s`` (-inf where hidden), values ``vb`` and dropout's
+    keep-mask; returns the running max, sum and accumulator."""
+    m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 there instead of -inf.
+    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    pb = torch.exp(s - m_safe)
+    alpha = torch.exp(m_i - m_safe)
+    l_i = l_i * alpha + pb.sum(-1, keepdim=True)
+    if keep is not None:
+        pb = pb * keep
+    return m_new, l_i, acc * alpha + pb @ vb
+
+
+def _finished(m_i, l_i, acc, keep_scale=1.0):
+    """The output (fp32) and LSE of the rows: 0 and +inf for rows that saw no key."""
+    seen = l_i > 0
+    l_safe = torch.where(seen, l_i, torch.ones_like(l_i))
+    lse = torch.where(seen, m_i + torch.log(l_safe), torch.full_like(l_i, float("inf")))
+    return acc / (l_safe * keep_scale), lse.squeeze(-1)
 
 
 def attn_bwd(
@@ -343,3 +353,42 @@ def attn_fwd_kvcache(
         return out, lse
     nheads = q.shape[2]
     return out.view(q.shape), lse.view(nheads, p.batch, p.seqlen_q).transpose(0, 1).contiguous()
+
+
+def mla_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    metadata: torch.Tensor | None,
+    num_splits: torch.Tensor | None,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    s: Settings | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decoding (``kernels.decode.mla.mla_fwd``'s interface; the schedule is not needed here): each
+    sequence's keys are read from its pages BLOCK_N at a time, the values being their first
+    ``head_dim_v`` dims, with an online softmax in fp32."""
+    batch, seqlen_q, nheads, _ = q.shape
+    page_size, nheads_k = kv.shape[1], kv.shape[2]
+    group = nheads // nheads_k
+    out = torch.zeros((batch, seqlen_q, nheads, head_dim_v), dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, nheads, seqlen_q), float("inf"), device=q.device)
+    for b, seqlen_k in enumerate(seqlens.tolist()):
+        qb = q[b].float().transpose(0, 1)  # (nheads, seqlen_q, d)
+        m_i = torch.full((nheads, seqlen_q, 1), float("-inf"), device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(nheads, seqlen_q, head_dim_v, device=q.device)
+        last = seqlen_k - seqlen_q + torch.arange(seqlen_q, device=q.device).view(1, -1, 1)  # causal: keys <= last
+        for n0 in range(0, seqlen_k, BLOCK_N):
+            pos = torch.arange(n0, min(n0 + BLOCK_N, seqlen_k), device=q.device)
+            pages = block_table[b].long()[pos // page_size]
+            kb = _expand_kv(kv[pages, pos % page_size].float().transpose(0, 1), group)  # (nheads, n, d)
+            sc = (qb @ kb.transpose(1, 2)) * softmax_scale
+            if causal:
+                sc = sc.masked_fill(pos.view(1, 1, -1) > last, float("-inf"))
+            m_i, l_i, acc = _online_step(sc, m_i, l_i, acc, kb[..., :head_dim_v])
+        o_b, lse[b] = _finished(m_i, l_i, acc)
+        out[b] = o_b.transpose(0, 1).to(q.dtype)
+    return out, lse

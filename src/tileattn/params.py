@@ -128,6 +128,38 @@ class DecodeSettings:
     fp8_widen: str = "f16"
 
 
+@dataclass(frozen=True)
+class MLASettings:
+    """How ``tileattn.mla`` schedules and builds its decode kernel (``kernels.decode.mla``). The defaults
+    are the H200's measured choices (docs/perf.md, "MLA decode")."""
+
+    # keys a program takes per step; query rows (heads x tokens of one kv head) per program: a power of
+    # two from ``min_block_m`` to ``block_m``
+    block_n: int = 64
+    block_m: int = 64
+    min_block_m: int = 16
+    # warps of programs of 64 query rows (the 512-wide accumulator over two warpgroups) and of fewer
+    wide_warps: int = 8
+    narrow_warps: int = 4
+    stages: int = 2
+    # the query tiles loaded again for every key tile instead of held in registers
+    q_in_loop: bool = False
+    # the work schedule (``get_mla_metadata``): keys counted in blocks of ``schedule_block``, each
+    # sequence costing ``fixed_overhead`` blocks more (its output's write), over ``parts_per_sm`` parts per
+    # SM for programs of ``block_m`` rows and ``narrow_parts_per_sm`` for programs of fewer
+    schedule_block: int = 64
+    fixed_overhead: int = 5
+    parts_per_sm: int = 1
+    narrow_parts_per_sm: int = 2
+    # SMs the schedule counts on (None: the device's own)
+    sm_count: int | None = None
+
+    def rows_per_program(self, rows: int) -> int:
+        """Query rows per program for ``rows`` rows per kv head: a power of two from ``min_block_m`` to
+        ``block_m``."""
+        return min(self.block_m, max(self.min_block_m, next_power_of_2(rows)))
+
+
 @dataclass(frozen=True, eq=False)
 class Settings:
     """The tile tables of the training kernels, by padded head dim, and the decode settings: chosen per
@@ -151,6 +183,7 @@ class Settings:
     # key lengths from which ``fwd_long`` applies
     long_seqlen_k: int = 8192
     decode: DecodeSettings = DecodeSettings()
+    mla: MLASettings = MLASettings()
     # the kernels run in Triton's interpreter: small tiles that still cross several tiles, one config
     interpret: bool = False
     # packed batches of up to this many sequences map tiles to sequences in registers; larger ones by a

@@ -2,16 +2,11 @@
 the end-to-end example (a small decoder served from the cache matches the uncached model; its command
 line refuses bad arguments with a sentence), and the pool's default dtype."""
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import tileattn
-from helpers import on
+from helpers import example, on, run_example
 from tileattn.cache import CacheFullError, PagedKVCache
 
 
@@ -145,32 +140,19 @@ def test_steps_pad_short_table_rows_with_no_page(backend):
     assert torch.equal(cache.k, pool)
 
 
-def _example():
-    path = Path(__file__).parents[2] / "examples" / "paged_decode.py"
-    spec = importlib.util.spec_from_file_location("paged_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_example_matches_uncached_model(backend):
     ctx, device = on(backend)
     dtype = torch.float32 if backend == "torch" else torch.float16
     if backend == "cuda":
         dtype = torch.bfloat16
     with ctx:
-        worst = _example().run(device, dtype, steps=6, verbose=False)
+        worst = example("paged_decode").run(device, dtype, steps=6, verbose=False)
     assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
-
-
-def _run_example(*args):
-    path = Path(__file__).parents[2] / "examples" / "paged_decode.py"
-    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=600)
 
 
 def test_example_command_line_on_cpu():
     """``python examples/paged_decode.py`` as printed (a few steps): it checks itself and says so."""
-    res = _run_example("--device", "cpu", "--steps", "5")
+    res = run_example("paged_decode", "--device", "cpu", "--steps", "5")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "cached decoding matches the uncached model" in res.stdout
 
@@ -190,7 +172,7 @@ def test_example_refuses_bad_arguments_with_a_sentence(args, words):
     a traceback from deep inside."""
     if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("there is a GPU here")
-    res = _run_example(*args)
+    res = run_example("paged_decode", *args)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     for word in words:
         assert word in res.stderr, res.stderr

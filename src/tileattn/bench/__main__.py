@@ -13,7 +13,8 @@ table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``)
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
-``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy),
+``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
+decoding beside GQA decoding),
 ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
 cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-bound sizes).
 """
@@ -346,98 +347,6 @@ def plot(results: Path, out_dir: Path) -> list[Path]:
     return written
 
 
-def run_varlen(device: str, dtype: torch.dtype, tokens: int, headdim: int, nheads: int, causal: bool, seed: int = 0):
-    """A packed batch of mixed lengths (drawn from 64..4096 until ``tokens``) timed three ways: tileattn
-    varlen, tileattn on the zero-padded batch, and SDPA on the padded batch with a padding mask."""
-
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < tokens:
-        lengths.append(int(torch.randint(64, 4097, (1,), generator=gen)))
-    lengths[-1] -= sum(lengths) - tokens
-    lengths = [n for n in lengths if n > 0]
-    batch, max_len = len(lengths), max(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(tokens, nheads, headdim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    mask = torch.arange(max_len, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
-
-    def padded(t):
-        out = t.new_zeros(batch, max_len, nheads, headdim)
-        out[mask] = t.detach()
-        return out.requires_grad_()
-
-    qp, kp, vp = padded(q), padded(k), padded(v)
-    attn_mask = mask[:, None, None, :]
-    if causal:
-        attn_mask = attn_mask & torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()[None, None]
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=attn_mask
-        ).transpose(1, 2)
-
-    variants = {
-        "tileattn varlen": (
-            (q, k, v),
-            lambda: tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal),
-        ),
-        "tileattn padded": ((qp, kp, vp), lambda: tileattn.flash_attn_func(qp, kp, vp, causal=causal)),
-        "sdpa padded+mask": ((qp, kp, vp), sdpa),
-    }
-    useful = sum(4 * nheads * n * n * headdim / (2 if causal else 1) for n in lengths)
-    rows = []
-    for name, (inputs, fn) in variants.items():
-        out = fn()
-        dout = torch.randn_like(out)
-        t_fwd = time_ms(fn, device)
-        t_all = time_ms(lambda fn=fn, inputs=inputs, dout=dout: torch.autograd.grad(fn(), inputs, dout), device)
-        rows.append(
-            dict(
-                kind="varlen",
-                backend=name,
-                device=device,
-                causal=causal,
-                headdim=headdim,
-                nheads=nheads,
-                tokens=tokens,
-                batch=batch,
-                max_seqlen=max_len,
-                fwd_ms=t_fwd,
-                fwd_bwd_ms=t_all,
-                useful_fwd_tflops=useful / t_fwd / 1e9,
-            )
-        )
-    return rows, lengths
-
-
-def format_varlen(rows) -> str:
-    from tabulate import tabulate
-
-    base = {r["causal"]: r for r in rows if r["backend"] == "tileattn varlen"}
-    table = [
-        [
-            ("causal" if r["causal"] else "full"),
-            r["backend"],
-            f"{r['fwd_ms']:.3f}",
-            f"{r['fwd_bwd_ms']:.3f}",
-            f"{r['useful_fwd_tflops']:.1f}",
-            f"{r['fwd_ms'] / base[r['causal']]['fwd_ms']:.2f}x",
-            f"{r['fwd_bwd_ms'] / base[r['causal']]['fwd_bwd_ms']:.2f}x",
-        ]
-        for r in rows
-    ]
-    headers = [
-        "mask",
-        "variant",
-        "fwd ms",
-        "fwd+bwd ms",
-        "useful fwd TFLOP/s",
-        "varlen speed-up fwd",
-        "varlen speed-up fwd+bwd",
-    ]
-    return tabulate(table, headers=headers, tablefmt="github")
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tileattn.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small preset (on CPU: CPU path vs eager)")
@@ -506,6 +415,11 @@ def parse_args(argv=None):
         help="FP8 forward against bf16 and the FP8 matmul ceiling (1k-16k tokens), FP8 accuracy, FP8-cache decoding",
     )
     ap.add_argument(
+        "--mla",
+        action="store_true",
+        help="MLA decoding (FlashMLA's memory- and compute-bound cases) beside GQA decoding of the same caches",
+    )
+    ap.add_argument(
         "--dropout",
         action="store_true",
         help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
@@ -525,6 +439,12 @@ def parse_args(argv=None):
         on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
         args.mode = "fwd" if args.quick and on_cpu else "fwd+bwd"
     return args
+
+
+def _on_gpu(device: str, flag: str) -> bool:
+    if device != "cuda":
+        print(f"{flag} times CUDA kernels; no GPU here")
+    return device == "cuda"
 
 
 def main(argv=None) -> int:
@@ -549,8 +469,7 @@ def main(argv=None) -> int:
     ]
     print(banner(device), flush=True)
     if args.decode:
-        if device != "cuda":
-            print("--decode times CUDA kernels; no GPU here")
+        if not _on_gpu(device, "--decode"):
             return 1
         from tileattn.bench.decode import format_decode, run_decode
 
@@ -559,8 +478,7 @@ def main(argv=None) -> int:
         print(format_decode(rows))
         return 0
     if args.decode_ab:
-        if device != "cuda":
-            print("--decode-ab times CUDA graphs; no GPU here")
+        if not _on_gpu(device, "--decode-ab"):
             return 1
         from tileattn.bench.decode import format_decode_ab, run_decode_ab
 
@@ -577,8 +495,7 @@ def main(argv=None) -> int:
         print(format_decode_ab(rows))
         return 0
     if args.host:
-        if device != "cuda":
-            print("--host times CUDA launches; no GPU here")
+        if not _on_gpu(device, "--host"):
             return 1
         from tileattn.bench.host import format_host, run_host
 
@@ -587,8 +504,7 @@ def main(argv=None) -> int:
         print(format_host(rows))
         return 0
     if args.masks:
-        if device != "cuda":
-            print("--masks times CUDA kernels against FlexAttention; no GPU here")
+        if not _on_gpu(device, "--masks"):
             return 1
         from tileattn.bench.masks import format_masks, run_masks
 
@@ -599,8 +515,7 @@ def main(argv=None) -> int:
         print(format_masks(rows))
         return 0
     if args.fp8:
-        if device != "cuda":
-            print("--fp8 times the FP8 tensor-core kernels; no GPU here")
+        if not _on_gpu(device, "--fp8"):
             return 1
         from tileattn.bench.fp8 import accuracy_rows, decode_rows, format_accuracy, format_decode, format_fp8, run_fp8
 
@@ -614,6 +529,15 @@ def main(argv=None) -> int:
         print(format_accuracy(rows))
         print(format_decode(rows))
         return 0
+    if args.mla:
+        if not _on_gpu(device, "--mla"):
+            return 1
+        from tileattn.bench.mla import format_mla, run_mla
+
+        rows = run_mla(time_ms)
+        append_results(args.out, rows)
+        print(format_mla(rows))
+        return 0
     if args.dropout:
         from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout
 
@@ -625,8 +549,7 @@ def main(argv=None) -> int:
         print(format_dropout(rows))
         return 0
     if args.features:
-        if device != "cuda":
-            print("--features times CUDA kernels; no GPU here")
+        if not _on_gpu(device, "--features"):
             return 1
         from tileattn.bench.features import format_features, run_features
 
@@ -639,10 +562,14 @@ def main(argv=None) -> int:
         print(format_features(rows))
         return 0
     if args.varlen:
+        from tileattn.bench.varlen import format_varlen, run_varlen
+
         rows = []
         headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128
         for causal in causals:
-            r, lengths = run_varlen(device, dtype, args.tokens, headdim, max(1, args.hidden // headdim), causal)
+            r, lengths = run_varlen(
+                time_ms, device, dtype, args.tokens, headdim, max(1, args.hidden // headdim), causal
+            )
             rows += r
         print(f"lengths: {lengths}")
         append_results(args.out, rows)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from tileattn.params import AttnParams, DecodeSettings, KernelConfig, Settings, interpreting
+from tileattn.params import AttnParams, DecodeSettings, KernelConfig, MLASettings, Settings, interpreting
 
 # Tiles by padded head dim, (BLOCK_M, BLOCK_N, warps, stages): the fastest of ``python -m
 # tileattn.bench.tune`` on the H200 (bf16, 16k tokens), then the build variants measured against them.
@@ -70,7 +70,13 @@ HOPPER = Settings(
 PORTABLE = HOPPER
 # Triton's interpreter (CPU tensors under TRITON_INTERPRET=1): small tiles that still cross several tiles.
 _INTERPRET_TILES = {d: KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1) for d in (16, 32, 64, 128, 256)}
-INTERPRETER = Settings(fwd=_INTERPRET_TILES, bwd_dkdv=_INTERPRET_TILES, bwd_dq=_INTERPRET_TILES, interpret=True)
+INTERPRETER = Settings(
+    fwd=_INTERPRET_TILES,
+    bwd_dkdv=_INTERPRET_TILES,
+    bwd_dq=_INTERPRET_TILES,
+    mla=MLASettings(block_n=16, block_m=16, stages=1, sm_count=4),
+    interpret=True,
+)
 
 _OVERRIDE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("tileattn_settings", default=None)
 

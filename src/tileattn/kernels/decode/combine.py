@@ -15,17 +15,23 @@ from tileattn.params import DecodeSettings, next_power_of_2
 
 @triton.jit
 def _combine(
-    OutP, LseP, Out, Lse,
+    OutP, LseP, Out, Lse, SplitOffsets,
     stride_ps, stride_ls,
     n_rows, nheads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr = False,
 ):  # fmt: skip
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
     HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
     The partial outputs are read CHUNK splits at a time, as one [BLOCK_R, CHUNK, BLOCK_D] load. With
-    USE_PDL (a programmatic dependent launch) it first waits for the split kernel's writes."""
+    USE_PDL (a programmatic dependent launch) it first waits for the split kernel's writes.
+
+    Every sequence has ``num_splits`` splits, split s of sequence b at ``s * stride_ps`` (output) and
+    ``s * stride_ls`` (LSE) from b's rows, unless VAR_SPLITS: then sequence b has the partial slots
+    ``SplitOffsets[b] ... SplitOffsets[b + 1] - 1`` (int32 prefix sums; ``num_splits`` bounds their
+    count), slot j's partials at ``j * stride_ps`` / ``j * stride_ls`` laid out like one sequence of
+    the output / LSE, and sequences of one split, which the split kernel wrote whole, are skipped."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -36,9 +42,20 @@ def _combine(
     t = (offs_r // nheads) % seqlen_q
     b = offs_r // (nheads * seqlen_q)
     lse_idx = (b * nheads + h).to(tl.int64) * seqlen_q + t
+    if VAR_SPLITS:
+        first = tl.load(SplitOffsets + b, mask=mask_r, other=0)
+        count = tl.load(SplitOffsets + b + 1, mask=mask_r, other=0) - first
+        mask_r = mask_r & (count > 1)
+        lse_row = first.to(tl.int64) * stride_ls + h * seqlen_q + t
+        out_row = first.to(tl.int64) * stride_ps + (offs_r - b * (nheads * seqlen_q)) * HEAD_DIM
+    else:
+        count = tl.zeros([BLOCK_R], dtype=tl.int32) + num_splits
+        lse_row = lse_idx
+        out_row = offs_r.to(tl.int64) * HEAD_DIM
+    count = count[:, None]  # [BLOCK_R, 1]
     lse = tl.load(
-        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_idx[:, None],
-        mask=mask_r[:, None] & (offs_s[None, :] < num_splits),
+        LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_row[:, None],
+        mask=mask_r[:, None] & (offs_s[None, :] < count),
         other=float("-inf"),
     )  # [BLOCK_R, SPLITS_PAD]
     m = tl.max(lse, 1)
@@ -48,16 +65,17 @@ def _combine(
     total_safe = tl.where(seen, total, 1.0)
     mask_d = offs_d < HEAD_DIM
     rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]
+    rows_p = out_row[:, None] + offs_d[None, :]  # the partials' rows
     offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, CHUNK):
-        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < num_splits)  # [BLOCK_R, CHUNK]
+        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < count)  # [BLOCK_R, CHUNK]
         lse_c = tl.load(
-            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_idx[:, None], mask=mask_c, other=float("-inf")
+            LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_row[:, None], mask=mask_c, other=float("-inf")
         )
         w = tl.exp(lse_c - m_safe[:, None]) / total_safe[:, None]  # [BLOCK_R, CHUNK]
         o = tl.load(
-            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows[:, None, :],
+            OutP + (s0 + offs_c[None, :, None]).to(tl.int64) * stride_ps + rows_p[:, None, :],
             mask=mask_c[:, :, None] & mask_d[None, None, :],
             other=0.0,
         )  # [BLOCK_R, CHUNK, BLOCK_D]

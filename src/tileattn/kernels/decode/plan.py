@@ -378,5 +378,5 @@ def attn_fwd_kvcache(
         )
     )
     if split_kv:
-        plan[1]((o_target, l_target, o4, lse))
+        plan[1]((o_target, l_target, o4, lse, lse))
     return out, lse
