@@ -3,7 +3,7 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/sanitize.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
     (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
-    FP8 calls only)
+    FP8 calls only, --mla for MLA decoding only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -25,6 +25,29 @@ dev, dt = "cuda", torch.bfloat16
 KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter run)
 FLASHMASK_ONLY = "--flashmask" in sys.argv
 FP8_ONLY = "--fp8" in sys.argv
+MLA_ONLY = "--mla" in sys.argv
+
+
+def mla_calls() -> None:
+    """MLA decoding: pages of 16, 64 and 256, ragged and empty sequences, speculative tokens past a short
+    cache (rows that see nothing), a split-heavy schedule, GQA latents and another value width."""
+    from tileattn import mla
+    from tileattn.params import MLASettings
+
+    for page, lens, sq, h, hk, d, dv in (
+        (64, [300, 1, 0, 129], 1, 16, 1, 576, 512),
+        (16, [70, 3, 0], 3, 128, 1, 576, 512),
+        (256, [513, 40], 2, 32, 2, 576, 512),
+        (16, [37, 90], 2, 8, 1, 176, 128),
+    ):
+        pages = -(-max(lens) // page)
+        kv = torch.randn(len(lens) * pages + 1, page, hk, d, device=dev, dtype=dt)
+        table = torch.randperm(len(lens) * pages + 1, device=dev)[: len(lens) * pages].view(len(lens), pages).int()
+        q = torch.randn(len(lens), sq, h, d, device=dev, dtype=dt)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        for schedule in (None, mla.schedule(seqlens, 7, MLASettings(schedule_block=16))):
+            extra = dict(tile_scheduler_metadata=schedule[0], num_splits=schedule[1]) if schedule else {}
+            mla.flash_mla_with_kvcache(q, kv, table, seqlens, dv, causal=True, **extra)
 
 
 def fp8_calls() -> None:
@@ -102,6 +125,11 @@ def flashmask_calls() -> None:
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 
 
+if MLA_ONLY:
+    mla_calls()
+    torch.cuda.synchronize()
+    print("sanitize workload done")
+    sys.exit(0)
 if FP8_ONLY:
     fp8_calls()
     torch.cuda.synchronize()
@@ -115,6 +143,7 @@ if FLASHMASK_ONLY:
 if not KVCACHE_ONLY:
     flashmask_calls()
     fp8_calls()
+    mla_calls()
     CASES = [
         (1, 113, 203, 4, 2, 59, dict(causal=True)),
         (2, 203, 113, 3, 1, 111, dict(window_size=(17, 5), softcap=3.0)),

@@ -52,10 +52,9 @@ def _combine(
         count = tl.zeros([BLOCK_R], dtype=tl.int32) + num_splits
         lse_row = lse_idx
         out_row = offs_r.to(tl.int64) * HEAD_DIM
-    count = count[:, None]  # [BLOCK_R, 1]
     lse = tl.load(
         LseP + offs_s[None, :].to(tl.int64) * stride_ls + lse_row[:, None],
-        mask=mask_r[:, None] & (offs_s[None, :] < count),
+        mask=mask_r[:, None] & (offs_s[None, :] < count[:, None]),
         other=float("-inf"),
     )  # [BLOCK_R, SPLITS_PAD]
     m = tl.max(lse, 1)
@@ -68,8 +67,11 @@ def _combine(
     rows_p = out_row[:, None] + offs_d[None, :]  # the partials' rows
     offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < count)  # [BLOCK_R, CHUNK]
+    last = num_splits
+    if VAR_SPLITS:  # (the most splits of this block's rows; num_splits only bounds them)
+        last = tl.max(tl.where(mask_r, count, 0), 0)
+    for s0 in range(0, last, CHUNK):
+        mask_c = mask_r[:, None] & (s0 + offs_c[None, :] < count[:, None])  # [BLOCK_R, CHUNK]
         lse_c = tl.load(
             LseP + (s0 + offs_c[None, :]).to(tl.int64) * stride_ls + lse_row[:, None], mask=mask_c, other=float("-inf")
         )
