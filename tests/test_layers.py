@@ -19,7 +19,7 @@ LAYERS = [
     {"checks", "cpu", "kernels"},
     {"backend"},
     {"ops"},
-    {"api", "kvcache", "rotary", "interface", "masks", "fp8", "mla", "inner_attention"},
+    {"api", "kvcache", "rotary", "interface", "masks", "fp8", "mla", "inner_attention", "distributed"},
     {"modules", "shim", "integrations", "bench", "__init__"},
 ]
 

@@ -3,6 +3,7 @@ its harnesses on the CPU path: features, decode A/B, host time, dropout, and the
 
 import ast
 import itertools
+import json
 import pathlib
 
 import pytest
@@ -147,7 +148,7 @@ def test_cli_keeps_its_options_and_defaults():
     assert (args.tokens, args.hidden, args.causal, args.mode) == (16384, 2048, "both", "fwd+bwd")
     assert str(args.out) == "bench_results/results.jsonl" and args.backends is None and args.dtype is None
     assert not any((args.quick, args.plot, args.varlen, args.decode, args.features))
-    assert not any((args.decode_ab, args.host, args.dropout, args.masks))
+    assert not any((args.decode_ab, args.host, args.dropout, args.masks, args.cp)) and args.world is None
     args = parse_args(["--decode-ab", "--rows", "64x4096", "--layouts", "tileattn append", "--anchors", "fa4"])
     assert args.decode_ab and args.rows == ["64x4096"] and args.layouts == ["tileattn append"]
     assert args.anchors == ["fa4"] and (args.rounds, args.replays) == (5, 5)
@@ -309,6 +310,20 @@ def test_dropout_on_the_cpu_path(tmp_path):
     lines = out.read_text().splitlines()
     assert len(lines) == 2 and all('"kind": "dropout"' in line for line in lines)
     assert main(["--decode-ab", "--device", "cpu"]) == 1 and main(["--host", "--device", "cpu"]) == 1
+
+
+def test_cp_on_cpu_processes(tmp_path):
+    """--cp without GPUs: 2 gloo processes, every scheme timed against the single-process anchor and
+    matching the single-process output exactly enough (fp32: far below a bf16 ulp)."""
+    from tileattn.bench.__main__ import main
+
+    out = tmp_path / "r.jsonl"
+    assert main(["--cp", "--seqlen", "64", "128", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["scheme"], r["seqlen"]) for r in rows] == [
+        (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses")
+    ]
+    assert all(r["world"] == 2 and r["ms"] > 0 and r["ulps"] < 0.01 for r in rows)
 
 
 def test_bench_uses_the_public_api_only():

@@ -14,8 +14,8 @@ table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``)
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
 ``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
-decoding beside GQA decoding),
-``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
+decoding beside GQA decoding), ``--cp`` (context parallelism across the host's GPUs: scaling against one
+GPU, exactness, the longest sequence), ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
 cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-bound sizes).
 """
 
@@ -420,6 +420,12 @@ def parse_args(argv=None):
         help="MLA decoding (FlashMLA's memory- and compute-bound cases) beside GQA decoding of the same caches",
     )
     ap.add_argument(
+        "--cp",
+        action="store_true",
+        help="context parallelism over every GPU of the host (or 2 CPU processes): scaling, exactness, longest",
+    )
+    ap.add_argument("--world", type=int, default=None, help="the ranks of --cp (default: every GPU)")
+    ap.add_argument(
         "--dropout",
         action="store_true",
         help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
@@ -537,6 +543,14 @@ def main(argv=None) -> int:
         rows = run_mla(time_ms)
         append_results(args.out, rows)
         print(format_mla(rows))
+        return 0
+    if args.cp:
+        from tileattn.bench.context import format_context, run_context
+
+        seqlens = args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else None
+        rows = run_context(args.world, seqlens)
+        append_results(args.out, rows)
+        print(format_context(rows))
         return 0
     if args.dropout:
         from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout

@@ -1,0 +1,451 @@
+"""Context parallelism: exact attention over a sequence split across the ranks of a ``torch.distributed``
+group (NCCL on GPUs, gloo on CPUs), forward and backward.
+
+Three schemes, each called by every rank of the group with its own slice of the sequence:
+
+- ``ring_flash_attn_func``: rank r holds tokens ``[r·C, (r+1)·C)`` of a sequence of ``W·C`` (``ring_shard``
+  cuts a full sequence so). K/V blocks travel around the ring while each rank computes on the one it
+  holds; the partial outputs merge in fp32 through their log-sum-exp; dK/dV travel back around the ring
+  in fp32. Causal work is uneven: rank W−1 computes W blocks, rank 0 one.
+- ``zigzag_ring_flash_attn_func``: the same ring on the zigzag layout, rank r holding half-chunks r and
+  2W−1−r of 2W (``zigzag_shard`` / ``zigzag_unshard``), which balances causal work across the ranks.
+- ``ulysses_flash_attn_func``: all-to-all instead of a ring (DeepSpeed-Ulysses): the ranks trade
+  sequence slices for head slices, run full-sequence attention on ``nheads / W`` heads each, and trade
+  back. Needs ``nheads % W == 0``; every feature of ``flash_attn_func`` works, ALiBi included.
+
+The ring functions take ``flash_attn_func``'s arguments (``window_size`` and ``causal`` in global
+positions; a side at least the whole sequence long is unbounded) plus ``group`` (default: the world), as
+ring-flash-attn's do, and keyword-only ``softcap``. GQA sends only the kv heads. Dropout draws a
+fresh Philox seed per kernel call (each block pair of each rank), so a ring call drops a different
+random set than a single-GPU call with the same seed would, at the same rate. ALiBi slopes are refused
+by the ring functions (the kernels' ALiBi distance is the block's, not the sequence's): use Ulysses.
+``return_attn_probs=True`` returns ``(out, softmax_lse, None)`` with the rank's fp32 LSE ``(batch,
+nheads, C)``; the attention probabilities are never materialised.
+
+Before the first transfer the ranks agree: one all-gather of each rank's shapes and options, after
+which every rank raises the same ``Disagreement`` if a rank refused its arguments or the ranks differ
+(slices of unequal length, other head counts, other options). Ranks that do not all make the call (a
+different group on some rank) fail when the group's timeout expires, with a message that says so. The
+ring runs as the custom ops ``tileattn::ring_fwd`` / ``tileattn::ring_bwd`` (``tileattn.ops.context``),
+which ``torch.compile`` keeps whole. The agreement reads its result on the host (one small all-gather
+and a device sync per forward), so the functions do not run under CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tileattn import api, checks
+from tileattn.ops import context
+from tileattn.ops.context import Disagreement, Layout
+
+__all__ = [
+    "Disagreement",
+    "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
+    "ring_shard",
+    "ring_unshard",
+    "ulysses_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+_ULYSSES = 2  # the layout field of the agreement for Ulysses calls
+
+
+def _group(group: object) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise checks.InvalidArgument(
+            "context parallelism needs torch.distributed initialised: call torch.distributed.init_process_group first"
+        )
+    group = dist.group.WORLD if group is None else group
+    if not isinstance(group, dist.ProcessGroup):
+        raise checks.InvalidArgumentType(f"group must be None or a ProcessGroup, got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise checks.InvalidArgument(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group"
+        )
+    return group
+
+
+def _refuse_everywhere(group: dist.ProcessGroup, error: Exception, name: str) -> None:
+    """Tells the other ranks (through the agreement they are waiting in) that this rank refused its
+    arguments, so they raise too; then raises ``error`` here."""
+    row = [1] + [0] * (len(context.FIELDS) - 1)
+    try:
+        context.agree(group, row, name)
+    except Disagreement:
+        pass
+    raise error
+
+
+def _checked(group, name, check, *args):
+    """``check(*args)``, or on a refusal the same refusal on this rank and a ``Disagreement`` on the others."""
+    try:
+        return check(*args)
+    except (checks.InvalidArgument, NotImplementedError) as e:
+        _refuse_everywhere(group, e, name)
+
+
+def _options(q, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    """``(window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)`` for a sequence of
+    ``world`` slices of q's length."""
+    dropout_p, scale, left, right, softcap = checks.check_options(
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        deterministic,
+        return_attn_probs,
+        seqlen_k=world * q.shape[1],
+    )
+    return left, right, checks.resolve_scale(scale, q.shape[-1]), softcap, dropout_p, deterministic
+
+
+def _check_slices(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+    q = checks.check_tensor("q", q, "(batch, seqlen_local, nheads, headdim)")
+    k = checks.check_tensor("k", k, "(batch, seqlen_local, nheads_k, headdim)")
+    v = checks.check_tensor("v", v, "(batch, seqlen_local, nheads_k, headdim)")
+    q, k, v = checks.check_qkv(q, k, v)
+    if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1]:
+        raise checks.InvalidArgument(
+            "q, k and v hold the same tokens of the sequence on each rank: their batch and seqlen_local must match, "
+            f"got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if q.shape[0] < 1 or q.shape[1] < 1:
+        raise checks.InvalidArgument(f"q must hold at least one sequence and one token, got shape {tuple(q.shape)}")
+    return q, k, v
+
+
+def _ring_call(layout: Layout, name: str, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+               deterministic, return_attn_probs, group, softcap):  # fmt: skip
+    group = _group(group)
+    world = dist.get_world_size(group)
+
+    def check():
+        qs, ks, vs = _check_slices(q, k, v)
+        if alibi_slopes is not None:
+            raise NotImplementedError(
+                f"{name}: alibi_slopes are not supported by the ring functions (the kernels measure the ALiBi "
+                "distance within a block, not across the sequence); ulysses_flash_attn_func supports them"
+            )
+        if layout == Layout.ZIGZAG and qs.shape[1] % 2:
+            raise checks.InvalidArgument(
+                f"{name}: each rank holds two half-chunks in the zigzag layout, so seqlen_local must be even, "
+                f"got {qs.shape[1]} (zigzag_shard cuts a sequence of a multiple of 2 x world size tokens)"
+            )
+        options = _options(
+            qs, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+        )
+        return qs, ks, vs, options
+
+    q, k, v, options = _checked(group, name, check)
+    out, lse, _ = context.run(q, k, v, layout, group.group_name, options)
+    return (out, lse, None) if return_attn_probs else out
+
+
+_ARGS_DOC = """
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, this rank's tokens ({layout}).
+        k, v: ``(batch, seqlen_local, nheads_k, headdim)``, the same tokens; ``nheads % nheads_k == 0``.
+        dropout_p, softmax_scale, causal, window_size, deterministic: as in ``flash_attn_func``, over the
+            whole sequence of ``world_size * seqlen_local`` tokens (the window in global positions).
+        alibi_slopes: must be None (see the module docstring; ``ulysses_flash_attn_func`` supports ALiBi).
+        return_attn_probs: also return the LSE: ``(out, softmax_lse, None)``.
+        group: the process group whose ranks hold the slices (None: the world); every rank calls.
+        softcap: keyword-only, as in ``flash_attn_func``.
+
+    Returns:
+        out ``(batch, seqlen_local, nheads, headdim)`` for this rank's tokens, or ``(out, softmax_lse,
+        None)`` with softmax_lse fp32 ``(batch, nheads, seqlen_local)``.
+"""
+
+
+def ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    softcap: float = 0.0,
+):
+    return _ring_call(
+        Layout.RING, "ring_flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+        deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+
+
+ring_flash_attn_func.__doc__ = (
+    "Exact attention over a sequence split in contiguous slices across the ranks of ``group`` (ring).\n"
+    + _ARGS_DOC.format(layout="rank r holds tokens [r·C, (r+1)·C): ``ring_shard``")
+)
+
+
+def zigzag_ring_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    softcap: float = 0.0,
+):
+    return _ring_call(
+        Layout.ZIGZAG, "zigzag_ring_flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
+        alibi_slopes, deterministic, return_attn_probs, group, softcap,
+    )  # fmt: skip
+
+
+zigzag_ring_flash_attn_func.__doc__ = (
+    "Exact attention over a sequence split in the zigzag layout across the ranks of ``group``: the ring\n"
+    "    with the same causal work on every rank.\n"
+    + _ARGS_DOC.format(layout="rank r holds half-chunks r and 2W−1−r of 2W, in that order: ``zigzag_shard``")
+)
+
+
+def _packed(name: str, t: object, count: int, layout: str) -> tuple[Tensor, ...]:
+    t = checks.check_tensor(name, t, layout)
+    if t.shape[2] != count:
+        raise checks.InvalidArgument(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    return t.unbind(2)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                   *, softcap=0.0):  # fmt: skip
+    """``ring_flash_attn_func`` on ``qkv (batch, seqlen_local, 3, nheads, headdim)``."""
+    q, k, v = _packed("qkv", qkv, 3, "(batch, seqlen_local, 3, nheads, headdim)")
+    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                return_attn_probs, group, softcap=softcap)  # fmt: skip
+
+
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                                  *, softcap=0.0):  # fmt: skip
+    """``ring_flash_attn_func`` with ``kv (batch, seqlen_local, 2, nheads_k, headdim)``."""
+    k, v = _packed("kv", kv, 2, "(batch, seqlen_local, 2, nheads_k, headdim)")
+    return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                                return_attn_probs, group, softcap=softcap)  # fmt: skip
+
+
+def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                          window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                          return_attn_probs=False, group=None, *, softcap=0.0):  # fmt: skip
+    """``zigzag_ring_flash_attn_func`` on ``qkv (batch, seqlen_local, 3, nheads, headdim)``."""
+    q, k, v = _packed("qkv", qkv, 3, "(batch, seqlen_local, 3, nheads, headdim)")
+    return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                       deterministic, return_attn_probs, group, softcap=softcap)  # fmt: skip
+
+
+def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                         window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None, *, softcap=0.0):  # fmt: skip
+    """``zigzag_ring_flash_attn_func`` with ``kv (batch, seqlen_local, 2, nheads_k, headdim)``."""
+    k, v = _packed("kv", kv, 2, "(batch, seqlen_local, 2, nheads_k, headdim)")
+    return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                                       deterministic, return_attn_probs, group, softcap=softcap)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Ulysses: all-to-all between sequence slices and head slices
+# --------------------------------------------------------------------------------------------------
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``all_to_all_single`` over dim 0 (one piece per rank)."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``(batch, C, nheads, d)`` slices of the sequence → ``(batch, W·C, nheads / W, d)``: the whole sequence,
+    this rank's heads."""
+    world = dist.get_world_size(group)
+    b, c, h, d = x.shape
+    pieces = x.reshape(b, c, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    return _all_to_all(pieces, group).permute(1, 0, 2, 3, 4).reshape(b, world * c, h // world, d)
+
+
+def heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The inverse of ``seq_to_heads``."""
+    world = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    pieces = x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4).contiguous()
+    return _all_to_all(pieces, group).permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    softcap: float = 0.0,
+):
+    """Exact attention over a sequence split in contiguous slices across the ranks of ``group``, by
+    all-to-all (DeepSpeed-Ulysses): each rank attends over the whole sequence with ``nheads / W`` heads.
+
+    Args:
+        q: ``(batch, seqlen_local, nheads, headdim)``, rank r holding tokens ``[r·C, (r+1)·C)``
+            (``ring_shard``); ``nheads % world_size == 0``.
+        k, v: ``(batch, seqlen_local, nheads_k, headdim)``; ``nheads_k`` a multiple of the world size (its
+            heads are split) or a divisor of it (each rank receives the one kv head its query heads use).
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``, the whole model's heads.
+        Other arguments: as ``ring_flash_attn_func``'s (here ``return_attn_probs`` with dropout is refused
+        too: the probabilities are not gathered).
+
+    Returns:
+        out ``(batch, seqlen_local, nheads, headdim)``, or ``(out, softmax_lse, None)`` with softmax_lse
+        fp32 ``(batch, nheads, seqlen_local)``.
+    """
+    group = _group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    name = "ulysses_flash_attn_func"
+
+    def check():
+        qs, ks, vs = _check_slices(q, k, v)
+        nheads, nheads_k = qs.shape[2], ks.shape[2]
+        if nheads % world:
+            raise checks.InvalidArgument(
+                f"{name}: nheads ({nheads}) must be a multiple of the group's size ({world}): each rank attends with "
+                "nheads / world_size heads (ring_flash_attn_func has no such limit)"
+            )
+        if nheads_k % world and world % nheads_k:
+            raise checks.InvalidArgument(
+                f"{name}: nheads_k ({nheads_k}) must be a multiple or a divisor of the group's size ({world})"
+            )
+        options = _options(
+            qs, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+        )
+        slopes = checks.check_alibi(alibi_slopes, qs.shape[0], nheads, qs.device)
+        return qs, ks, vs, options, slopes
+
+    q, k, v, options, slopes = _checked(group, name, check)
+    context.agree(group, context.description(q, k, _ULYSSES, options, world), name)
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads_k < world:  # each rank gets the kv head of its query heads
+        k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
+    if slopes is not None:
+        per_rank = nheads // world
+        slopes = slopes[..., rank * per_rank : (rank + 1) * per_rank].contiguous()
+    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    left, right, scale, softcap, dropout_p, deterministic = options
+    out, lse, _ = api.flash_attn_func(
+        q, k, v, dropout_p, scale, False, (left, right), softcap, slopes, deterministic, return_attn_probs=True
+    )
+    out = _HeadsToSeq.apply(out, group)
+    if not return_attn_probs:
+        return out
+    lse = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1).contiguous(), group)  # (batch, C, nheads, 1)
+    return out, lse.squeeze(-1).transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharding a whole sequence
+# --------------------------------------------------------------------------------------------------
+
+
+def _pieces(x: object, dim: int, world: int, parts: int, name: str) -> tuple[Tensor, ...]:
+    if not isinstance(x, torch.Tensor):
+        raise checks.InvalidArgumentType(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise checks.InvalidArgument(f"{name}: dim {dim} is out of range for a tensor of {x.dim()} dims")
+    if x.shape[dim] % parts or x.shape[dim] == 0:
+        raise checks.InvalidArgument(
+            f"{name}: the sequence ({x.shape[dim]} tokens along dim {dim}) must split into {parts} equal non-empty "
+            f"chunks for a group of {world} ranks; pad it to a multiple of {parts}"
+        )
+    return x.chunk(parts, dim)
+
+
+def ring_shard(x: Tensor, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """This rank's contiguous slice of a whole sequence ``x`` (tokens along ``dim``), for the ring
+    functions and Ulysses: rank r gets tokens ``[r·S/W, (r+1)·S/W)``."""
+    group = _group(group)
+    world = dist.get_world_size(group)
+    return _pieces(x, dim, world, world, "ring_shard")[dist.get_rank(group)]
+
+
+def zigzag_shard(x: Tensor, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """This rank's slice of a whole sequence ``x`` in the zigzag layout: ``x`` cut in 2W chunks along
+    ``dim``, rank r gets chunks r and 2W−1−r, concatenated in that order."""
+    group = _group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = _pieces(x, dim, world, 2 * world, "zigzag_shard")
+    return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=dim)
+
+
+def _gather(x: Tensor, group: dist.ProcessGroup, name: str) -> list[Tensor]:
+    if not isinstance(x, torch.Tensor):
+        raise checks.InvalidArgumentType(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+def ring_unshard(x: Tensor, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """The whole sequence from every rank's ``ring_shard`` slice (an all-gather; every rank calls and
+    receives the whole; not differentiable)."""
+    group = _group(group)
+    return torch.cat(_gather(x, group, "ring_unshard"), dim=dim)
+
+
+def zigzag_unshard(x: Tensor, dim: int = 1, group: dist.ProcessGroup | None = None) -> Tensor:
+    """The whole sequence from every rank's ``zigzag_shard`` slice (an all-gather; every rank calls and
+    receives the whole; not differentiable)."""
+    group = _group(group)
+    parts = _gather(x, group, "zigzag_unshard")
+    world = len(parts)
+    halves = [p.chunk(2, dim) for p in parts]
+    order = [halves[r][0] for r in range(world)] + [halves[world - 1 - r][1] for r in range(world)]
+    return torch.cat(order, dim=dim)
