@@ -341,8 +341,12 @@ def ulysses_flash_attn_func(
         k, v: ``(batch, seqlen_local, nheads_k, headdim)``; ``nheads_k`` a multiple of the world size (its
             heads are split) or a divisor of it (each rank receives the one kv head its query heads use).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``, the whole model's heads.
-        Other arguments: as ``ring_flash_attn_func``'s (here ``return_attn_probs`` with dropout is refused
-        too: the probabilities are not gathered).
+        Other arguments: as ``ring_flash_attn_func``'s.
+
+    Under ``torch.compile`` (``fullgraph=True`` works: the all-to-alls trace as functional collectives)
+    the ranks' agreement is left out of the graph, so a mismatch between ranks fails in the all-to-all,
+    at the group's timeout, rather than with a ``Disagreement``; the ring functions keep it (it runs
+    inside their custom op).
 
     Returns:
         out ``(batch, seqlen_local, nheads, headdim)``, or ``(out, softmax_lse, None)`` with softmax_lse
@@ -371,7 +375,8 @@ def ulysses_flash_attn_func(
         return qs, ks, vs, options, slopes
 
     q, k, v, options, slopes = _checked(group, name, check)
-    context.agree(group, context.description(q, k, _ULYSSES, options, world), name)
+    if not torch.compiler.is_compiling():  # (traced, it would branch on gathered values: see the docstring)
+        context.agree(group, context.description(q, k, _ULYSSES, options, world), name)
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads_k < world:  # each rank gets the kv head of its query heads
         k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))

@@ -86,6 +86,7 @@ def cases(world: int) -> list[Case]:
     out.append(Case("ulysses", True, nheads=h, nheads_k=hk, window=(4, -1), alibi=True, softcap=3.0))
     out.append(Case("ring", True, nheads=h, nheads_k=hk, seqlen=world * 3))  # slices of 3 tokens
     out.append(Case("zigzag", True, nheads=h, nheads_k=hk, compiled=True))
+    out.append(Case("ulysses", True, nheads=h, nheads_k=hk, compiled=True))
     return out
 
 
@@ -167,6 +168,18 @@ def run_dropout(group) -> None:
         assert abs(no_drop.item() - total) > 1e-3, f"{fn.__name__}: dropout_p=0.25 changed nothing"
 
 
+def run_opcheck(group) -> None:
+    """``torch.library.opcheck`` of ``tileattn::ring_fwd`` (schema, fake implementation, autograd
+    registration, AOT dispatch), every rank making the same calls."""
+    from tileattn.ops import context
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 6, h, 16, requires_grad=True) for h in (4, 2, 2))
+    for layout in (context.Layout.RING, context.Layout.ZIGZAG):
+        args = (q, k, v, 0.25, -1, 0, 0.0, 0.0, False, int(layout), group.group_name)
+        torch.library.opcheck(torch.ops.tileattn.ring_fwd.default, args)
+
+
 def expect(call, exc, words) -> None:
     try:
         call()
@@ -228,6 +241,7 @@ def main(rank: int, world: int, store: str, results: str, which: list[str], back
     report = {}
     jobs = {c.name: (run_case, c, group) for c in cases(world) + interpreter_cases(world)}
     jobs["dropout"] = (run_dropout, group)
+    jobs["opcheck"] = (run_opcheck, group)
     jobs["refusals"] = (run_refusals, group)
     jobs["mismatched_groups"] = (run_mismatched_groups, world)  # last: it leaves its groups broken
     for name, (fn, *args) in jobs.items():
