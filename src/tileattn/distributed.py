@@ -25,7 +25,8 @@ nheads, C)``; the attention probabilities are never materialised.
 Before the first transfer the ranks agree: one all-gather of each rank's shapes and options, after
 which every rank raises the same ``Disagreement`` if a rank refused its arguments or the ranks differ
 (slices of unequal length, other head counts, other options). Ranks that do not all make the call (a
-different group on some rank) fail when the group's timeout expires, with a message that says so. The
+different group on some rank) fail when the group's timeout expires: on gloo with a ``Disagreement`` that
+says so, on NCCL by its watchdog ending the process. The
 ring runs as the custom ops ``tileattn::ring_fwd`` / ``tileattn::ring_bwd`` (``tileattn.ops.context``),
 which ``torch.compile`` keeps whole. The agreement reads its result on the host (one small all-gather
 and a device sync per forward), so the functions do not run under CUDA graph capture.
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tileattn import api, checks
+from tileattn import api, checks, rng
 from tileattn.ops import context
 from tileattn.ops.context import Disagreement, Layout
 
@@ -74,23 +75,24 @@ def _group(group: object) -> dist.ProcessGroup:
     return group
 
 
-def _refuse_everywhere(group: dist.ProcessGroup, error: Exception, name: str) -> None:
+def _refuse_everywhere(group: dist.ProcessGroup, error: Exception, name: str, device: torch.device | None) -> None:
     """Tells the other ranks (through the agreement they are waiting in) that this rank refused its
     arguments, so they raise too; then raises ``error`` here."""
     row = [1] + [0] * (len(context.FIELDS) - 1)
     try:
-        context.agree(group, row, name)
+        context.agree(group, row, name, device)
     except Disagreement:
         pass
     raise error
 
 
-def _checked(group, name, check, *args):
-    """``check(*args)``, or on a refusal the same refusal on this rank and a ``Disagreement`` on the others."""
+def _checked(group, name, like, check, *args):
+    """``check(*args)``, or on a refusal the same refusal on this rank and a ``Disagreement`` on the others
+    (``like``: the caller's first tensor argument, whose device the agreement uses)."""
     try:
         return check(*args)
     except (checks.InvalidArgument, NotImplementedError) as e:
-        _refuse_everywhere(group, e, name)
+        _refuse_everywhere(group, e, name, like.device if isinstance(like, torch.Tensor) else None)
 
 
 def _options(q, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
@@ -146,7 +148,7 @@ def _ring_call(layout: Layout, name: str, q, k, v, dropout_p, softmax_scale, cau
         )
         return qs, ks, vs, options
 
-    q, k, v, options = _checked(group, name, check)
+    q, k, v, options = _checked(group, name, q, check)
     out, lse, _ = context.run(q, k, v, layout, group.group_name, options)
     return (out, lse, None) if return_attn_probs else out
 
@@ -223,6 +225,10 @@ zigzag_ring_flash_attn_func.__doc__ = (
 )
 
 
+_QKV = "(batch, seqlen_local, 3, nheads, headdim)"
+_KV = "(batch, seqlen_local, 2, nheads_k, headdim)"
+
+
 def _packed(name: str, t: object, count: int, layout: str) -> tuple[Tensor, ...]:
     t = checks.check_tensor(name, t, layout)
     if t.shape[2] != count:
@@ -230,11 +236,17 @@ def _packed(name: str, t: object, count: int, layout: str) -> tuple[Tensor, ...]
     return t.unbind(2)
 
 
+def _unpack(function: str, group, like, name: str, t: object) -> tuple[Tensor, ...]:
+    """``qkv`` or ``kv`` unbound along dim 2, or the refusal on every rank."""
+    count, layout = (3, _QKV) if name == "qkv" else (2, _KV)
+    return _checked(_group(group), function, like, _packed, name, t, count, layout)
+
+
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
                                    *, softcap=0.0):  # fmt: skip
     """``ring_flash_attn_func`` on ``qkv (batch, seqlen_local, 3, nheads, headdim)``."""
-    q, k, v = _packed("qkv", qkv, 3, "(batch, seqlen_local, 3, nheads, headdim)")
+    q, k, v = _unpack("ring_flash_attn_qkvpacked_func", group, qkv, "qkv", qkv)
     return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
                                 return_attn_probs, group, softcap=softcap)  # fmt: skip
 
@@ -243,7 +255,7 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
                                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
                                   *, softcap=0.0):  # fmt: skip
     """``ring_flash_attn_func`` with ``kv (batch, seqlen_local, 2, nheads_k, headdim)``."""
-    k, v = _packed("kv", kv, 2, "(batch, seqlen_local, 2, nheads_k, headdim)")
+    k, v = _unpack("ring_flash_attn_kvpacked_func", group, q, "kv", kv)
     return ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
                                 return_attn_probs, group, softcap=softcap)  # fmt: skip
 
@@ -252,7 +264,7 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
                                           window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                           return_attn_probs=False, group=None, *, softcap=0.0):  # fmt: skip
     """``zigzag_ring_flash_attn_func`` on ``qkv (batch, seqlen_local, 3, nheads, headdim)``."""
-    q, k, v = _packed("qkv", qkv, 3, "(batch, seqlen_local, 3, nheads, headdim)")
+    q, k, v = _unpack("zigzag_ring_flash_attn_qkvpacked_func", group, qkv, "qkv", qkv)
     return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                                        deterministic, return_attn_probs, group, softcap=softcap)  # fmt: skip
 
@@ -261,7 +273,7 @@ def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=Non
                                          window_size=(-1, -1), alibi_slopes=None, deterministic=False,
                                          return_attn_probs=False, group=None, *, softcap=0.0):  # fmt: skip
     """``zigzag_ring_flash_attn_func`` with ``kv (batch, seqlen_local, 2, nheads_k, headdim)``."""
-    k, v = _packed("kv", kv, 2, "(batch, seqlen_local, 2, nheads_k, headdim)")
+    k, v = _unpack("zigzag_ring_flash_attn_kvpacked_func", group, q, "kv", kv)
     return zigzag_ring_flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                                        deterministic, return_attn_probs, group, softcap=softcap)  # fmt: skip
 
@@ -341,7 +353,8 @@ def ulysses_flash_attn_func(
         k, v: ``(batch, seqlen_local, nheads_k, headdim)``; ``nheads_k`` a multiple of the world size (its
             heads are split) or a divisor of it (each rank receives the one kv head its query heads use).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``, the whole model's heads.
-        Other arguments: as ``ring_flash_attn_func``'s.
+        Other arguments: as ``ring_flash_attn_func``'s. With dropout, each rank's seed mixes in its rank, so
+        ranks seeded alike still drop independently in their heads.
 
     Under ``torch.compile`` (``fullgraph=True`` works: the all-to-alls trace as functional collectives)
     the ranks' agreement is left out of the graph, so a mismatch between ranks fails in the all-to-all,
@@ -374,9 +387,10 @@ def ulysses_flash_attn_func(
         slopes = checks.check_alibi(alibi_slopes, qs.shape[0], nheads, qs.device)
         return qs, ks, vs, options, slopes
 
-    q, k, v, options, slopes = _checked(group, name, check)
+    q, k, v, options, slopes = _checked(group, name, q, check)
     if not torch.compiler.is_compiling():  # (traced, it would branch on gathered values: see the docstring)
-        context.agree(group, context.description(q, k, _ULYSSES, options, world), name)
+        row = context.description(q, k, _ULYSSES, options, world, lse=return_attn_probs)
+        context.agree(group, row, name, q.device)
     nheads, nheads_k = q.shape[2], k.shape[2]
     if nheads_k < world:  # each rank gets the kv head of its query heads
         k, v = (t.repeat_interleave(world // nheads_k, dim=2) for t in (k, v))
@@ -385,9 +399,14 @@ def ulysses_flash_attn_func(
         slopes = slopes[..., rank * per_rank : (rank + 1) * per_rank].contiguous()
     q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
     left, right, scale, softcap, dropout_p, deterministic = options
-    out, lse, _ = api.flash_attn_func(
-        q, k, v, dropout_p, scale, False, (left, right), softcap, slopes, deterministic, return_attn_probs=True
-    )
+    call = (q, k, v, dropout_p, scale, False, (left, right), softcap, slopes, deterministic, True)
+    if dropout_p > 0:  # ranks seeded alike would draw one mask for every rank's heads: mix the rank in
+        seed = rng.new_seed()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((seed * 1_000_003 + rank) % 2**62)
+            out, lse, _ = api.flash_attn_func(*call)
+    else:
+        out, lse, _ = api.flash_attn_func(*call)
     out = _HeadsToSeq.apply(out, group)
     if not return_attn_probs:
         return out
@@ -449,6 +468,11 @@ def zigzag_unshard(x: Tensor, dim: int = 1, group: dist.ProcessGroup | None = No
     """The whole sequence from every rank's ``zigzag_shard`` slice (an all-gather; every rank calls and
     receives the whole; not differentiable)."""
     group = _group(group)
+    if isinstance(x, torch.Tensor) and x.shape[dim] % 2:
+        raise checks.InvalidArgument(
+            f"zigzag_unshard: a zigzag slice holds two half-chunks, so its length along dim {dim} must be even, "
+            f"got {x.shape[dim]}"
+        )
     parts = _gather(x, group, "zigzag_unshard")
     world = len(parts)
     halves = [p.chunk(2, dim) for p in parts]

@@ -63,7 +63,7 @@ def test_band_is_the_mask(rows, keys, lo, hi):
 
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 0), (5, 2), (0, -1), (-1, 7), (0, 0)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 0), (5, 2), (0, -1), (-1, 7), (-1, 4), (0, 0)])
 def test_plan_covers_each_pair_once(layout, world, window):
     """Over the ring's steps, each rank's calls cover exactly the visible (query, key) pairs of its rows,
     each once, and skip what nothing sees."""
@@ -82,6 +82,11 @@ def test_plan_covers_each_pair_once(layout, world, window):
                 calls += 1
                 local = _call_mask(chunk, chunk, c.q0, c.q1, c.k0, c.k1, c.left, c.right)
                 seen[:, keys] += local.long()
+            full = [c for c in context.plan(layout, rank, source, world, chunk, left, right) if c.full]
+            for a in full:  # calls that see everything and touch are one call
+                for b in full:
+                    assert not ((a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0), (a, b)
+                    assert not ((a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0), (a, b)
         assert torch.equal(seen, want[rows].long()), (rank, seen, want[rows])
         if window == (-1, -1):
             assert calls == world, "calls that see everything merge into one per step"

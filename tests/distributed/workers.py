@@ -166,6 +166,14 @@ def run_dropout(group) -> None:
         no_drop = (plain * w_local).sum()
         dist.all_reduce(no_drop, group=group)
         assert abs(no_drop.item() - total) > 1e-3, f"{fn.__name__}: dropout_p=0.25 changed nothing"
+    # every head the same inputs, every rank seeded alike: Ulysses's ranks (each its own heads) must still
+    # drop different elements
+    one = torch.randn(1, seqlen, 1, 16)
+    x = cp.ring_shard(one.expand(1, seqlen, 2 * world, 16), 1, group)
+    torch.manual_seed(5)
+    out = cp.ring_unshard(cp.ulysses_flash_attn_func(x, x, x, 0.5, group=group), 1, group)
+    heads = out.unbind(2)
+    assert not torch.equal(heads[0], heads[2]), "Ulysses: two ranks' heads dropped the same elements"
 
 
 def run_opcheck(group) -> None:
@@ -175,9 +183,12 @@ def run_opcheck(group) -> None:
 
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 6, h, 16, requires_grad=True) for h in (4, 2, 2))
+    # dense but permuted, as (batch, nheads, seqlen, headdim) tensors transposed are: outputs keep q's strides
+    qt, kt, vt = (torch.randn(2, h, 6, 16).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
     for layout in (context.Layout.RING, context.Layout.ZIGZAG):
-        args = (q, k, v, 0.25, -1, 0, 0.0, 0.0, False, int(layout), group.group_name)
-        torch.library.opcheck(torch.ops.tileattn.ring_fwd.default, args)
+        for inputs in ((q, k, v), (qt, kt, vt)):
+            args = (*inputs, 0.25, -1, 0, 0.0, 0.0, False, int(layout), group.group_name)
+            torch.library.opcheck(torch.ops.tileattn.ring_fwd.default, args)
 
 
 def expect(call, exc, words) -> None:
@@ -206,6 +217,19 @@ def run_refusals(group) -> None:
         expect(lambda: cp.zigzag_ring_flash_attn_func(x, k, x, group=group), cp.Disagreement, ["rank(s) [1]"])
     # options that differ between ranks
     expect(lambda: cp.ring_flash_attn_func(x, x, x, causal=rank == 0, group=group), cp.Disagreement, ["window_right"])
+    # one rank's packed qkv of the wrong shape
+    qkv = torch.randn(1, 8, 4 if rank == 1 else 3, 2, 16)
+    if rank != 1:
+        expect(lambda: cp.ring_flash_attn_qkvpacked_func(qkv, group=group), cp.Disagreement, ["rank(s) [1]"])
+    else:
+        expect(lambda: cp.ring_flash_attn_qkvpacked_func(qkv, group=group), ValueError, ["qkv must have shape"])
+    # Ulysses asked for the LSE on one rank only (it would cost that rank one more all-to-all)
+    heads = torch.randn(1, 4, 2 * world, 8)
+    expect(
+        lambda: cp.ulysses_flash_attn_func(heads, heads, heads, return_attn_probs=rank == 0, group=group),
+        cp.Disagreement,
+        ["return_attn_probs"],
+    )
     # a sequence that does not split into the layout's chunks (local: no rank waits)
     expect(lambda: cp.zigzag_shard(torch.randn(1, 2 * world * 3 + 1, 2, 8), 1, group), ValueError, ["pad it"])
     # ALiBi on the ring, odd zigzag slices, Ulysses heads

@@ -5,8 +5,10 @@ The forward passes K/V around the ring (rank r sends to r + 1 and receives from 
 while it computes on the block it holds), runs the attention kernels on every (query segment, key
 segment) pair that sees anything, and merges the partial outputs in fp32 through their log-sum-exp.
 The backward passes K/V around the same way, recomputes with the merged ``out`` and ``softmax_lse``, keeps
-dQ in fp32 on its rank and sends the fp32 dK/dV of each block on around the ring behind the block, so
-that after the last step (and one more hop) every rank holds the gradients of its own K/V.
+dQ in fp32 on its rank and sends the dK/dV of each block on around the ring behind the block, summed in
+fp32 (each kernel call's part comes in the inputs' dtype), so that after the last step (and one more hop)
+every rank holds the gradients of its own K/V. A rank adds its part to what it received from the rank
+before after computing it, so the receive overlaps the step's compute.
 
 Two layouts (``Layout``): ``ring``, rank r holding tokens ``[r·C, (r+1)·C)``, and ``zigzag``, rank r
 holding half-chunks r and 2W−1−r of 2W, which gives every rank the same causal work. Masks are bands
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from tileattn import backend, rng
 from tileattn.kernels import configs
+from tileattn.ops.attention import _like
 from tileattn.params import AttnParams
 
 
@@ -109,8 +112,8 @@ def _merge_full(calls: list[Call]) -> list[Call]:
                 merged[-1] = dataclasses.replace(prev, **{end: getattr(c, end)})
             else:
                 merged.append(c)
-        calls = sorted(merged, key=lambda c: (c.k0, c.q0)) if start == "q0" else merged
-    return sorted(calls, key=lambda c: (c.q0, c.k0))
+        calls = sorted(merged, key=lambda c: (c.q0, c.k0))  # rows first, for the second pass
+    return calls
 
 
 def plan(layout: Layout, rank: int, source: int, world: int, chunk: int, left: int, right: int) -> list[Call]:
@@ -182,6 +185,7 @@ FIELDS = (
     "refused",
     "batch",
     "local seqlen",
+    "local seqlen of k",
     "nheads",
     "nheads_k",
     "headdim",
@@ -194,6 +198,7 @@ FIELDS = (
     "dropout_p",
     "deterministic",
     "group size",
+    "return_attn_probs",
 )
 
 
@@ -201,15 +206,17 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def description(q: Tensor, k: Tensor, layout: int, options: tuple, world: int, refused: bool = False) -> list[int]:
-    """This rank's row of the agreement (``FIELDS``): shapes, dtype and options as integers."""
+def description(q: Tensor, k: Tensor, layout: int, options: tuple, world: int, lse: bool = False) -> list[int]:
+    """This rank's row of the agreement (``FIELDS``): shapes, dtype and options as integers (``lse``:
+    whether the caller asked for the LSE, which costs Ulysses one more all-to-all)."""
     left, right, scale, softcap, dropout_p, deterministic = options
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else len(_DTYPES)
     batch, seqlen, nheads, headdim = q.shape
     return [
-        int(refused),
+        0,
         batch,
         seqlen,
+        k.shape[1],
         nheads,
         k.shape[2],
         headdim,
@@ -222,6 +229,7 @@ def description(q: Tensor, k: Tensor, layout: int, options: tuple, world: int, r
         _bits(dropout_p),
         int(deterministic),
         world,
+        int(lse),
     ]
 
 
@@ -230,13 +238,17 @@ class Disagreement(ValueError, RuntimeError):
     arguments (raised on every rank)."""
 
 
-def agree(group: dist.ProcessGroup, row: list[int], name: str) -> None:
+def agree(group: dist.ProcessGroup, row: list[int], name: str, device: torch.device | None = None) -> None:
     """Gathers every rank's ``description`` row and raises ``Disagreement`` on every rank if any rank refused
-    its arguments or the rows differ. Ranks that do not all call (another group, another function) fail
-    when the group's timeout expires, with a message that says so, rather than hang."""
+    its arguments (a row whose first field is 1) or the rows differ. ``device``: the inputs' device; the
+    rows travel on it when it is a GPU and the backend NCCL. On gloo, ranks that do not all call (another
+    group, another function) fail when the group's timeout expires, with a message that says so, rather
+    than hang; NCCL's watchdog ends such a process instead."""
     world = dist.get_world_size(group)
-    # NCCL moves CUDA tensors only; the other backends take CPU tensors
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    if dist.get_backend(group) != "nccl":
+        device = torch.device("cpu")  # gloo and the rest take CPU tensors
+    elif device is None or device.type != "cuda":  # NCCL moves CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     try:
@@ -318,7 +330,7 @@ def forward_impl(
 ) -> tuple[Tensor, Tensor, Tensor]:
     ring = Ring.of(group_name)
     options = (window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)
-    agree(ring.group, description(q, k, layout, options, ring.world), NAMES[layout])
+    agree(ring.group, description(q, k, layout, options, ring.world), NAMES[layout], q.device)
     chunk = q.shape[1]
     kv = torch.stack((k, v))
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -341,7 +353,7 @@ def forward_impl(
             if transfer is not None:
                 kv = transfer.wait()
     lse.masked_fill_(lse == float("-inf"), float("inf"))  # rows that saw no key: out 0, LSE +inf
-    return out.to(q.dtype), lse, torch.tensor([base, 0], dtype=torch.int64)
+    return _like(out.to(q.dtype), q), lse, torch.tensor([base, 0], dtype=torch.int64)
 
 
 ring_fwd = torch.library.custom_op("tileattn::ring_fwd", forward_impl, mutates_args=())
@@ -384,8 +396,7 @@ def backward_impl(
         for step in range(ring.world):
             source = (ring.rank - step) % ring.world
             transfer = ring.exchange(kv) if step + 1 < ring.world else None
-            # dK/dV of the held block: what the ranks before this one added, plus this rank's part
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device) if step == 0 else dkv_transfer.wait()
+            part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's dK/dV of the block
             for c in plan(Layout(layout), ring.rank, source, ring.world, chunk, window_left, window_right):
                 p = _params(q, c, softmax_scale, softcap, dropout_p, deterministic, _seed(base, ring.rank, index))
                 index += 1
@@ -401,15 +412,18 @@ def backward_impl(
                     settings,
                 )
                 dq[:, rows] += dq_c
-                dkv[0, :, c.k0 : c.k1] += dk_c
-                dkv[1, :, c.k0 : c.k1] += dv_c
-            dkv_transfer = ring.exchange(dkv)  # on to the next rank, which holds this block next
+                part[0, :, c.k0 : c.k1] += dk_c
+                part[1, :, c.k0 : c.k1] += dv_c
+            # plus what the ranks before this one added (received while this step computed), on to the next
+            dkv = part if dkv_transfer is None else dkv_transfer.wait().add_(part)
+            dkv_transfer = ring.exchange(dkv)
             if transfer is not None:
                 kv = transfer.wait()
     # after the last step the gradients of the block one rank back come in: this rank's own
     dkv = dkv if dkv_transfer is None else dkv_transfer.wait()
     # (copies: an op's outputs must not alias each other)
-    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    dk, dv = dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+    return _like(dq.to(q.dtype), q), _like(dk, k), _like(dv, v)
 
 
 ring_bwd = torch.library.custom_op("tileattn::ring_bwd", backward_impl, mutates_args=())
