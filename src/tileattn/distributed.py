@@ -12,6 +12,10 @@ Three schemes, each called by every rank of the group with its own slice of the 
 - ``ulysses_flash_attn_func``: all-to-all instead of a ring (DeepSpeed-Ulysses): the ranks trade
   sequence slices for head slices, run full-sequence attention on ``nheads / W`` heads each, and trade
   back. Needs ``nheads % W == 0``; every feature of ``flash_attn_func`` works, ALiBi included.
+- ``gather_kv_flash_attn_varlen_func``: packed batches of sequences (documents) whose token stream is
+  split across the ranks, sequences spanning ranks: K/V all-gathered, each rank's queries attend to the
+  keys of their own sequences in one varlen call, dK/dV reduce-scattered back (Llama 3's context
+  parallelism).
 
 The ring functions take ``flash_attn_func``'s arguments (``window_size`` and ``causal`` in global
 positions; a side at least the whole sequence long is unbounded) plus ``group`` (default: the world), as
@@ -34,6 +38,8 @@ and a device sync per forward), so the functions do not run under CUDA graph cap
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -44,6 +50,7 @@ from tileattn.ops.context import Disagreement, Layout
 
 __all__ = [
     "Disagreement",
+    "gather_kv_flash_attn_varlen_func",
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",
@@ -57,7 +64,7 @@ __all__ = [
     "zigzag_unshard",
 ]
 
-_ULYSSES = 2  # the layout field of the agreement for Ulysses calls
+_ULYSSES, _GATHER = 2, 3  # the layout field of the agreement for Ulysses and gathered-K/V calls
 
 
 def _group(group: object) -> dist.ProcessGroup:
@@ -412,6 +419,163 @@ def ulysses_flash_attn_func(
         return out
     lse = heads_to_seq(lse.transpose(1, 2).unsqueeze(-1).contiguous(), group)  # (batch, C, nheads, 1)
     return out, lse.squeeze(-1).transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed sequences: gather K/V (Llama 3's context parallelism)
+# --------------------------------------------------------------------------------------------------
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Every rank's ``(tokens, ...)`` slice concatenated in rank order; the backward sums the gradients of
+    the whole over the ranks and keeps this rank's slice (a reduce-scatter on NCCL; gloo has none, so an
+    all-reduce there)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        pieces = list(grad.contiguous().chunk(world))
+        if dist.get_backend(group) == "nccl":
+            mine = torch.empty_like(pieces[rank])
+            dist.reduce_scatter(mine, pieces, group=group)
+            return mine, None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad.chunk(world)[rank].clone(), None
+
+
+def packed_pieces(
+    lengths: list[int], start: int, stop: int, causal: bool
+) -> tuple[list[int], list[int], list[int], int, int]:
+    """For the tokens ``[start, stop)`` of a packed stream of sequences of ``lengths``: the sequences with
+    tokens there (and empty ones between), the query lengths of their pieces, the key lengths each piece
+    attends to (its sequence from its first token to the piece's end when causal, else the whole
+    sequence) and the key range ``[first, last)`` of the stream those keys lie in."""
+    seqs, q_lens, k_lens = [], [], []
+    first = last = start
+    begin = 0
+    for i, n in enumerate(lengths):
+        end = begin + n
+        if (end > start and begin < stop) or (n == 0 and start <= begin < stop):
+            k_end = min(stop, end) if causal else end
+            if not seqs:
+                first = begin
+            seqs.append(i)
+            q_lens.append(min(stop, end) - max(start, begin))
+            k_lens.append(k_end - begin)
+            last = k_end
+        begin = end
+    return seqs, q_lens, k_lens, first, last
+
+
+def gather_kv_flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    *,
+    softcap: float = 0.0,
+):
+    """Exact attention over a packed batch of sequences (documents) whose token stream is split in contiguous
+    slices across the ranks of ``group``, by gathering K/V (the context parallelism of Llama 3's training):
+    every rank all-gathers the K/V slices, then attends with its own queries to the keys their sequences
+    see, in one ``flash_attn_varlen_func`` call; the backward sums dK/dV over the ranks back to their
+    owners (a reduce-scatter). K/V travel whole (with GQA only the kv heads), so this suits GQA models,
+    whose K/V are a fraction of the activations; each rank holds the whole K/V for the call.
+
+    Args:
+        q: ``(tokens_local, nheads, headdim)``, rank r holding tokens ``[r·T, (r+1)·T)`` of the packed stream
+            (``ring_shard(x, 0)``); a sequence may span ranks.
+        k, v: ``(tokens_local, nheads_k, headdim)``, the same tokens.
+        cu_seqlens: int32 ``(batch + 1,)``, the whole stream's (``cu_seqlens[-1] == world_size · T``), the
+            same on every rank; ``max_seqlen`` its longest sequence.
+        causal, window_size, alibi_slopes, softcap, dropout_p, softmax_scale, deterministic: as in
+            ``flash_attn_varlen_func``, per sequence in its own positions. A sliding window or ALiBi needs
+            ``causal=True`` here (a piece of a sequence that goes on past the slice would be aligned to
+            the wrong end).
+        return_attn_probs: also return the LSE: ``(out, softmax_lse, None)``, softmax_lse fp32
+            ``(nheads, tokens_local)``.
+
+    Returns:
+        out ``(tokens_local, nheads, headdim)`` for this rank's tokens.
+    """
+    group = _group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    name = "gather_kv_flash_attn_varlen_func"
+
+    def check():
+        qs = checks.check_tensor("q", q, "(tokens_local, nheads, headdim)")
+        ks = checks.check_tensor("k", k, "(tokens_local, nheads_k, headdim)")
+        vs = checks.check_tensor("v", v, "(tokens_local, nheads_k, headdim)")
+        qs, ks, vs = checks.check_qkv(qs, ks, vs)
+        if ks.shape[0] != qs.shape[0]:
+            raise checks.InvalidArgument(
+                f"{name}: q, k and v hold the same tokens, got {qs.shape[0]} and {ks.shape[0]} tokens"
+            )
+        checks.check_cu_seqlens("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen, qs.device)
+        lengths = checks.cu_values("cu_seqlens", cu_seqlens, None, "max_seqlen", max_seqlen)
+        if sum(lengths) != world * qs.shape[0]:
+            raise checks.InvalidArgument(
+                f"{name}: cu_seqlens[-1] must be the whole stream, world_size x tokens_local = {world} x "
+                f"{qs.shape[0]}, got {sum(lengths)}"
+            )
+        dropout, scale, left, right, cap = checks.check_options(
+            dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+            seqlen_k=max_seqlen,
+        )  # fmt: skip
+        options = left, right, checks.resolve_scale(scale, qs.shape[-1]), cap, dropout, deterministic
+        if not causal and (options[0] >= 0 or options[1] >= 0 or alibi_slopes is not None):
+            raise NotImplementedError(
+                f"{name}: a sliding window or ALiBi needs causal=True here (ulysses_flash_attn_func takes them "
+                "without causal)"
+            )
+        slopes = checks.check_alibi(alibi_slopes, len(lengths), qs.shape[1], qs.device)
+        return qs, ks, vs, lengths, options, slopes
+
+    q, k, v, lengths, options, slopes = _checked(group, name, q, check)
+    checksum = sum((i + 1) * n for i, n in enumerate(lengths)) % 2**61
+    row = context.description(q.unsqueeze(0), k.unsqueeze(0), _GATHER, options, world, lse=return_attn_probs)
+    row[context.FIELDS.index("cu_seqlens of the packed stream")] = checksum  # every rank, the same stream
+    if not torch.compiler.is_compiling():
+        context.agree(group, row, name, q.device)
+    tokens = q.shape[0]
+    seqs, q_lens, k_lens, first, last = packed_pieces(lengths, rank * tokens, (rank + 1) * tokens, causal)
+    k_all, v_all = (_GatherTokens.apply(t, group)[first:last] for t in (k, v))
+    device = q.device
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device=device)
+    left, right, scale, softcap, dropout_p, deterministic = options
+    if not causal:
+        left = right = -1
+    if slopes is not None and slopes.dim() == 2:  # per sequence: those of this rank's pieces
+        slopes = slopes[seqs[0] : seqs[-1] + 1].contiguous()
+    call = (q, k_all, v_all, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p, scale, causal, (left, right), softcap,
+            slopes, deterministic, True)  # fmt: skip
+    if dropout_p > 0:
+        seed = rng.new_seed()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((seed * 1_000_003 + rank) % 2**62)
+            out, lse, _ = api.flash_attn_varlen_func(*call)
+    else:
+        out, lse, _ = api.flash_attn_varlen_func(*call)
+    return (out, lse, None) if return_attn_probs else out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ def test_cp_on_cpu_processes(tmp_path):
     assert main(["--cp", "--seqlen", "64", "128", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["scheme"], r["seqlen"]) for r in rows] == [
-        (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses")
+        (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses", "gather-kv")
     ]
     assert all(r["world"] == 2 and r["ms"] > 0 and r["ulps"] < 0.01 for r in rows)
 

@@ -135,7 +135,8 @@ def _spawn(world: int, which: list[str], tmp_path, interpret: bool) -> dict[str,
 NAMES = {
     (world, interpret): [c.name for c in workers.interpreter_cases(world)]
     if interpret
-    else [c.name for c in workers.cases(world)] + ["dropout", "opcheck", "refusals", "mismatched_groups"]
+    else [c.name for c in workers.cases(world) + workers.varlen_cases(world)]
+    + ["dropout", "opcheck", "refusals", "mismatched_groups"]
     for world in (2, 3)
     for interpret in (False, True)
 }

@@ -9,6 +9,7 @@ whole sequence with the tolerance rule (``helpers.check_attention``)."""
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import traceback
@@ -130,6 +131,68 @@ def run_case(case: Case, group) -> None:
         helpers.check_lse(f"{case.name} lse", lse, ref, ref_lowp)
 
 
+@dataclass(frozen=True)
+class VarlenCase:
+    """A packed stream split across the ranks (``gather_kv_flash_attn_varlen_func``): sequences that span
+    ranks, an empty one, one of a single token."""
+
+    causal: bool = True
+    dtype: str = "float32"
+    nheads: int = 4
+    nheads_k: int = 2
+    window: tuple[int, int] = (-1, -1)
+    alibi: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = ["varlen", "causal" if self.causal else "full", self.dtype, f"h{self.nheads}-{self.nheads_k}"]
+        if self.window != (-1, -1):
+            parts.append(f"window{self.window[0]}_{self.window[1]}")
+        if self.alibi:
+            parts.append("alibi")
+        return "-".join(parts)
+
+
+def varlen_cases(world: int) -> list[VarlenCase]:
+    h, hk = (6, 3) if world == 3 else (4, 2)
+    return [
+        VarlenCase(False, nheads=h, nheads_k=hk),
+        VarlenCase(True, nheads=h, nheads_k=hk),
+        VarlenCase(True, "bfloat16", nheads=h, nheads_k=1),
+        VarlenCase(True, nheads=h, nheads_k=hk, window=(4, -1), alibi=True),
+    ]
+
+
+def run_varlen(case: VarlenCase, group) -> None:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dtype = getattr(torch, case.dtype)
+    torch.manual_seed(zlib.crc32(case.name.encode()))
+    tokens = 13  # per rank
+    total = world * tokens
+    lengths = [9, 0, 1, tokens + 3, total - 13 - tokens]  # the 4th and 5th span rank boundaries
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    h, hk, d = case.nheads, case.nheads_k, 40
+    q = torch.randn(total, h, d, dtype=dtype)
+    k = torch.randn(total, hk, d, dtype=dtype)
+    v = torch.randn(total, hk, d, dtype=dtype)
+    dout = torch.randn(total, h, d, dtype=dtype)
+    slopes = torch.rand(len(lengths), h) * 0.5 if case.alibi else None
+    local = [cp.ring_shard(t, 0, group).detach().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = cp.gather_kv_flash_attn_varlen_func(
+        *local, cu, max(lengths), 0.0, None, case.causal, case.window, slopes, False, True, group
+    )
+    out.backward(cp.ring_shard(dout, 0, group))
+    out = cp.ring_unshard(out.detach(), 0, group)
+    lse = cp.ring_unshard(lse, 1, group)
+    grads = [cp.ring_unshard(t.grad, 0, group) for t in local]
+    if rank == 0:
+        kwargs = dict(causal=case.causal, window_size=case.window, alibi_slopes=slopes)
+        helpers.check_attention(case.name, out, grads, q, k, v, dout, kwargs, varlen=(cu, cu, max(lengths)))
+        ref = oracle.attention_varlen(q, k, v, cu, cu, max(lengths), **kwargs).lse
+        ref_lowp = oracle.attention_varlen(q, k, v, cu, cu, max(lengths), **kwargs, precision=torch.float32).lse
+        helpers.check_lse(f"{case.name} lse", lse, ref, ref_lowp)
+
+
 def run_dropout(group) -> None:
     """Dropout: the same seed gives the same output, another seed another; the backward differentiates
     the forward that ran (its mask): the gradient's directional derivative matches finite differences."""
@@ -230,6 +293,22 @@ def run_refusals(group) -> None:
         cp.Disagreement,
         ["return_attn_probs"],
     )
+    # packed streams: cu_seqlens that are not the whole stream, or another stream on one rank; a window
+    # without causal
+    flat = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8 * world], dtype=torch.int32)
+    expect(lambda: cp.gather_kv_flash_attn_varlen_func(flat, flat, flat, cu[:2], 3, group=group), ValueError, ["whole"])
+    other = torch.tensor([0, 3 + rank, 8 * world], dtype=torch.int32)
+    expect(
+        lambda: cp.gather_kv_flash_attn_varlen_func(flat, flat, flat, other, 8 * world, group=group),
+        cp.Disagreement,
+        ["cu_seqlens of the packed stream"],
+    )
+    expect(
+        lambda: cp.gather_kv_flash_attn_varlen_func(flat, flat, flat, cu, 8 * world, window_size=(2, 2), group=group),
+        NotImplementedError,
+        ["causal=True"],
+    )
     # a sequence that does not split into the layout's chunks (local: no rank waits)
     expect(lambda: cp.zigzag_shard(torch.randn(1, 2 * world * 3 + 1, 2, 8), 1, group), ValueError, ["pad it"])
     # ALiBi on the ring, odd zigzag slices, Ulysses heads
@@ -264,6 +343,7 @@ def main(rank: int, world: int, store: str, results: str, which: list[str], back
     group = dist.group.WORLD
     report = {}
     jobs = {c.name: (run_case, c, group) for c in cases(world) + interpreter_cases(world)}
+    jobs.update({c.name: (run_varlen, c, group) for c in varlen_cases(world)})
     jobs["dropout"] = (run_dropout, group)
     jobs["opcheck"] = (run_opcheck, group)
     jobs["refusals"] = (run_refusals, group)

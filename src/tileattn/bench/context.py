@@ -4,7 +4,8 @@ of one host (NCCL, one process per GPU, spawned here), or across CPU processes (
 For each total sequence length S (one sequence, 16 heads of dim 128, bf16, causal):
 
 - the single-device anchor: ``flash_attn_func`` on S / W tokens on one device, forward + backward;
-- zigzag ring, ring and Ulysses on S tokens over W devices, forward + backward;
+- zigzag ring, ring, Ulysses and gathered K/V (``gather_kv_flash_attn_varlen_func`` on the one sequence)
+  on S tokens over W devices, forward + backward;
 - efficiency of each: per-device throughput against the anchor's, ``W · t(S / W, 1 device) / t(S, W)``
   (causal work grows with S², so S tokens on W devices is W times the anchor's work per device; 1.0 is
   perfect scaling);
@@ -57,6 +58,18 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / (torch.finfo(torch.bfloat16).eps * scale)
 
 
+def _gather_kv(cp):
+    """``gather_kv_flash_attn_varlen_func`` on one sequence, called as the others are (batch 1)."""
+
+    def call(q, k, v, causal, group):
+        seqlen = q.shape[1] * dist.get_world_size(group)
+        cu = torch.tensor([0, seqlen], dtype=torch.int32, device=q.device)
+        out = cp.gather_kv_flash_attn_varlen_func(q[0], k[0], v[0], cu, seqlen, causal=causal, group=group)
+        return out.unsqueeze(0)
+
+    return call
+
+
 def _worker(rank: int, world: int, store: str, results: str, seqlens: list[int], repeats: int) -> None:
     from tileattn import distributed as cp
     from tileattn import flash_attn_func
@@ -75,6 +88,7 @@ def _worker(rank: int, world: int, store: str, results: str, seqlens: list[int],
         "zigzag": (cp.zigzag_ring_flash_attn_func, cp.zigzag_shard, cp.zigzag_unshard),
         "ring": (cp.ring_flash_attn_func, cp.ring_shard, cp.ring_unshard),
         "ulysses": (cp.ulysses_flash_attn_func, cp.ring_shard, cp.ring_unshard),
+        "gather-kv": (_gather_kv(cp), cp.ring_shard, cp.ring_unshard),
     }
     rows = []
     peak_per_token = 0.0

@@ -199,6 +199,7 @@ FIELDS = (
     "deterministic",
     "group size",
     "return_attn_probs",
+    "cu_seqlens of the packed stream",
 )
 
 
@@ -230,6 +231,7 @@ def description(q: Tensor, k: Tensor, layout: int, options: tuple, world: int, l
         int(deterministic),
         world,
         int(lse),
+        0,  # (a checksum of the packed stream's lengths: gather_kv_flash_attn_varlen_func)
     ]
 
 
