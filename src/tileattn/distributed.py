@@ -82,6 +82,19 @@ def _group(group: object) -> dist.ProcessGroup:
     return group
 
 
+def _check_backend(group: dist.ProcessGroup, t: Tensor) -> None:
+    """The group's backend moves tensors of ``t``'s device: NCCL CUDA tensors, gloo CPU tensors (gloo's
+    send and receive fail on CUDA memory)."""
+    backend = str(dist.get_backend(group))
+    if t.is_cuda and "nccl" not in backend:
+        raise checks.InvalidArgument(
+            f"CUDA tensors need a process group with the NCCL backend, got a {backend!r} group "
+            "(init_process_group('nccl'), or a 'cpu:gloo,cuda:nccl' group)"
+        )
+    if not t.is_cuda and "gloo" not in backend and backend not in ("mpi", "ucc"):
+        raise checks.InvalidArgument(f"{t.device.type} tensors need a group with the gloo backend, got {backend!r}")
+
+
 def _refuse_everywhere(group: dist.ProcessGroup, error: Exception, name: str, device: torch.device | None) -> None:
     """Tells the other ranks (through the agreement they are waiting in) that this rank refused its
     arguments, so they raise too; then raises ``error`` here."""
@@ -118,11 +131,12 @@ def _options(q, world, dropout_p, softmax_scale, causal, window_size, softcap, d
     return left, right, checks.resolve_scale(scale, q.shape[-1]), softcap, dropout_p, deterministic
 
 
-def _check_slices(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+def _check_slices(group: dist.ProcessGroup, q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
     q = checks.check_tensor("q", q, "(batch, seqlen_local, nheads, headdim)")
     k = checks.check_tensor("k", k, "(batch, seqlen_local, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(batch, seqlen_local, nheads_k, headdim)")
     q, k, v = checks.check_qkv(q, k, v)
+    _check_backend(group, q)
     if k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1]:
         raise checks.InvalidArgument(
             "q, k and v hold the same tokens of the sequence on each rank: their batch and seqlen_local must match, "
@@ -139,7 +153,7 @@ def _ring_call(layout: Layout, name: str, q, k, v, dropout_p, softmax_scale, cau
     world = dist.get_world_size(group)
 
     def check():
-        qs, ks, vs = _check_slices(q, k, v)
+        qs, ks, vs = _check_slices(group, q, k, v)
         if alibi_slopes is not None:
             raise NotImplementedError(
                 f"{name}: alibi_slopes are not supported by the ring functions (the kernels measure the ALiBi "
@@ -377,7 +391,7 @@ def ulysses_flash_attn_func(
     name = "ulysses_flash_attn_func"
 
     def check():
-        qs, ks, vs = _check_slices(q, k, v)
+        qs, ks, vs = _check_slices(group, q, k, v)
         nheads, nheads_k = qs.shape[2], ks.shape[2]
         if nheads % world:
             raise checks.InvalidArgument(
@@ -525,6 +539,7 @@ def gather_kv_flash_attn_varlen_func(
         ks = checks.check_tensor("k", k, "(tokens_local, nheads_k, headdim)")
         vs = checks.check_tensor("v", v, "(tokens_local, nheads_k, headdim)")
         qs, ks, vs = checks.check_qkv(qs, ks, vs)
+        _check_backend(group, qs)
         if ks.shape[0] != qs.shape[0]:
             raise checks.InvalidArgument(
                 f"{name}: q, k and v hold the same tokens, got {qs.shape[0]} and {ks.shape[0]} tokens"

@@ -171,6 +171,9 @@ def _mla_fwd(
         k_end = seqlen_k
         if b == end_idx:
             k_end = tl.minimum(tl.maximum(end_seq, 0), seqlen_k)
+            # a split point (not the sequence's end) rounds down to a whole tile, as the next part's start
+            # does below: the parts of a sequence then share no key whatever the schedule's block
+            k_end = tl.where(k_end < seqlen_k, k_end // BLOCK_N * BLOCK_N, k_end)
         lo = 0
         if b == begin_idx:  # (whole tiles from the part's first block)
             lo = tl.minimum(tl.maximum(begin_seq, 0), k_end) // BLOCK_N * BLOCK_N
