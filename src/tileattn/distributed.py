@@ -115,9 +115,9 @@ def _checked(group, name, like, check, *args):
         _refuse_everywhere(group, e, name, like.device if isinstance(like, torch.Tensor) else None)
 
 
-def _options(q, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
-    """``(window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)`` for a sequence of
-    ``world`` slices of q's length."""
+def _options(q, seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    """``(window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)``, the window's sides
+    unbounded from ``seqlen_k`` keys (the whole sequence's, or a packed batch's longest)."""
     dropout_p, scale, left, right, softcap = checks.check_options(
         dropout_p,
         softmax_scale,
@@ -126,9 +126,20 @@ def _options(q, world, dropout_p, softmax_scale, causal, window_size, softcap, d
         softcap,
         deterministic,
         return_attn_probs,
-        seqlen_k=world * q.shape[1],
+        seqlen_k=seqlen_k,
     )
     return left, right, checks.resolve_scale(scale, q.shape[-1]), softcap, dropout_p, deterministic
+
+
+def _rank_seeded(fn, args: tuple, dropout_p: float, rank: int):
+    """``fn(*args)``, with dropout drawing from a seed that mixes in the rank (``context.seed_for``): ranks
+    seeded alike would otherwise drop the same elements in their heads or pieces."""
+    if dropout_p == 0:
+        return fn(*args)
+    seed = rng.new_seed()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(context.seed_for(seed, rank))
+        return fn(*args)
 
 
 def _check_slices(group: dist.ProcessGroup, q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
@@ -165,7 +176,15 @@ def _ring_call(layout: Layout, name: str, q, k, v, dropout_p, softmax_scale, cau
                 f"got {qs.shape[1]} (zigzag_shard cuts a sequence of a multiple of 2 x world size tokens)"
             )
         options = _options(
-            qs, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+            qs,
+            world * qs.shape[1],
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            deterministic,
+            return_attn_probs,
         )
         return qs, ks, vs, options
 
@@ -403,7 +422,15 @@ def ulysses_flash_attn_func(
                 f"{name}: nheads_k ({nheads_k}) must be a multiple or a divisor of the group's size ({world})"
             )
         options = _options(
-            qs, world, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+            qs,
+            world * qs.shape[1],
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            deterministic,
+            return_attn_probs,
         )
         slopes = checks.check_alibi(alibi_slopes, qs.shape[0], nheads, qs.device)
         return qs, ks, vs, options, slopes
@@ -421,13 +448,7 @@ def ulysses_flash_attn_func(
     q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
     left, right, scale, softcap, dropout_p, deterministic = options
     call = (q, k, v, dropout_p, scale, False, (left, right), softcap, slopes, deterministic, True)
-    if dropout_p > 0:  # ranks seeded alike would draw one mask for every rank's heads: mix the rank in
-        seed = rng.new_seed()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((seed * 1_000_003 + rank) % 2**62)
-            out, lse, _ = api.flash_attn_func(*call)
-    else:
-        out, lse, _ = api.flash_attn_func(*call)
+    out, lse, _ = _rank_seeded(api.flash_attn_func, call, dropout_p, rank)
     out = _HeadsToSeq.apply(out, group)
     if not return_attn_probs:
         return out
@@ -551,11 +572,9 @@ def gather_kv_flash_attn_varlen_func(
                 f"{name}: cu_seqlens[-1] must be the whole stream, world_size x tokens_local = {world} x "
                 f"{qs.shape[0]}, got {sum(lengths)}"
             )
-        dropout, scale, left, right, cap = checks.check_options(
-            dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-            seqlen_k=max_seqlen,
-        )  # fmt: skip
-        options = left, right, checks.resolve_scale(scale, qs.shape[-1]), cap, dropout, deterministic
+        options = _options(
+            qs, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs
+        )
         if not causal and (options[0] >= 0 or options[1] >= 0 or alibi_slopes is not None):
             raise NotImplementedError(
                 f"{name}: a sliding window or ALiBi needs causal=True here (ulysses_flash_attn_func takes them "
@@ -583,13 +602,7 @@ def gather_kv_flash_attn_varlen_func(
         slopes = slopes[seqs[0] : seqs[-1] + 1].contiguous()
     call = (q, k_all, v_all, cu_q, cu_k, max(q_lens), max(k_lens), dropout_p, scale, causal, (left, right), softcap,
             slopes, deterministic, True)  # fmt: skip
-    if dropout_p > 0:
-        seed = rng.new_seed()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((seed * 1_000_003 + rank) % 2**62)
-            out, lse, _ = api.flash_attn_varlen_func(*call)
-    else:
-        out, lse, _ = api.flash_attn_varlen_func(*call)
+    out, lse, _ = _rank_seeded(api.flash_attn_varlen_func, call, dropout_p, rank)
     return (out, lse, None) if return_attn_probs else out
 
 

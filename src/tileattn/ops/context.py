@@ -283,26 +283,42 @@ def agree(group: dist.ProcessGroup, row: list[int], name: str, device: torch.dev
 # --------------------------------------------------------------------------------------------------
 
 
-def _seed(base: int, rank: int, index: int) -> int:
+def seed_for(base: int, rank: int, index: int = 0) -> int:
     """The Philox seed of kernel call ``index`` of rank ``rank`` in a call whose base seed is ``base``:
-    distinct per rank and call, so no two blocks share dropout draws."""
+    distinct per rank and call, so no two blocks share dropout draws (ranks seeded alike included)."""
     return (base * 1_000_003 + rank * 65_537 + index) % 2**62
 
 
-def _params(q: Tensor, c: Call, scale: float, softcap: float, dropout_p: float, deterministic: bool, seed: int):
-    return AttnParams(
-        batch=q.shape[0],
-        seqlen_q=c.q1 - c.q0,
-        seqlen_k=c.k1 - c.k0,
-        headdim=q.shape[-1],
-        softmax_scale=scale,
-        window_left=c.left,
-        window_right=c.right,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        philox_seed=seed,
-        deterministic=deterministic,
-    )
+def _steps(ring: Ring, kv: Tensor, q: Tensor, layout: int, options: tuple, base: int):
+    """The ring's steps for this rank: per step, the K/V block it holds and the kernel calls on it as
+    ``(Call, AttnParams)`` (seeds numbered over the whole call, so forward and backward draw alike). The
+    block goes on to the next rank, and the previous rank's comes in, while the caller computes."""
+    left, right, scale, softcap, dropout_p, deterministic = options
+    chunk = q.shape[1]
+    index = 0
+    for step in range(ring.world):
+        source = (ring.rank - step) % ring.world
+        transfer = ring.exchange(kv) if step + 1 < ring.world else None
+        calls = []
+        for c in plan(Layout(layout), ring.rank, source, ring.world, chunk, left, right):
+            p = AttnParams(
+                batch=q.shape[0],
+                seqlen_q=c.q1 - c.q0,
+                seqlen_k=c.k1 - c.k0,
+                headdim=q.shape[-1],
+                softmax_scale=scale,
+                window_left=c.left,
+                window_right=c.right,
+                softcap=softcap,
+                dropout_p=dropout_p,
+                philox_seed=seed_for(base, ring.rank, index),
+                deterministic=deterministic,
+            )
+            calls.append((c, p))
+            index += 1
+        yield kv, calls
+        if transfer is not None:
+            kv = transfer.wait()
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -333,27 +349,18 @@ def forward_impl(
     ring = Ring.of(group_name)
     options = (window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)
     agree(ring.group, description(q, k, layout, options, ring.world), NAMES[layout], q.device)
-    chunk = q.shape[1]
-    kv = torch.stack((k, v))
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[2], chunk), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
     base = rng.new_seed() if dropout_p > 0 else 0
     settings = configs.current(q.device)
-    index = 0
     with backend.on_device(q):
         impl = backend.implementation(q)
-        for step in range(ring.world):
-            source = (ring.rank - step) % ring.world
-            transfer = ring.exchange(kv) if step + 1 < ring.world else None
-            for c in plan(Layout(layout), ring.rank, source, ring.world, chunk, window_left, window_right):
-                p = _params(q, c, softmax_scale, softcap, dropout_p, deterministic, _seed(base, ring.rank, index))
-                index += 1
+        for kv, calls in _steps(ring, torch.stack((k, v)), q, layout, options, base):
+            for c, p in calls:
                 block_out, block_lse = impl.attn_fwd(
                     q[:, c.q0 : c.q1], kv[0, :, c.k0 : c.k1], kv[1, :, c.k0 : c.k1], p, settings
                 )
                 _merge(out[:, c.q0 : c.q1], lse[:, :, c.q0 : c.q1], block_out, block_lse)
-            if transfer is not None:
-                kv = transfer.wait()
     lse.masked_fill_(lse == float("-inf"), float("inf"))  # rows that saw no key: out 0, LSE +inf
     return _like(out.to(q.dtype), q), lse, torch.tensor([base, 0], dtype=torch.int64)
 
@@ -385,29 +392,23 @@ def backward_impl(
     group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     ring = Ring.of(group_name)
-    chunk = q.shape[1]
+    options = (window_left, window_right, softmax_scale, softcap, dropout_p, deterministic)
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     kv = torch.stack((k, v))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    base = int(rng_state[0])
     settings = configs.current(q.device)
-    index = 0
     dkv_transfer = None
     with backend.on_device(q):
         impl = backend.implementation(q)
-        for step in range(ring.world):
-            source = (ring.rank - step) % ring.world
-            transfer = ring.exchange(kv) if step + 1 < ring.world else None
+        for block, calls in _steps(ring, kv, q, layout, options, int(rng_state[0])):
             part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's dK/dV of the block
-            for c in plan(Layout(layout), ring.rank, source, ring.world, chunk, window_left, window_right):
-                p = _params(q, c, softmax_scale, softcap, dropout_p, deterministic, _seed(base, ring.rank, index))
-                index += 1
+            for c, p in calls:
                 rows = slice(c.q0, c.q1)
                 dq_c, dk_c, dv_c = impl.attn_bwd(
                     dout[:, rows],
                     q[:, rows],
-                    kv[0, :, c.k0 : c.k1],
-                    kv[1, :, c.k0 : c.k1],
+                    block[0, :, c.k0 : c.k1],
+                    block[1, :, c.k0 : c.k1],
                     out[:, rows],
                     lse[:, :, rows].contiguous(),
                     p,
@@ -419,8 +420,6 @@ def backward_impl(
             # plus what the ranks before this one added (received while this step computed), on to the next
             dkv = part if dkv_transfer is None else dkv_transfer.wait().add_(part)
             dkv_transfer = ring.exchange(dkv)
-            if transfer is not None:
-                kv = transfer.wait()
     # after the last step the gradients of the block one rank back come in: this rank's own
     dkv = dkv if dkv_transfer is None else dkv_transfer.wait()
     # (copies: an op's outputs must not alias each other)
