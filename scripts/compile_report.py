@@ -263,6 +263,35 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
     return rows
 
 
+def compile_gluon(headdim: int, causal: bool, **options) -> dict:
+    """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, with ``options`` (block_n,
+    stages, overlap, pingpong; the settings table's entry by default): its resources, and from the PTX
+    the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
+    from tileattn.kernels import configs
+    from tileattn.kernels.gluon import forward as hopper
+    from tileattn.params import AttnParams
+
+    batch, seqlen, nheads = 2, 1024, 2048 // headdim
+    q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
+    cfg = configs.HOPPER.fwd_gluon.get(headdim)
+    if cfg is not None:
+        options = dict(dict(block_n=cfg.block_n, stages=cfg.num_stages), **options)
+    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    hopper.attn_fwd(q, q, q, p, **options)
+    name, kernel, kw = _LAUNCHES.pop()
+    _LAUNCHES.clear()
+    ptx = kernel.asm["ptx"]
+    return dict(
+        kernel=name,
+        headdim=headdim,
+        causal=causal,
+        options=options,
+        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        **resources(kernel),
+    )
+
+
 _LAUNCHES: list = []
 
 

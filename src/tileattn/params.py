@@ -177,6 +177,9 @@ class Settings:
     # copy (key-major rows, as FP8 tensor-core B operands want) rather than V itself
     fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     fp8_v_transposed: bool = False
+    # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is its two warpgroups' rows), by head
+    # dim; calls it cannot compute, and head dims not here, run the portable forward
+    fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)

@@ -43,6 +43,10 @@ HOPPER = Settings(
         256: KernelConfig(128, 64, 8, 3, tma=True),
     },
     fp8_v_transposed=True,
+    # FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py): 128 query rows,
+    # two stages of 128-key tiles (64 at head dim 256); head dim 64 stays on the portable forward, as fast
+    # from 4k keys and faster below
+    fwd_gluon={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     bwd_dkdv={

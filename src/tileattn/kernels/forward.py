@@ -237,6 +237,15 @@ def attn_fwd(
     total_q)`` varlen."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(q, k, v, p, s)
+    if q.shape[-1] in s.fwd_gluon and not p.is_varlen and q.is_cuda:
+        from tileattn.kernels import gluon
+
+        if gluon.available():
+            from tileattn.kernels.gluon import forward as hopper
+
+            if hopper.eligible(q, k, v, p):
+                cfg = s.fwd_gluon[q.shape[-1]]
+                return hopper.attn_fwd(q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages)
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]

@@ -1,0 +1,104 @@
+"""The Gluon forward (kernels/gluon/forward.py) on an sm90 GPU against the tests' oracle: odd lengths,
+GQA/MQA, causal with seqlen_q != seqlen_k (rows that see no key), fp16 and bf16, each build the settings
+or the bench may pick (overlap, ping-pong, stages, key tiles), and the public functions' dispatch to it
+with the portable backward behind it. Gluon kernels do not run in Triton's interpreter: off sm90, or
+with a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves
+are checked without a GPU in test_sm90_builds.py)."""
+
+import pytest
+import torch
+
+import oracle
+import tileattn
+from helpers import check_lse
+from tileattn.kernels import configs, gluon
+from tileattn.params import AttnParams
+from tileattn.testing import check_close
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon.available()),
+    reason="the Gluon forward needs an sm90 GPU and Triton 3.6",
+)
+
+CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
+    (2, 1, 1, 4, 4, 64, False, torch.bfloat16),
+    (2, 63, 63, 4, 4, 128, True, torch.bfloat16),
+    (1, 113, 1025, 8, 2, 128, True, torch.bfloat16),
+    (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows before key 0's diagonal see no key
+    (3, 1025, 1025, 4, 1, 128, False, torch.float16),
+    (1, 2048, 3000, 2, 2, 64, False, torch.bfloat16),
+    (2, 1000, 1000, 6, 3, 64, True, torch.float16),
+    (2, 777, 777, 2, 1, 256, True, torch.bfloat16),
+    (1, 63, 1025, 4, 4, 256, False, torch.float16),
+]
+BUILDS = {
+    64: [dict(block_n=128, stages=2), dict(block_n=128, stages=2, pingpong=True)],
+    128: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, pingpong=True), dict(overlap=False)],
+    256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, pingpong=True)],
+}
+
+
+def _inputs(case):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_builds_match_the_oracle(case):
+    from tileattn.kernels.gluon import forward as hopper
+
+    batch, seqlen_q, seqlen_k, _, _, headdim, causal, _ = case
+    q, k, v = _inputs(case)
+    ref = oracle.attention(q, k, v, causal=causal)
+    low = oracle.attention(q, k, v, causal=causal, precision=None)
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    assert hopper.eligible(q, k, v, p)
+    for build in BUILDS[headdim]:
+        out, lse = hopper.attn_fwd(q, k, v, p, **build)
+        check_close(f"out {build}", out, ref.out, low.out)
+        check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
+
+
+@pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))
+def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
+    from tileattn.kernels.gluon import forward as hopper
+
+    calls = []
+    run = hopper.attn_fwd
+    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in _inputs(case))
+    out = tileattn.flash_attn_func(q, k, v, causal=True)
+    assert len(calls) == 1
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = oracle.attention(qr, kr, vr, causal=True)
+    ref.out.backward(dout.double())
+    lows = [t.detach().requires_grad_() for t in (q, k, v)]
+    low = oracle.attention(*lows, causal=True, precision=None)
+    low.out.backward(dout)
+    check_close("out", out, ref.out, low.out)
+    for name, t, r, lo in zip("qkv", (q, k, v), (qr, kr, vr), lows):
+        check_close(f"d{name}", t.grad, r.grad, lo.grad)
+
+
+def test_calls_it_cannot_compute_run_the_portable_kernels():
+    """Dropout, windows, softcap, fp32, heads that are not one TMA row: not eligible (the portable forward
+    runs); a packed qkv's q, k and v are."""
+    from tileattn.kernels.gluon import forward as hopper
+
+    q, k, v = _inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16))
+    p = AttnParams(1, 128, 128, 128, 128**-0.5)
+    assert hopper.eligible(q, k, v, p)
+    for change in (dict(dropout_p=0.1), dict(window_left=16, window_right=0), dict(softcap=5.0)):
+        assert not hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
+    assert not hopper.eligible(q.float(), k.float(), v.float(), p)
+    packed = torch.randn(1, 128, 3, 2, 128, device="cuda", dtype=torch.bfloat16)  # q of a packed qkv
+    assert hopper.eligible(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], p)
+    padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
+    assert not hopper.eligible(padded, k, v, p)
