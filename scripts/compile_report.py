@@ -265,7 +265,7 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
 
 def compile_gluon(headdim: int, causal: bool, **options) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, with ``options`` (block_n,
-    stages, overlap, pingpong; the settings table's entry by default): its resources, and from the PTX
+    stages; the settings table's entry by default): its resources, and from the PTX
     the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper

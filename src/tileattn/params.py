@@ -178,8 +178,11 @@ class Settings:
     fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     fp8_v_transposed: bool = False
     # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is its two warpgroups' rows), by head
-    # dim; calls it cannot compute, and head dims not here, run the portable forward
+    # dim: a persistent grid under ``gluon_long_seqlen_k`` keys, one program per query tile from there
+    # (``fwd_gluon_long``); calls it cannot compute, and head dims not here, run the portable forward
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
+    fwd_gluon_long: Mapping[int, KernelConfig] = field(default_factory=dict)
+    gluon_long_seqlen_k: int = 4096
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)
@@ -195,6 +198,12 @@ class Settings:
     # CUDA grids hold at most 65,535 programs along y and z: dense batches (grid z) beyond this run as a
     # packed batch of equal lengths, whose tiles are flat along x
     grid_z_batch: int = 65535
+    # index values of KV-cache calls (cache_seqlens, cache_leftpad, cache_batch_idx, block tables) checked
+    # on the host before the kernels run, a device sync per new tensor (True), or by the kernels where
+    # they read them, an error raised by a later call or ``tileattn.check_errors`` (False, ``tileattn.
+    # errors``; CPU tensors too, under the interpreter). None: on the device for CUDA tensors, on the
+    # host for CPU tensors. TILEATTN_SYNC_CHECKS=1 when ``kernels.configs`` is imported makes it True.
+    sync_checks: bool | None = None
 
     def __post_init__(self) -> None:  # the tables read-only too, so that a Settings value never changes
         for f in fields(self):
@@ -306,6 +315,22 @@ class FlashMask:
         return self.bounds.shape[0]
 
 
+# The error record of index values checked on the device (``tileattn.errors``): int64 words ``[code,
+# call, batch entry, j, value, bound, extra, 0]``, written by the first kernel that finds a bad value
+# (the code last, after the others; -1 while they are written). ``call`` says which function's call.
+RECORD_WORDS = 8
+ERR_SEQLENS_NEGATIVE = 1  # value: cache_seqlens[b]
+ERR_SEQLENS_CAPACITY = 2  # value: cache_seqlens[b], extra: the new tokens, bound: the capacity
+ERR_LEFTPAD = 3  # value: cache_leftpad[b], extra: cache_seqlens[b]
+ERR_BATCH_IDX = 4  # value: cache_batch_idx[b], bound: the cache's rows
+ERR_BATCH_IDX_REPEATED = 5  # value: cache_batch_idx[b], j: the earlier entry with the same row
+ERR_BLOCK_TABLE = 6  # j: the column, value: block_table[b, j], bound: the pool's pages
+ERR_ROTARY = 7  # value: the position needed, bound: the rotary tables' rows
+CALL_KVCACHE = 1  # flash_attn_with_kvcache
+CALL_PAGED_VARLEN = 2  # flash_attn_varlen_func with block_table
+CALL_MLA = 3  # flash_mla_with_kvcache
+
+
 @dataclass
 class CacheLayout:
     """Where each sequence's keys live in a KV cache, validated by the API.
@@ -318,7 +343,9 @@ class CacheLayout:
     dict in which the launches of calls with the same metadata as this one are planned once (the API
     layer keeps one per call signature, ``kvcache.calls``), or None to plan them for this call only; q_rotary: ``(cos,
     sin, interleaved, per_token)`` to rotate q at ``seqlens_k[b]`` (plus its token index if per_token)
-    as it is read (dense q only), or None; k_descale, v_descale: of FP8 caches."""
+    as it is read (dense q only), or None; k_descale, v_descale: of FP8 caches; record: the error record
+    (int64 ``(RECORD_WORDS,)``) into which the kernels write the first index value out of range they
+    find, for a ``call`` (``CALL_*``), or None: values checked beforehand, or not at all (graph capture)."""
 
     seqlens_k: torch.Tensor
     new_tokens: int = 0
@@ -333,3 +360,5 @@ class CacheLayout:
     # holds ``x_fp8 * descale``; the append divides by them), else None
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    record: torch.Tensor | None = None
+    call: int = 0

@@ -1,6 +1,6 @@
 """The Gluon forward (kernels/gluon/forward.py) on an sm90 GPU against the tests' oracle: odd lengths,
 GQA/MQA, causal with seqlen_q != seqlen_k (rows that see no key), fp16 and bf16, each build the settings
-or the bench may pick (overlap, ping-pong, stages, key tiles), and the public functions' dispatch to it
+or the bench may pick (stages, key tiles, persistent grids of a few programs), and the public functions' dispatch to it
 with the portable backward behind it. Gluon kernels do not run in Triton's interpreter: off sm90, or
 with a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves
 are checked without a GPU in test_sm90_builds.py)."""
@@ -31,10 +31,10 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 777, 777, 2, 1, 256, True, torch.bfloat16),
     (1, 63, 1025, 4, 4, 256, False, torch.float16),
 ]
-BUILDS = {
-    64: [dict(block_n=128, stages=2), dict(block_n=128, stages=2, pingpong=True)],
-    128: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, pingpong=True), dict(overlap=False)],
-    256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, pingpong=True)],
+BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items
+    64: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, programs=7)],
+    128: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, programs=5)],
+    256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3)],
 }
 
 

@@ -10,12 +10,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
 from tileattn.params import AttnParams, DecodeSettings, KernelConfig, MLASettings, Settings, interpreting
+
+# TILEATTN_SYNC_CHECKS=1 (read once, when this module is imported): index values checked on the host
+# before every KV-cache call, as ``Settings.sync_checks=True``; otherwise CUDA tensors' are checked by
+# the kernels and reported by a later call (``tileattn.errors``).
+SYNC_CHECKS = True if os.environ.get("TILEATTN_SYNC_CHECKS") == "1" else None
 
 # Tiles by padded head dim, (BLOCK_M, BLOCK_N, warps, stages): the fastest of ``python -m
 # tileattn.bench.tune`` on the H200 (bf16, 16k tokens), then the build variants measured against them.
@@ -43,10 +49,12 @@ HOPPER = Settings(
         256: KernelConfig(128, 64, 8, 3, tma=True),
     },
     fp8_v_transposed=True,
-    # FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py): 128 query rows,
-    # two stages of 128-key tiles (64 at head dim 256); head dim 64 stays on the portable forward, as fast
-    # from 4k keys and faster below
-    fwd_gluon={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
+    # FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py): 128 query rows over
+    # 128-key tiles (64 at head dim 256); a persistent grid with three stages for short key ranges, one
+    # program per query tile with two from gluon_long_seqlen_k keys. Head dim 64 stays on the portable
+    # forward (faster causal, within a few % otherwise)
+    fwd_gluon={128: KernelConfig(128, 128, 4, 3), 256: KernelConfig(128, 64, 4, 2)},
+    fwd_gluon_long={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     bwd_dkdv={
@@ -69,6 +77,7 @@ HOPPER = Settings(
     },
     long_seqlen_k=8192,
     decode=DecodeSettings(),
+    sync_checks=SYNC_CHECKS,
 )
 # Other GPUs take the same tables (TMA builds fall back to pointer loads below sm90): only Hopper was measured.
 PORTABLE = HOPPER
@@ -80,6 +89,7 @@ INTERPRETER = Settings(
     bwd_dq=_INTERPRET_TILES,
     mla=MLASettings(block_n=16, block_m=16, stages=1, sm_count=4),
     interpret=True,
+    sync_checks=SYNC_CHECKS,
 )
 
 _OVERRIDE: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("tileattn_settings", default=None)

@@ -244,8 +244,10 @@ def attn_fwd(
             from tileattn.kernels.gluon import forward as hopper
 
             if hopper.eligible(q, k, v, p):
-                cfg = s.fwd_gluon[q.shape[-1]]
-                return hopper.attn_fwd(q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages)
+                long = p.seqlen_k >= s.gluon_long_seqlen_k and q.shape[-1] in s.fwd_gluon_long
+                cfg = (s.fwd_gluon_long if long else s.fwd_gluon)[q.shape[-1]]
+                programs = hopper.ONE_PER_TILE if long else None
+                return hopper.attn_fwd(q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs)
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]

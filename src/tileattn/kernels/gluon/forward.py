@@ -1,23 +1,29 @@
 """The Hopper forward in Gluon: FlashAttention-3's warp-specialized design.
 
-One program computes a 128-row query tile of one head with three partitions:
-- a loader warp streams the tile's Q once and K/V tiles by TMA through a ``STAGES``-deep ring of
-  shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free`` that both
-  consumers are done with it);
+A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each
+(causal: those with the most keys first). A program has three partitions:
+- a loader warp streams each item's Q by TMA, and its K/V tiles through a ``STAGES``-deep ring of
+  shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free``
+  that both consumers are done with it; ``q_ready``/``q_free`` the same for Q, so the next item's Q
+  loads while the consumers finish the last one's P·V and write its output);
 - two consumer warpgroups own 64 query rows each (the default partition and one worker). Each runs the
   online softmax over the same K/V tiles with asynchronous wgmma: Q·Kᵀ from shared memory, P·V with P
   in registers (the accumulator layout of S is the A-operand layout of P·V, so P never leaves
-  registers). With ``OVERLAP`` a warpgroup issues Q·Kᵀ of tile j+1 together with P·V of tile j and runs
-  the softmax of tile j+1 while P·V is still on the tensor cores (FlashAttention-3's intra-warpgroup
-  pipelining); the two warpgroups' softmaxes fall under each other's matmuls by the warp scheduler.
+  registers). A warpgroup issues Q·Kᵀ of tile j together with P·V of tile j - 1 and runs the softmax of
+  tile j while P·V is still on the tensor cores (FlashAttention-3's intra-warpgroup pipelining); the two
+  warpgroups' softmaxes fall under each other's matmuls by the warp scheduler (an explicit ping-pong
+  through mbarriers measured slower: docs/perf.md).
 
 Only what the portable kernel's plain path does is here: dense (batch, seqlen, nheads, headdim)
 tensors whose rows TMA can read as one 2-D matrix, bf16/fp16, head dims 64, 128 and 256, causal or not,
 GQA/MQA; ``eligible`` says when. Everything else runs the portable kernels (``kernels.forward``).
-Gluon kernels do not run in Triton's interpreter: they are tested on the GPU (tests/gpu).
+Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
+(tests/kernels/test_gluon_forward.py), and their builds without one (test_sm90_builds.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -28,36 +34,68 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from tileattn.params import AttnParams, cdiv
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = gl.constexpr(0.6931471805599453)
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 HEAD_DIMS = (64, 128, 256)
+ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, turn,
-     q_row, kv_row, q_col, kv_col, n_tiles, o_ptr, lse_ptr, q_base, seqlen_q, seqlen_k, qk_scale,
-     stride_om, stride_lse) = args  # fmt: skip
+def _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+          CAUSAL: gl.constexpr):  # fmt: skip
+    """Work item t of the persistent loop: (query block, head, batch entry, key tiles). Causal calls take
+    the blocks with the most keys first (longest-first, for balance); the others keep a head's query
+    blocks together (its K/V stays in L2)."""
+    if CAUSAL:
+        m_block = num_m - 1 - t // (nheads * batch)
+        hb = t % (nheads * batch)
+    else:
+        m_block = t % num_m
+        hb = t // num_m
+    q_base = m_block * 2 * ROWS
+    n_end = seqlen_k
+    if CAUSAL:
+        n_end = gl.minimum(n_end, gl.maximum(q_base + 2 * ROWS + seqlen_k - seqlen_q, 0))
+    return q_base, hb % nheads, hb // nheads, gl.cdiv(n_end, BLOCK_N)
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+     Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     nheads, group, batch, seqlen_q, seqlen_k, qk_scale) = args  # fmt: skip
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + q_desc.block_type.shape[0], q_col], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        row = kv_row + j * BLOCK_N
-        mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_free.index(s), phase ^ 1)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+    num_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    it = 0  # K/V tiles loaded so far: the ring's stage and phase
+    done = 0  # work items so far: Q's phase
+    for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
+        q_base, h, b, n_tiles = _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+        mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        q_row = b * seqlen_q + q_base
+        tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
+        kv_col = (h // group) * HEAD_DIM
+        for j in range(n_tiles):
+            s = it % STAGES
+            phase = (it // STAGES) & 1
+            row = b * seqlen_k + j * BLOCK_N
+            mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_free.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+            it += 1
+        done += 1
 
 
 @gluon.jit
-def _scores(s_acc, j, first_row, rows, cols, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _scores(s_acc, j, first_row, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Raw scores of tile j, -inf where a key is past the sequence or (causal) after the row's last key,
     bottom-right aligned as flash_attn's causal."""
     s = s_acc
@@ -67,7 +105,7 @@ def _scores(s_acc, j, first_row, rows, cols, seqlen_q, seqlen_k, BLOCK_N: gl.con
     if CAUSAL:
         need = need | (start + BLOCK_N - 1 > first_row + seqlen_k - seqlen_q)
     if need:
-        key = start + cols
+        key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
         hidden = key[None, :] >= seqlen_k
         if CAUSAL:
             hidden = hidden | (key[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
@@ -89,24 +127,10 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _my_turn(turn, WG: gl.constexpr, it, PINGPONG: gl.constexpr):
-    """Ping-pong: waits until the other warpgroup has issued its matmuls of the previous slot (warpgroup 0
-    goes first: a fresh barrier's phase 1 counts as complete)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), (it + 1 - WG) & 1)
-
-
-@gluon.jit
-def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, turn,
-     q_row, kv_row, q_col, kv_col, n_tiles, o_ptr, lse_ptr, q_base, seqlen_q, seqlen_k, qk_scale,
-     stride_om, stride_lse) = args  # fmt: skip
+def _consume(args, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+     Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     nheads, group, batch, seqlen_q, seqlen_k, qk_scale) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -121,143 +145,121 @@ def _consume(args, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.con
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    first_row = q_base + WG * ROWS  # this warpgroup's first query position
-    rows = first_row + gl.arange(0, ROWS, layout=s_rows)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(WG)
-    mbarrier.wait(q_bar, 0)
-
-    if OVERLAP:
+    num_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    it = 0  # K/V tiles consumed so far: the ring's stage and phase
+    done = 0
+    for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
+        q_base, h, b, n_tiles = _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+        first_row = q_base + WG * ROWS  # this warpgroup's first query position
+        rows = first_row + gl.arange(0, ROWS, layout=s_rows)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, done & 1)
+        # Q·Kᵀ of tile j is issued with P·V of tile j - 1; the softmax of tile j runs while P·V does
         if n_tiles > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            _my_turn(turn, WG, 0, PINGPONG)
-            s_acc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
+            cur = it % STAGES
+            mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
+            s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
-            mbarrier.arrive(k_free.index(0), count=1)
-            s = _scores(s_acc, 0, first_row, rows, cols, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+            mbarrier.arrive(k_free.index(cur), count=1)
+            mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
+            s = _scores(s_acc, 0, first_row, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             for j in range(1, n_tiles):
-                prev = (j - 1) % STAGES
-                cur = j % STAGES
-                mbarrier.wait(k_ready.index(cur), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                prev = (it + j - 1) % STAGES
+                cur = (it + j) % STAGES
+                mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                _my_turn(turn, WG, j, PINGPONG)
                 s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
-                s_acc = warpgroup_mma_wait(1, deps=(s_acc,))  # Q·Kᵀ of tile j done, P·V of j-1 running
+                s_acc = warpgroup_mma_wait(1, deps=(s_acc,))  # Q·Kᵀ of tile j done, P·V of j - 1 running
                 mbarrier.arrive(k_free.index(cur), count=1)
-                s = _scores(s_acc, j, first_row, rows, cols, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+                mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
+                s = _scores(s_acc, j, first_row, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_free.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            last = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            last = (it + n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _my_turn(turn, WG, n_tiles, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             mbarrier.arrive(v_free.index(last), count=1)
-    else:
-        for j in range(n_tiles):
-            cur = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(cur), phase)
-            s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
-            mbarrier.arrive(k_free.index(cur), count=1)
-            s = _scores(s_acc, j, first_row, rows, cols, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.wait(v_ready.index(cur), phase)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(cur), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(v_free.index(cur), count=1)
+        else:
+            mbarrier.arrive(q_free, count=1)
+        it += n_tiles
+        done += 1
 
-    # A row that saw no key has l == 0: output 0, LSE +inf (the portable kernels' convention)
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
-    o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
-    o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = o_ptr + o_row.to(gl.int64)[:, None] * stride_om + o_col[None, :]
-    gl.store(o_ptrs, out.to(dtype), mask=(o_row < seqlen_q)[:, None])
-    gl.store(lse_ptr + rows * stride_lse, lse, mask=rows < seqlen_q)
+        # A row that saw no key has l == 0: output 0, LSE +inf (the portable kernels' convention)
+        seen = l_i > 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * LN2, float("inf"))
+        o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
+        o_ptrs = Out + b.to(gl.int64) * stride_ob + h * stride_oh + o_row.to(gl.int64)[:, None] * stride_om
+        o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptrs + o_col[None, :], out.to(dtype), mask=(o_row < seqlen_q)[:, None])
+        lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
+        gl.store(lse_ptr + rows * stride_lse, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
-def _consume_default(args, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    _consume(args, CAUSAL, OVERLAP, PINGPONG, 0)
+def _consume_default(args, CAUSAL: gl.constexpr):
+    _consume(args, CAUSAL, 0)
 
 
 @gluon.jit
-def _consume_worker(args, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    _consume(args, CAUSAL, OVERLAP, PINGPONG, 1)
+def _consume_worker(args, CAUSAL: gl.constexpr):
+    _consume(args, CAUSAL, 1)
 
 
 @gluon.jit
 def _fwd_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-    nheads, group, seqlen_q, seqlen_k, qk_scale,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    nheads, group, batch, seqlen_q, seqlen_k, qk_scale,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    num_m = gl.num_programs(0)
-    m_block = num_m - 1 - gl.program_id(0)  # causal: the longest key ranges start first
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    q_base = m_block * 2 * ROWS
-    n_end = seqlen_k
-    if CAUSAL:
-        n_end = gl.minimum(n_end, gl.maximum(q_base + 2 * ROWS + seqlen_k - seqlen_q, 0))
-    n_tiles = gl.cdiv(n_end, BLOCK_N)
-
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_free, count=2)  # one arrival per consumer warpgroup, as the stages' free barriers
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(k_free.index(i), count=2)
         mbarrier.init(v_free.index(i), count=2)
 
-    o_ptr = Out + b.to(gl.int64) * stride_ob + h * stride_oh
-    lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, turn,
-            b * seqlen_q + q_base, b * seqlen_k, h * HEAD_DIM, (h // group) * HEAD_DIM, n_tiles,
-            o_ptr, lse_ptr, q_base, seqlen_q, seqlen_k, qk_scale, stride_om, stride_lse)  # fmt: skip
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+            Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+            nheads, group, batch, seqlen_q, seqlen_k, qk_scale)  # fmt: skip
     gl.warp_specialize(
-        [
-            (_consume_default, (args, CAUSAL, OVERLAP, PINGPONG)),
-            (_consume_worker, (args, CAUSAL, OVERLAP, PINGPONG)),
-            (_load, (args, CAUSAL, OVERLAP, PINGPONG)),
-        ],
+        [(_consume_default, (args, CAUSAL)), (_consume_worker, (args, CAUSAL)), (_load, (args, CAUSAL))],
         [4, 1],
         [240, 24],
     )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # (compile_report's builds)
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _rows(t4: torch.Tensor) -> torch.Tensor | None:
@@ -287,13 +289,14 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 
 
 def attn_fwd(
-    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_n: int | None = None,
-    stages: int = 2, overlap: bool = True, pingpong: bool = False,
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_n: int = 128, stages: int = 2,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out, lse)`` of an ``eligible`` call: out as q, lse fp32 ``(batch, nheads, seqlen_q)``."""
+    """``(out, lse)`` of an ``eligible`` call: out as q, lse fp32 ``(batch, nheads, seqlen_q)``. ``programs``:
+    the grid (default: one program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per
+    work item, each starting where a non-persistent launch would put it)."""
     batch, seqlen_q, nheads, headdim = q4.shape
     seqlen_k, nheads_k = k4.shape[1], k4.shape[2]
-    block_n = block_n or 128
     out = torch.empty_like(q4, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), device=q4.device, dtype=torch.float32)
     dtype = gl.bfloat16 if q4.dtype == torch.bfloat16 else gl.float16
@@ -302,12 +305,12 @@ def attn_fwd(
     q_desc = TensorDescriptor.from_tensor(_rows(q4), [WG_ROWS, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(_rows(k4), [block_n, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(_rows(v4), [block_n, headdim], kv_layout)
-    grid = (cdiv(seqlen_q, 2 * WG_ROWS), nheads, batch)
+    items = cdiv(seqlen_q, 2 * WG_ROWS) * nheads * batch
+    grid = (min(items, programs or _sm_count(q4.device)),)
     _fwd_kernel[grid](
         q_desc, k_desc, v_desc, out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, p.softmax_scale * LOG2E,
-        BLOCK_N=block_n, STAGES=stages, CAUSAL=p.window_right == 0, OVERLAP=overlap, PINGPONG=pingpong and overlap,
-        num_warps=4, maxnreg=168,
+        nheads, nheads // nheads_k, batch, seqlen_q, seqlen_k, p.softmax_scale * LOG2E,
+        STAGES=stages, CAUSAL=p.window_right == 0, num_warps=4, maxnreg=168,
     )  # fmt: skip
     return out, lse
