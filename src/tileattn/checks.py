@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from tileattn import reference, rng
+from tileattn import params, reference, rng
 from tileattn.params import remember
 
 
@@ -455,6 +455,42 @@ def first_bad(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+_CAPACITY = "(seqlen of k_cache, or block_table.shape[1] * page_block_size)"
+_ROTARY_SPAN = "(cache_seqlens + the new tokens, or + the query tokens when q rotates per token and is longer)"
+
+
+def index_message(
+    code: int, b: int, j: int, value: int, bound: int, extra: int, seqlens_name: str = "cache_seqlens"
+) -> str:
+    """What is wrong with an index value, in the same words whether the host found it (``cache_values``)
+    or a kernel (``tileattn.errors``): ``code`` one of ``params.ERR_*``, ``b`` the batch entry and the
+    other fields as the error record's words say."""
+    if code == params.ERR_SEQLENS_NEGATIVE:
+        return f"{seqlens_name} must be >= 0, got {value} at batch entry {b}"
+    if code == params.ERR_SEQLENS_CAPACITY:
+        return f"{seqlens_name}[{b}] + seqlen_new = {value} + {extra} exceeds the cache capacity {bound} {_CAPACITY}"
+    if code == params.ERR_LEFTPAD:
+        return f"cache_leftpad must be in [0, cache_seqlens], got {value} with cache_seqlens {extra} at batch entry {b}"
+    if code == params.ERR_BATCH_IDX:
+        return f"cache_batch_idx must be in [0, {bound}), got {value} at batch entry {b}"
+    if code == params.ERR_BATCH_IDX_REPEATED:
+        return (
+            f"cache_batch_idx[{b}] = {value} repeats an earlier entry (batch entry {j}): with new k and v each "
+            "batch entry must append into a cache row of its own"
+        )
+    if code == params.ERR_BLOCK_TABLE:
+        return (
+            f"block_table[{b}, {j}] = {value} is not a page of the cache: entries covering a sequence's keys must "
+            f"be in [0, {bound})"
+        )
+    if code == params.ERR_ROTARY:
+        return (
+            f"rotary_cos/rotary_sin have {bound} positions but position {value} is needed at batch entry {b} "
+            + _ROTARY_SPAN
+        )
+    return f"unknown check {code} failed at batch entry {b} (j {j}, value {value}, bound {bound}, extra {extra})"
+
+
 def cache_values(
     seqlens: torch.Tensor,
     seqlen_new: int,
@@ -469,8 +505,9 @@ def cache_values(
     rotary_span: int,
     seqlens_name: str = "cache_seqlens",
 ) -> int:
-    """Device-side index values against their bounds, read back in one transfer; returns the longest
-    key range (seqlens + seqlen_new). Messages name the first offending batch entry."""
+    """Device-side index values against their bounds, read back in one transfer (a device sync); returns
+    the longest key range (seqlens + seqlen_new). Messages name the first offending batch entry. The
+    kernels make the same checks where they read the values when the call defers them (``tileattn.errors``)."""
     ends = seqlens.long() + seqlen_new
     checks = [seqlens.min(), ends.max()]
     if leftpad is not None:
@@ -489,46 +526,54 @@ def cache_values(
     values = torch.stack([c.long() for c in checks]).tolist()
     lowest, longest = values[0], values[1]
     flags = iter(values[2:])
+
+    def refuse(code, b, j=0, value=0, bound=0, extra=0):
+        return InvalidArgument(index_message(code, b, j, value, bound, extra, seqlens_name))
+
     if lowest < 0:
         b = first_bad(seqlens < 0)
-        raise InvalidArgument(f"{seqlens_name} must be >= 0, got {int(seqlens[b])} at batch entry {b}")
+        raise refuse(params.ERR_SEQLENS_NEGATIVE, b, value=int(seqlens[b]))
     if longest > capacity:
         b = first_bad(ends > capacity)
-        raise InvalidArgument(
-            f"{seqlens_name}[{b}] + seqlen_new = {int(seqlens[b])} + {seqlen_new} exceeds the cache capacity "
-            f"{capacity} (seqlen of k_cache, or block_table.shape[1] * page_block_size)"
-        )
+        raise refuse(params.ERR_SEQLENS_CAPACITY, b, value=int(seqlens[b]), bound=capacity, extra=seqlen_new)
     if leftpad is not None and next(flags):
         b = first_bad((leftpad < 0) | (leftpad > seqlens))
-        raise InvalidArgument(
-            f"cache_leftpad must be in [0, cache_seqlens], got {int(leftpad[b])} with cache_seqlens "
-            f"{int(seqlens[b])} at batch entry {b}"
-        )
+        raise refuse(params.ERR_LEFTPAD, b, value=int(leftpad[b]), extra=int(seqlens[b]))
     if batch_idx is not None and next(flags):
         b = first_bad((batch_idx < 0) | (batch_idx >= batch_cache))
-        raise InvalidArgument(
-            f"cache_batch_idx must be in [0, {batch_cache}), got {int(batch_idx[b])} at batch entry {b}"
-        )
+        raise refuse(params.ERR_BATCH_IDX, b, value=int(batch_idx[b]), bound=batch_cache)
     if batch_idx is not None and seqlen_new and next(flags):
         rows = batch_idx.tolist()
         b = next(i for i, row in enumerate(rows) if row in rows[:i])
-        raise InvalidArgument(
-            f"cache_batch_idx[{b}] = {rows[b]} repeats an earlier entry: with new k and v each batch entry "
-            "must append into a cache row of its own"
-        )
+        raise refuse(params.ERR_BATCH_IDX_REPEATED, b, j=rows.index(rows[b]), value=rows[b])
     if block_table is not None and next(flags):
         b, j = (int(x) for x in bad_pages.nonzero()[0])
-        raise InvalidArgument(
-            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache: entries covering "
-            f"a sequence's keys must be in [0, {num_pages})"
-        )
+        raise refuse(params.ERR_BLOCK_TABLE, b, j=j, value=int(block_table[b, j]), bound=num_pages)
     if rotary_len is not None and lowest >= 0 and longest - seqlen_new + rotary_span > rotary_len:
-        raise InvalidArgument(
-            f"rotary_cos/rotary_sin have {rotary_len} positions but position "
-            f"{longest - seqlen_new + rotary_span - 1} is needed (cache_seqlens + the new tokens, or + the "
-            "query tokens when q rotates per token and is longer)"
-        )
+        b = first_bad(seqlens.long() + rotary_span > rotary_len)
+        raise refuse(params.ERR_ROTARY, b, value=int(seqlens[b]) + rotary_span - 1, bound=rotary_len)
     return longest
+
+
+def known_cache_values(
+    seqlens: list[int], seqlen_new: int, capacity: int, rotary_len: int | None, rotary_span: int, seqlens_name: str
+) -> int:
+    """``cache_values``' checks of lengths known on the host (an int cache_seqlens, the lengths of
+    cu_seqlens_k): no device read. Returns the longest key range."""
+    longest = max(seqlens, default=0)
+    reach = longest + max(seqlen_new, rotary_span if rotary_len is not None else 0)
+    if min(seqlens, default=0) >= 0 and reach <= min(capacity, rotary_len if rotary_len is not None else capacity):
+        return longest + seqlen_new
+    for b, n in enumerate(seqlens):
+        if n < 0:
+            raise InvalidArgument(index_message(params.ERR_SEQLENS_NEGATIVE, b, 0, n, 0, 0, seqlens_name))
+        if n + seqlen_new > capacity:
+            message = index_message(params.ERR_SEQLENS_CAPACITY, b, 0, n, capacity, seqlen_new, seqlens_name)
+            raise InvalidArgument(message)
+        if rotary_len is not None and n + rotary_span > rotary_len:
+            message = index_message(params.ERR_ROTARY, b, 0, n + rotary_span - 1, rotary_len, 0, seqlens_name)
+            raise InvalidArgument(message)
+    return max(seqlens, default=0) + seqlen_new
 
 
 def check_startend_row_indices(
