@@ -283,12 +283,27 @@ def _write_rows(
 
 
 def kvcache_append(
-    k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None, descales=(None, None), interpret=False
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary,
+    seqlens,
+    batch_idx,
+    block_table,
+    plans=None,
+    descales=(None, None),
+    interpret=False,
+    leftpad=None,
+    span=0,
+    record=None,
+    call=0,
 ):
     """Rotates the new keys at their cache positions ``seqlens[b] + t`` and writes k, v into the caches
     in place (into FP8 caches divided by ``descales = (k_descale, v_descale)``, saturated and rounded to
     nearest). ``rotary`` is ``(cos, sin, interleaved)`` or None. Same interface as
-    ``kernels.decode.kvcache_append`` (``plans`` and ``interpret`` are not used here)."""
+    ``kernels.decode.kvcache_append`` (``plans``, ``interpret`` and the index checks' arguments are not
+    used here: this path's calls have their index values checked on the host)."""
     if k is None:
         return
     positions = seqlens.long().unsqueeze(1) + torch.arange(k.shape[1], device=k.device)
@@ -366,8 +381,10 @@ def mla_fwd(
     softmax_scale: float,
     causal: bool,
     s: Settings | None = None,
+    record: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decoding (``kernels.decode.mla.mla_fwd``'s interface; the schedule is not needed here): each
+    """MLA decoding (``kernels.decode.mla.mla_fwd``'s interface; the schedule and the error record are
+    not needed here, the lengths and table having been checked on the host): each
     sequence's keys are read from its pages BLOCK_N at a time, the values being their first
     ``head_dim_v`` dims, with an online softmax in fp32."""
     batch, seqlen_q, nheads, _ = q.shape

@@ -1,6 +1,6 @@
 """The in-place append and the rotation it shares with the split kernel (kernels/decode/append.py,
-rotary.py), the kernels called directly: writes out of range dropped, rotary positions past the tables
-clamped (for the new keys and for q), and kv heads that start past int32 offsets."""
+rotary.py), the kernels called directly: entries with values out of range append nothing, rotary
+positions past the tables clamped (for q), and kv heads that start past int32 offsets."""
 
 import pytest
 import torch
@@ -12,10 +12,11 @@ from tileattn.params import AttnParams, CacheLayout
 from tileattn.testing import check_close
 
 
-def test_append_kernel_drops_out_of_range_writes():
-    """What runs under CUDA graph capture, where the API cannot read index values: the append kernel
-    writes rows whose position, cache row and page are in range and drops the others (nothing outside
-    the caches is touched). Called directly, bypassing validation."""
+def test_append_kernel_skips_entries_with_bad_values():
+    """What runs under CUDA graph capture, where the API cannot read index values, and in calls whose
+    checks the kernels make: a batch entry whose position runs past the capacity, or one of whose new
+    tokens' pages is outside the pool, appends nothing (not the tokens that would fit); the others
+    append as usual. Called directly, bypassing validation."""
 
     device = _kernel_device()
     from tileattn.kernels import decode
@@ -24,20 +25,21 @@ def test_append_kernel_drops_out_of_range_writes():
     before = pool.clone()
     new = torch.ones(3, 2, 1, 16, dtype=F16, device=device)
     table = torch.tensor([[0, 1], [2, 9], [3, -1]], dtype=torch.int32, device=device)  # 9 and -1 are bad pages
-    seqlens = torch.tensor([7, 3, 1], dtype=torch.int32, device=device)  # 7 + 1 runs past capacity 8
+    seqlens = torch.tensor([7, 3, 1], dtype=torch.int32, device=device)  # 7 + 2 runs past capacity 8
     decode.kvcache_append(pool, pool.clone(), new, new, None, seqlens, None, table)
     written = (pool != before).any(-1).any(-1)  # (page, slot)
     expected = torch.zeros(4, 4, dtype=torch.bool, device=device)
-    expected[1, 3] = True  # seq 0, position 7 -> page 1 slot 3; position 8 is past capacity
-    expected[2, 3] = True  # seq 1, position 3 -> page 2 slot 3; position 4 -> page 9 dropped
-    expected[3, 1] = expected[3, 2] = True  # seq 2, positions 1, 2 -> page 3
+    # seq 0: position 7 would fit (page 1 slot 3), 8 is past capacity: nothing written
+    # seq 1: position 3 -> page 2 slot 3, position 4 -> page 9: nothing written
+    expected[3, 1] = expected[3, 2] = True  # seq 2, positions 1, 2 -> page 3 (its table's -1 is past them)
     assert torch.equal(written, expected), written
 
 
-def test_append_kernel_clamps_rotary_positions():
+def test_append_kernel_skips_entries_past_the_rotary_tables():
     """Under CUDA graph capture the API cannot check the rotary tables' length against cache_seqlens:
-    the append kernel then rotates a key whose position is past the tables at their last row (never
-    reading past them), and writes it where the position says. Called directly, bypassing validation."""
+    the append kernel then writes nothing for an entry whose positions run past the tables (reading
+    them at clamped positions, never past them), and rotates the others' keys at their positions.
+    Called directly, bypassing validation."""
     device = _kernel_device()
     from tileattn.kernels import decode
 
@@ -48,12 +50,11 @@ def test_append_kernel_clamps_rotary_positions():
     cos, sin = angle.cos().to(F16), angle.sin().to(F16)
     seqlens = torch.tensor([2, 7], dtype=torch.int32, device=device)  # positions 2, 3 and 7, 8 of 5 rows
     decode.kvcache_append(kc, vc, new, new, (cos, sin, False), seqlens, None, None)
-    positions = (seqlens.long()[:, None] + torch.arange(2, device=device)).clamp(max=4)
-    expected = oracle.rotary(new, cos, sin, positions, False)
-    for b in range(2):
-        at = int(seqlens[b])
-        assert torch.equal(kc[b, at : at + 2], expected[b]), b
-        assert torch.equal(vc[b, at : at + 2], new[b]), b
+    positions = seqlens.long()[:1, None] + torch.arange(2, device=device)
+    expected = oracle.rotary(new[:1], cos, sin, positions, False)
+    assert torch.equal(kc[0, 2:4], expected[0]) and torch.equal(vc[0, 2:4], new[0])
+    assert not kc[0, :2].any() and not kc[0, 4:].any() and not vc[0, 4:].any()
+    assert not kc[1].any() and not vc[1].any()
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])

@@ -17,7 +17,7 @@ from tileattn.params import AttnParams, CacheLayout, DecodeSettings
 from tileattn.testing import check_close
 
 
-def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0, s=None, **changes):
+def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0, s=None, max_seqlen_k=-1, **changes):
     """The split kernel's constexprs and grid as ``kernels.decode`` plans a decode step (GQA 32/8, one
     query token, bf16, full caches) under settings ``s``, by default the H200's for a GPU of 132 SMs
     with these ``DecodeSettings`` fields changed: CPU tensors, nothing launched."""
@@ -37,9 +37,22 @@ def _gpu_plan(batch, cache_len, page, headdim=128, num_splits=0, s=None, **chang
         cache = torch.empty(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16)
     seqlens = torch.full((batch,), cache_len, dtype=torch.int32)
     p = AttnParams(batch=batch, seqlen_q=1, seqlen_k=cache_len, headdim=headdim, softmax_scale=0.1)
-    c = CacheLayout(seqlens_k=seqlens, block_table=table, num_splits=num_splits, max_seqlen_k=cache_len)
+    max_k = cache_len if max_seqlen_k == -1 else max_seqlen_k
+    c = CacheLayout(seqlens_k=seqlens, block_table=table, num_splits=num_splits, max_seqlen_k=max_k)
     attn, _ = plan.plan_call(q, cache, cache, p, c, s)
     return attn.constexprs, attn.grid
+
+
+def test_plans_without_the_longest_sequence():
+    """Calls whose kernels check the index values (tileattn.errors) do not read cache_seqlens on the host:
+    they plan for the capacity, as CUDA graph capture does. The benchmark's rows (full caches) get the
+    plans the host's longest sequence gave them; a cache far longer than its sequences gets more splits,
+    each sharing out only the keys there are (the kernel's split bounds come from the lengths)."""
+    for batch, length in ((1, 8192), (1, 131072), (8, 32768), (64, 4096), (64, 16384)):
+        for page in (None, 16, 256):
+            assert _gpu_plan(batch, length, page, max_seqlen_k=None) == _gpu_plan(batch, length, page)
+    assert _gpu_plan(1, 131072, 16, max_seqlen_k=1024)[1] == (1, 8, 2)
+    assert _gpu_plan(1, 131072, 16, max_seqlen_k=None)[1] == (1, 8, 16)
 
 
 def test_gpu_plans_of_short_programs():

@@ -151,6 +151,53 @@ def test_decode_builds_as_the_settings_assume():
     assert combine["loads_before_wait"] == 0, combine
 
 
+CHECK_CASES = (
+    H200
+    + """
+import re
+import torch
+from tileattn.kernels import decode
+from tileattn.params import CALL_KVCACHE, AttnParams, CacheLayout
+record = torch.zeros(8, dtype=torch.int64)
+q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
+pool = torch.empty(8192, 16, 8, 128, dtype=torch.bfloat16)
+table = torch.arange(8192, dtype=torch.int32).view(1, -1)
+seqlens = torch.full((1,), 131072, dtype=torch.int32)
+p = AttnParams(batch=1, seqlen_q=1, seqlen_k=131072, headdim=128, softmax_scale=0.1)
+with configs.override(h200):
+    for checked in (False, True):  # 1 x 128k over pages of 16: planned without the longest sequence when checked
+        c = CacheLayout(seqlens_k=seqlens, block_table=table, max_seqlen_k=None if checked else 131072,
+                        record=record if checked else None, call=CALL_KVCACHE)
+        decode.attn_fwd_kvcache(q, pool, pool, p, c, configs.current(q.device))
+    new = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
+    decode.kvcache_append(pool, pool, new, new, None, seqlens - 1, None, table, leftpad=seqlens, span=1,
+                          record=record, call=CALL_KVCACHE)
+for name, kernel, kw in compile_report._LAUNCHES:
+    ptx = kernel.asm["ptx"]
+    row = dict(kernel=name, grid=kw["grid"], check=kw.get("CHECK"), **compile_report.resources(kernel))
+    row["claims"] = len(re.findall(r"atom\\.global\\.acq_rel\\.sys\\.cas\\.b64", ptx))
+    row["releases"] = len(re.findall(r"atom\\.global\\.sys\\.release\\.exch\\.b64", ptx))
+    if name == "_attn_fwd_kvcache":
+        row.update(tile_loop=compile_report.tile_loop(kernel), loads_before_wait=compile_report.loads_before_wait(ptx))
+    rows.append(row)
+compile_report._LAUNCHES.clear()
+"""
+)
+
+
+def test_decode_builds_that_check_index_values():
+    """The builds of calls whose kernels check their index values (``tileattn.errors``, CHECK): 1 x 128k
+    over pages of 16 is the plain build's grid and key loop (to within 1 %), spill-free, one block per SM,
+    loading nothing before its griddepcontrol.wait; it and the append claim the error record with a
+    system-scope compare-and-swap (the host reads it) and release its code with a system-scope exchange."""
+    plain, _, checked, _, append = _compiled(CHECK_CASES)
+    assert plain["check"] == 0 and checked["check"] == 1 and checked["grid"] == plain["grid"], (plain, checked)
+    assert checked["stack"] == 0 and checked["blocks_per_sm"] == plain["blocks_per_sm"], (plain, checked)
+    assert checked["tile_loop"] <= 1.01 * plain["tile_loop"] and checked["loads_before_wait"] == 0, (plain, checked)
+    assert plain["claims"] == 0 and checked["claims"] == checked["releases"] == 1, (plain, checked)
+    assert append["kernel"] == "_rotate_rows" and append["claims"] == append["releases"] == 1, append
+
+
 EDGE_CASES = (
     H200
     + """
@@ -226,13 +273,15 @@ from triton.compiler import ASTSource
 from tileattn.kernels.decode import append
 fn = append._rotate_rows
 consts = dict(HEAD_DIM=64, BLOCK_D=64, ROTARY=True, INTERLEAVED=False, PAGED=False)
-consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=False, QUANTIZE=False, INTERPRET=False)
+consts.update(PAGE_SIZE=1, HAS_BATCH_IDX=True, HAS_LEFTPAD=True, QUANTIZE=False, INTERPRET=False, CHECK=1)
 sig, constexprs = {}, {}
 for i, name in enumerate(fn.arg_names):
     if name in consts:
         sig[name], constexprs[(i,)] = "constexpr", consts[name]
-    elif name in ("Seqlens", "BatchIdx", "Table"):
+    elif name in ("Seqlens", "BatchIdx", "Table", "LeftPad"):
         sig[name] = "*i32"
+    elif name == "Record":
+        sig[name] = "*i64"
     elif name[0].isupper():
         sig[name] = "*fp16"
     else:  # the v cache's row stride past 2**31: a 64-bit argument beside the k cache's 32-bit one

@@ -1,7 +1,8 @@
 """The in-place append of ``flash_attn_with_kvcache``: ``_rotate_rows`` writes the new keys, rotated at
 their cache positions, and the new values into a contiguous or paged cache, both in one launch
-(``kvcache_append``). Writes outside the cache are dropped, so a captured CUDA graph with bad indices
-never touches memory outside it.
+(``kvcache_append``). A batch entry whose index values are out of range appends nothing, so bad
+indices (under CUDA graph capture, or in calls whose checks the kernels make) never write outside the
+caches, nor into another sequence's cache row or page.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
+from tileattn.kernels.decode import record
 from tileattn.kernels.decode.plan import Launch, remember_plan
 from tileattn.kernels.decode.rotary import rotated
 from tileattn.kernels.launch import Launcher
@@ -17,29 +19,76 @@ from tileattn.params import padded_headdim
 
 
 @triton.jit
+def _entry_ok(
+    Seqlens, LeftPad, BatchIdx, Table, b,
+    stride_tb, seqlen, batch, capacity, num_rows, rot_len, rot_span,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    ROTARY: tl.constexpr,
+):  # fmt: skip
+    """``(ok, (code, j, value, bound, extra))``: whether batch entry b may append its ``seqlen`` new
+    tokens, and its first bad value (``record``'s error; code 0 for none). Not ok: cache_seqlens,
+    cache_leftpad or cache_batch_idx out of range, the rotary tables short of ``cache_seqlens +
+    rot_span``, a block-table entry of a page it writes outside the pool, or another entry appending into
+    the same cache row (the later one reports it, as ``checks.cache_values`` does)."""
+    code, j, value, bound, extra = record.entry_error(
+        Seqlens, LeftPad, BatchIdx, b,
+        seqlen, capacity, num_rows, rot_len, rot_span,
+        HAS_LEFTPAD, HAS_BATCH_IDX and not PAGED, ROTARY,
+    )  # fmt: skip
+    ok = code == 0
+    if PAGED:  # the table entries of the pages the new tokens go to
+        cached = tl.load(Seqlens + b)
+        lo = tl.where(ok, cached // PAGE_SIZE, 0)
+        hi = tl.where(ok, (cached + seqlen - 1) // PAGE_SIZE + 1, 0)
+        col, page = record.first_bad_page(Table + b.to(tl.int64) * stride_tb, lo, hi, num_rows, 16)
+        code, j, value, bound, extra = record.first_error(
+            code, j, value, bound, extra, col < hi, record.BLOCK_TABLE, col, page, num_rows, 0
+        )
+    elif HAS_BATCH_IDX:  # entries appending into the same cache row (O(batch) per program)
+        row = tl.load(BatchIdx + b)
+        shared = b * 0
+        earlier = b * 0 + batch
+        for start in range(0, batch, 128):
+            offs = start + tl.arange(0, 128)
+            same = (offs < batch) & (offs != b) & (tl.load(BatchIdx + offs, mask=offs < batch, other=0) == row)
+            shared = tl.maximum(shared, tl.max(same.to(tl.int32), 0))
+            earlier = tl.minimum(earlier, tl.min(tl.where(same, offs, batch), 0))
+        ok = ok & (shared == 0)
+        code, j, value, bound, extra = record.first_error(
+            code, j, value, bound, extra, earlier < b, record.BATCH_IDX_REPEATED, earlier, row, 0, 0
+        )
+    return ok & (code == 0), (code, j, value, bound, extra)
+
+
+@triton.jit
 def _rotate_rows(
     Src, Dst, Src2, Dst2,
-    Seqlens, BatchIdx, Table, Cos, Sin, Descale, Descale2,
+    Seqlens, BatchIdx, Table, Cos, Sin, Descale, Descale2, LeftPad, Record,
     stride_sb, stride_st, stride_sh,
     stride_db, stride_dt, stride_dh,
     stride_s2b, stride_s2t, stride_s2h,
     stride_d2b, stride_d2t, stride_d2h,
     stride_tb, stride_c,
-    seqlen, nheads, rot_half, rot_len, capacity, num_rows,
+    seqlen, nheads, rot_half, rot_len, capacity, num_rows, batch, rot_span,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    QUANTIZE: tl.constexpr, INTERPRET: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
     """Writes row (b, t, h) of ``Src`` into the cache ``Dst`` at position ``pos = Seqlens[b] + t``,
     rotated (if ROTARY) at that position: ``Dst[row, pos, h]`` of a contiguous cache (row = BatchIdx[b]
     or b), or of the page ``Table[b, pos // PAGE_SIZE]`` at slot ``pos % PAGE_SIZE`` (PAGED). Programs of
     grid axis 2 index 1 copy ``Src2`` to ``Dst2`` the same way, unrotated (the new values beside the new
     keys, in one launch). The rotation is computed in fp32 as ``x·cos ∓ partner·sin`` and rounded once,
-    like ``tileattn.rotary`` (launched without FMA contraction, so the bits match it). Writes whose
-    position (``< capacity``), cache row or page (``< num_rows``) is out of range are dropped, and the
+    like ``tileattn.rotary`` (launched without FMA contraction, so the bits match it).
+
+    A batch entry with an index value out of range (``_entry_ok``: its position past ``capacity``, its
+    cache row or a page it writes outside ``num_rows``, cache_leftpad, the rotary tables shorter than
+    ``cache_seqlens + rot_span`` rows, a cache row another entry appends into) writes nothing, and the
     rotary position is clamped to the tables' ``rot_len`` rows: the API refuses such values, and under
-    CUDA graph capture, where it cannot read them, nothing outside the cache or the tables is touched.
+    CUDA graph capture, where it cannot read them, nothing outside the cache or the tables is touched
+    and no entry writes into another's row or page. CHECK (a ``params.CALL_*``; 0: none): the first
+    program of each entry writes its first bad value into the error record ``Record``.
 
     QUANTIZE: the caches are e4m3; a row is divided by its descale (``Descale`` / ``Descale2``, fp32
     ``(batch, nheads)`` contiguous), saturated at ±448 and rounded to nearest."""
@@ -67,7 +116,16 @@ def _rotate_rows(
     x = tl.load(src + offs_d, mask=mask_d, other=0.0)  # [BLOCK_D]
     if ROTARY:  # (the keys only: the values of grid axis 2 index 1 are copied as they are)
         x = rotated(x, src, Cos, Sin, pos, rot_len, stride_c, offs_d, rot_half, first, INTERLEAVED)
-    in_range = (pos >= 0) & (pos < capacity)
+    ok, error = _entry_ok(
+        Seqlens, LeftPad, BatchIdx, Table, b,
+        stride_tb, seqlen, batch, capacity, num_rows, rot_len, rot_span,
+        PAGED, PAGE_SIZE, HAS_BATCH_IDX, HAS_LEFTPAD, ROTARY,
+    )  # fmt: skip
+    if CHECK != 0:
+        if (t == 0) & (h == 0) & first:
+            code, j, value, bound, extra = error
+            record.record(Record, code, b, j, value, bound, extra, CHECK)
+    in_range = ok & (pos >= 0) & (pos < capacity)
     safe_pos = tl.where(in_range, pos, 0)
     if PAGED:
         page = tl.load(Table + b64 * stride_tb + safe_pos // PAGE_SIZE)
@@ -89,7 +147,9 @@ def _rotate_rows(
 LAUNCHER = Launcher(_rotate_rows)
 
 
-def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair, quantize, interpret) -> Launch:
+def _append_launch(
+    src, dst, block_table, rotary, has_batch_idx, pair, quantize, interpret, has_leftpad, span, check
+) -> Launch:
     """The launch of ``_rotate_rows`` for new rows ``src`` into ``dst`` and ``pair = (src2, dst2)``
     (the values) beside them."""
     batch, seqlen, nheads, headdim = src.shape
@@ -112,6 +172,8 @@ def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair, quantize,
             cos.shape[0] if cos is not None else 0,
             block_table.shape[1] * dst.shape[1] if paged else dst.shape[1],
             dst.shape[0],
+            batch,
+            max(span, seqlen),
         ),
         {
             "HEAD_DIM": headdim,
@@ -121,8 +183,10 @@ def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair, quantize,
             "PAGED": paged,
             "PAGE_SIZE": dst.shape[1] if paged else 1,
             "HAS_BATCH_IDX": has_batch_idx,
+            "HAS_LEFTPAD": has_leftpad,
             "QUANTIZE": quantize,
             "INTERPRET": interpret,
+            "CHECK": check,
         },
         num_warps=1,
         enable_fp_fusion=False,
@@ -130,24 +194,45 @@ def _append_launch(src, dst, block_table, rotary, has_batch_idx, pair, quantize,
 
 
 def kvcache_append(
-    k_cache, v_cache, k, v, rotary, seqlens, batch_idx, block_table, plans=None, descales=(None, None), interpret=False
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary,
+    seqlens,
+    batch_idx,
+    block_table,
+    plans=None,
+    descales=(None, None),
+    interpret=False,
+    leftpad=None,
+    span=0,
+    record=None,
+    call=0,
 ):
     """The in-place append of ``flash_attn_with_kvcache``: k rotated (``rotary``: ``(cos, sin,
     interleaved)`` or None) and v written at ``seqlens[b] + t``, in one launch of ``_rotate_rows``
     (q is rotated by the split kernel as it reads it, ``CacheLayout.q_rotary``); same interface and
     results as ``tileattn.cpu.kvcache_append``. ``plans`` as ``CacheLayout.plans``: the launch is
     planned once per table. ``descales``: ``(k_descale, v_descale)`` of FP8 caches (else Nones);
-    ``interpret``: the kernel runs in Triton's interpreter (``common.to_e4m3``)."""
+    ``interpret``: the kernel runs in Triton's interpreter (``common.to_e4m3``). ``leftpad``: the call's
+    cache_leftpad, and ``span``: the positions past cache_seqlens the rotary tables must cover (at least
+    the new tokens), checked with the other index values: an entry with a bad one appends nothing.
+    ``record``, ``call``: the error record and the caller (``CacheLayout.record``) when the kernel
+    reports bad values, else None."""
     if k is None or k.numel() == 0:
         return
-    launch = plans.get("append") if plans is not None else None
+    check = call if record is not None else 0
+    key = ("append", check)
+    launch = plans.get(key) if plans is not None else None
     if launch is None:
         quantize = descales[0] is not None
         launch = _append_launch(
-            k, k_cache, block_table, rotary, batch_idx is not None, (v, v_cache), quantize, interpret
-        )
+            k, k_cache, block_table, rotary, batch_idx is not None, (v, v_cache), quantize, interpret,
+            leftpad is not None, span, check,
+        )  # fmt: skip
         if plans is not None:
-            remember_plan(plans, "append", launch)
+            remember_plan(plans, key, launch)
     cos, sin = (rotary[0], rotary[1]) if rotary is not None else (seqlens, seqlens)
     launch(
         (
@@ -161,5 +246,7 @@ def kvcache_append(
             cos,
             sin,
             *(descales if descales[0] is not None else (seqlens, seqlens)),
+            leftpad if leftpad is not None else seqlens,
+            record if record is not None else seqlens,
         )
     )

@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tileattn import params
 from tileattn.kernels import common
-from tileattn.kernels.decode import combine, paging, plan
+from tileattn.kernels.decode import combine, paging, plan, record
 from tileattn.kernels.launch import Launcher
 from tileattn.params import Settings, cdiv, next_power_of_2
 
@@ -108,7 +109,7 @@ def _q_tiles(
 
 @triton.jit
 def _mla_fwd(
-    Q, KV, Out, Lse, OutP, LseP, Table, Seqlens, Meta, SplitOffsets,
+    Q, KV, Out, Lse, OutP, LseP, Table, Seqlens, Meta, SplitOffsets, Record,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_kn, stride_kh,
     stride_tb, stride_meta,
@@ -120,6 +121,7 @@ def _mla_fwd(
     D_V: tl.constexpr, D_ROPE: tl.constexpr, ROPE_PAD: tl.constexpr, CHUNK_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr, OFFS_64: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr, Q_IN_LOOP: tl.constexpr,
+    CHECK: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, kv head, part). The part's row of ``Meta`` (int32, FlashMLA's layout) says
     its work: sequences ``begin_idx ... end_idx``, keys from ``begin_seqlen`` in the first and up to
@@ -134,7 +136,12 @@ def _mla_fwd(
     Every index read from the metadata, the lengths and the table is clamped (sequences to the batch,
     lengths to the table's capacity, pages to the pool, slots to ``num_slots``): bad values give wrong
     results, never a read or write outside the tensors. LAUNCH_DEPENDENTS lets the combine, launched as
-    a programmatic dependent, start early (it waits for our writes)."""
+    a programmatic dependent, start early (it waits for our writes).
+
+    CHECK (``params.CALL_MLA``; 0: none): the call defers its index checks to the kernel. The programs of
+    the first row block and kv head write the first bad value they read into the error record
+    ``Record``: a length below 0 or past the capacity, a block-table entry outside the pool among those
+    covering the part's keys (the parts of a schedule made for the lengths cover every key)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -227,6 +234,17 @@ def _mla_fwd(
                 tl.store(P_b + CHUNK_V + offs_c[None, :], acc_b, mask=mask_r[:, None])
             lse = tl.where(seen, lse, float("-inf"))
             tl.store(LseP + slot * stride_pls + h * seqlen_q + i, lse, mask=mask_r)
+        if CHECK != 0:
+            if (pid_m == 0) & (hk == 0):
+                code, j, value, bound, extra = record.entry_error(
+                    Seqlens, Seqlens, Seqlens, b, 0, capacity, num_pages, 0, 0, False, False, False
+                )
+                col_hi = tl.cdiv(k_end, PAGE_SIZE)
+                col, page = record.first_bad_page(Table_row, lo // PAGE_SIZE, col_hi, num_pages, 64)
+                code, j, value, bound, extra = record.first_error(
+                    code, j, value, bound, extra, col < col_hi, record.BLOCK_TABLE, col, page, num_pages, 0
+                )
+                record.record(Record, code, b, j, value, bound, extra, CHECK)
 
 
 LAUNCHER = Launcher(_mla_fwd)
@@ -243,11 +261,13 @@ def mla_fwd(
     softmax_scale: float,
     causal: bool,
     s: Settings,
+    record: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decoding (arguments validated by ``tileattn.mla``): q ``(batch, seqlen_q, nheads, d)``, kv the
     paged cache ``(num_pages, page_size, nheads_k, d)`` whose first ``head_dim_v`` dims are the values,
     ``metadata`` and ``num_splits`` the schedule (``tileattn.mla.get_mla_metadata``). Returns out ``(batch, seqlen_q, nheads, head_dim_v)`` in q's dtype and
-    the LSE fp32 ``(batch, nheads, seqlen_q)``."""
+    the LSE fp32 ``(batch, nheads, seqlen_q)``. ``record``: the error record into which the kernel
+    writes a bad length or block-table entry (``CacheLayout.record``), or None: no checks."""
     m = s.mla
     batch, seqlen_q, nheads, d = q.shape
     num_pages, page_size, nheads_k, _ = kv.shape
@@ -280,6 +300,7 @@ def mla_fwd(
             seqlens,
             metadata,
             num_splits,
+            record if record is not None else seqlens,
             *q.stride()[:3],
             kv.stride(0),
             kv.stride(1),
@@ -310,6 +331,7 @@ def mla_fwd(
             "OFFS_64": offs_64,
             "LAUNCH_DEPENDENTS": pdl,
             "Q_IN_LOOP": m.q_in_loop,
+            "CHECK": params.CALL_MLA if record is not None else 0,
         },
         num_warps=m.wide_warps if bm >= 64 else m.narrow_warps,
         num_stages=m.stages,

@@ -268,6 +268,7 @@ def plan_launches(
             "TABLE_TO_L2": paged and prefetch_grid and d.paged_table_l2 and not interpret and not torch.version.hip,
             "KV_FP8": c.k_descale is not None,
             "WIDEN": {"q": 0, "f16": 1}[d.fp8_widen],
+            "CHECK": c.call if c.record is not None else 0,
         },
         num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
@@ -330,7 +331,8 @@ def attn_fwd_kvcache(
 
     With ``c.plans`` (the API's table for calls whose arguments have the same shapes, strides, dtypes,
     devices, alignments and options as this one) the launches are planned once per decode settings,
-    split count and key tiles per program: later calls only allocate the outputs and launch."""
+    split count, key tiles per program and whether the kernel checks index values (``c.record``): later
+    calls only allocate the outputs and launch."""
     q4 = p.as_4d(q)
     table = c.plans
     base = None
@@ -354,11 +356,12 @@ def attn_fwd_kvcache(
         o_target = l_target[at:]
     else:
         o_target, l_target = o4, lse
-    plan = base.plans.get((num_splits, tiles))
+    checked = c.call if c.record is not None else 0
+    plan = base.plans.get((num_splits, tiles, checked))
     if plan is None:
         plan = plan_launches(base, q4, k_cache, v_cache, o4, lse, p, c, num_splits, tiles)
         if table is not None:
-            remember_plan(base.plans, (num_splits, tiles), plan)
+            remember_plan(base.plans, (num_splits, tiles, checked), plan)
     seqlens = c.seqlens_k
     plan[0](
         (
@@ -375,6 +378,7 @@ def attn_fwd_kvcache(
             p.cu_seqlens_q if p.cu_seqlens_q is not None else seqlens,
             *(c.q_rotary[:2] if c.q_rotary is not None else (seqlens, seqlens)),
             *((c.k_descale, c.v_descale) if c.k_descale is not None else (lse, lse)),
+            c.record if c.record is not None else seqlens,
         )
     )
     if split_kv:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common
-from tileattn.kernels.decode import paging, rotary
+from tileattn.kernels.decode import paging, record, rotary
 from tileattn.kernels.launch import Launcher
 
 
@@ -128,10 +128,44 @@ def _widened(x, dtype, WIDEN: tl.constexpr):
     return y
 
 
+@triton.jit
+def _check_entry(
+    Record, SeqlensK, LeftPad, BatchIdx, Table_row,
+    b, hk, split, num_splits, nheads_k, seqlen_q,
+    new_tokens, capacity, num_rows_cache, rot_len,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    ROTARY_Q: tl.constexpr, ROT_PER_TOKEN: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
+    """The deferred checks of batch entry b's index values (``tileattn.errors``), made by its programs of
+    the first row block: each checks the values it reads (``record.entry_error``; the rotary tables must
+    cover q's positions and the new keys'), and the block-table entries covering the entry's keys are
+    shared out among them, ``cdiv(entries, nheads_k * num_splits)`` each. The first bad value goes into
+    the error record."""
+    span = tl.maximum(new_tokens, 1)
+    if ROT_PER_TOKEN:
+        span = tl.maximum(new_tokens, seqlen_q)
+    code, j, value, bound, extra = record.entry_error(
+        SeqlensK, LeftPad, BatchIdx, b,
+        new_tokens, capacity, num_rows_cache, rot_len, span,
+        HAS_LEFTPAD, HAS_BATCH_IDX and not PAGED, ROTARY_Q,
+    )  # fmt: skip
+    if PAGED:
+        end = tl.minimum(tl.maximum(tl.load(SeqlensK + b).to(tl.int64) + new_tokens, 0), capacity)
+        used = tl.cdiv(end, PAGE_SIZE).to(tl.int32)  # (table columns)
+        share = tl.cdiv(used, nheads_k * num_splits)
+        lo = (hk * num_splits + split) * share
+        hi = tl.minimum(lo + share, used)
+        col, page = record.first_bad_page(Table_row, lo, hi, num_rows_cache, 64)
+        code, j, value, bound, extra = record.first_error(
+            code, j, value, bound, extra, col < hi, record.BLOCK_TABLE, col, page, num_rows_cache, 0
+        )
+    record.record(Record, code, b, j, value, bound, extra, CHECK)
+
+
 @triton.jit(do_not_specialize=["new_tokens"])
 def _attn_fwd_kvcache(
     Q, K, V, Out, Lse,
-    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin, KDescale, VDescale,
+    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin, KDescale, VDescale, Record,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -151,7 +185,7 @@ def _attn_fwd_kvcache(
     LAUNCH_DEPENDENTS: tl.constexpr, DEFER_SCALE: tl.constexpr,
     ROTARY_Q: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
     TABLE_TO_L2: tl.constexpr, UNIT: tl.constexpr, WAIT_PRIOR: tl.constexpr, KV_FP8: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -180,7 +214,11 @@ def _attn_fwd_kvcache(
     KV_FP8: the caches hold e4m3 values standing for ``x_fp8 * descale``, with fp32 ``(batch, nheads_k)``
     descales ``KDescale`` / ``VDescale`` (contiguous): k's multiplies the softmax scale, v's the output.
     Tiles are widened as WIDEN says (``_widened``; with 1, q is converted to fp16 too, saturated at
-    fp16's ±65504, and p is fp16)."""
+    fp16's ±65504, and p is fp16).
+
+    CHECK (a ``params.CALL_*``; 0: none): the call defers its index checks to the kernels, which write
+    the first bad value into the error record ``Record`` (``_check_entry``, after the entry's work; the
+    reads stay clamped as above)."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -205,6 +243,13 @@ def _attn_fwd_kvcache(
     n_rows = seqlen_q * group_size
     r_start = pid_m * BLOCK_M
     if r_start >= n_rows:
+        if CHECK != 0 and pid_m == 0:  # (a packed sequence without query tokens)
+            _check_entry(
+                Record, SeqlensK, LeftPad, BatchIdx, Table_row,
+                b, hk, split, num_splits, nheads_k, seqlen_q,
+                new_tokens, capacity, num_rows_cache, rot_len,
+                PAGE_SIZE, PAGED, HAS_LEFTPAD, HAS_BATCH_IDX, ROTARY_Q, ROT_PER_TOKEN, CHECK,
+            )  # fmt: skip
         return
 
     cached = tl.load(SeqlensK + b)
@@ -354,6 +399,13 @@ def _attn_fwd_kvcache(
     tl.store(lse_ptrs, lse, mask=mask_r)
     row_o = split64 * stride_os + b64 * stride_ob + (q_start + i).to(tl.int64) * stride_om + h.to(tl.int64) * stride_oh
     tl.store(Out + row_o[:, None] + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=mask_q)
+    if CHECK != 0 and pid_m == 0:
+        _check_entry(
+            Record, SeqlensK, LeftPad, BatchIdx, Table_row,
+            b, hk, split, num_splits, nheads_k, seqlen_q,
+            new_tokens, capacity, num_rows_cache, rot_len,
+            PAGE_SIZE, PAGED, HAS_LEFTPAD, HAS_BATCH_IDX, ROTARY_Q, ROT_PER_TOKEN, CHECK,
+        )  # fmt: skip
 
 
 LAUNCHER = Launcher(_attn_fwd_kvcache)
