@@ -17,7 +17,7 @@ ROOT = Path(tileattn.__file__).parent
 LAYERS = [
     {"params", "reference", "rng", "rotary_torch", "testing", "bert_padding", "cache", "flashmask"},
     {"checks", "cpu", "kernels"},
-    {"backend"},
+    {"backend", "errors"},
     {"ops"},
     {"api", "kvcache", "rotary", "interface", "masks", "fp8", "mla", "inner_attention", "distributed"},
     {"modules", "shim", "integrations", "bench", "__init__"},

@@ -12,6 +12,7 @@ from tileattn.api import (
     flash_attn_varlen_qkvpacked_func,
 )
 from tileattn.checks import InvalidArgument, InvalidArgumentType
+from tileattn.errors import check_errors
 from tileattn.kvcache import flash_attn_with_kvcache
 from tileattn.masks import flashmask_attention, flashmask_varlen_attention
 
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidArgumentType",
     "__version__",
+    "check_errors",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -1,15 +1,20 @@
 """Inference against a KV cache: ``flash_attn_with_kvcache`` (flash_attn 2.8's signature and semantics),
 and the paged prefill behind ``flash_attn_varlen_func(..., block_table=...)``.
 
-Order of work in one call: validate everything (shapes, dtypes, devices, then the values of
-cache_seqlens / cache_leftpad / cache_batch_idx / block_table / rotary tables, read on the host in one
-transfer) so that a rejected call leaves the caches untouched; rotate the new keys and write them
-and the new values into the cache in place; attend over the updated cache with the decode kernel
+Order of work in one call: validate the metadata (shapes, dtypes, devices, options) and raise what
+the kernels of an earlier call found wrong (``tileattn.errors``); check the values of cache_seqlens /
+cache_leftpad / cache_batch_idx / block_table / rotary tables; rotate the new keys and write them and
+the new values into the cache in place; attend over the updated cache with the decode kernel
 (``kernels.decode``, which rotates the queries as it reads them), or the PyTorch path for CPU tensors.
 The metadata checks run here; the value checks, the append and the attention are the custom ops of
 ``tileattn.ops.kvcache``.
 
-Under CUDA graph capture the value checks are skipped (``tileattn.ops.kvcache`` says what holds then).
+The values of CUDA tensors are checked by the kernels as they read them, without a device sync: a bad
+one is raised by the next call on the device, or by ``tileattn.check_errors()``, and its batch entry
+appends nothing. CPU tensors' values, and CUDA tensors' with ``TILEATTN_SYNC_CHECKS=1``
+(``Settings.sync_checks``), are read on the host before anything runs, so that a rejected call leaves
+the caches untouched. Under CUDA graph capture they are not checked (``tileattn.ops.kvcache`` says what
+holds in each case).
 """
 
 from __future__ import annotations
@@ -61,13 +66,24 @@ def flash_attn_with_kvcache(
             (a window side narrower than the cache, as in flash_attn), else all of q at
             ``cache_seqlens``. The first rotary_dim channels rotate.
         cache_seqlens: int or int32 ``(batch,)``: tokens already in each sequence's cache (None: the
-            whole capacity, only without k/v). The index tensors (cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table) are read on the host to validate them, once until a torch op
-            changes one of them: the layers of a decode step share one check. Writes that bypass
-            PyTorch's version counter (``.data``, ``.numpy()``, DLPack, your own kernels, the replay
-            of a CUDA graph that updates them) are not seen: pass a new tensor instead. Inference
-            tensors (``torch.inference_mode``) have no version counter and are read on every call.
-            Under CUDA graph capture they are not read at all.
+            whole capacity, only without k/v). An int is checked at once. The index tensors'
+            values (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, and the rotary tables'
+            length against the positions they must cover) are checked, for CUDA tensors, by the
+            kernels where they read them, with no device sync: a value out of range is raised as
+            ``InvalidArgument`` by the next call of this function (or of the paged
+            ``flash_attn_varlen_func`` or ``flash_mla_with_kvcache``) on the device that starts after
+            the GPU has run this one, and by ``tileattn.check_errors()``, which synchronises first (call
+            it where you want errors surfaced: after each step). That call's outputs for the entry are
+            then unspecified, its append wrote nothing for the entry (unless the only bad value was a
+            block-table entry of older keys), no other sequence's cache row or page was written, and
+            nothing outside the caches was read. CPU tensors, and CUDA tensors with
+            ``TILEATTN_SYNC_CHECKS=1`` (``Settings.sync_checks=True``), are read on the host before
+            anything runs instead (a device sync), once until a torch op changes one of them: the layers
+            of a decode step share one check. Writes that bypass PyTorch's version counter (``.data``,
+            ``.numpy()``, DLPack, your own kernels, the replay of a CUDA graph that updates them) are not
+            seen then: pass a new tensor instead. Inference tensors (``torch.inference_mode``) have no
+            version counter and are read on every call. Under CUDA graph capture the values are not
+            checked at all (the kernels still clamp every index).
         cache_batch_idx: int32 ``(batch,)``: the cache row of each sequence (dense caches only).
         cache_leftpad: int32 ``(batch,)``: a sequence's keys start at this cache position.
         block_table: int32 ``(batch, max_pages)``: page of each ``page_block_size`` keys.
@@ -89,8 +105,9 @@ def flash_attn_with_kvcache(
     Returns:
         ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
 
-    Validation (including index values, read on the host) happens before the caches are written; see
-    the module docstring for CUDA graph capture.
+    Metadata is validated before the caches are written, and index values too for CPU tensors or with
+    ``TILEATTN_SYNC_CHECKS=1``; CUDA calls check index values in their kernels (``cache_seqlens`` above;
+    the module docstring for CUDA graph capture).
     """
     # the op's implementation directly in eager mode on plain tensors (backend.direct: no dispatcher overhead);
     # there, checks and launch plans are kept per call signature (none while tracing or under a mode)
@@ -238,7 +255,8 @@ def _check_call(
     v_descale=None,
 ) -> _Call:
     """Every check of flash_attn_with_kvcache's arguments that their metadata decides (all but the index
-    values, which ``checks.cache_values`` reads on the device): the normalised call, or a clear error."""
+    values, which the ops check: ``checks.cache_values`` on the host, or the kernels): the normalised
+    call, or a clear error."""
     q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     layout = "(batch_cache or num_pages, seqlen_cache or page_block_size, nheads_k, headdim)"
     k_cache = checks.check_tensor("k_cache", k_cache, layout)

@@ -3,10 +3,25 @@ in-place append with rotary, then attention over the updated cache) and ``tileat
 (packed queries against a paged cache). The API layer (``tileattn.kvcache``) validates metadata and
 calls them, or their implementations directly in eager mode on plain tensors.
 
-Under CUDA graph capture the value checks are skipped (they would need a device-to-host copy, which
-capture forbids): the kernels still clamp every index and rotary position so that they never read
-outside the caches and the rotary tables, and drop appends outside the caches, but out-of-range values
-then give unspecified results instead of an error.
+Index values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table, the rotary tables' length
+against the positions they must cover) are checked in one of three ways:
+
+- **On the device** (eager calls on CUDA tensors, the default): the kernels check the values where they
+  read them and write the first bad one into the device's error record (``tileattn.errors``), which the
+  next call on the device raises, or ``tileattn.check_errors``. No device sync. Values known on the host
+  (an int cache_seqlens, the lengths of the paged varlen call's cu_seqlens) are still checked before
+  anything runs. The split plan counts on the capacity, not the longest sequence, as under capture.
+- **On the host** (CPU tensors, or ``Settings.sync_checks`` / ``TILEATTN_SYNC_CHECKS=1``): read back in
+  one transfer before any kernel (``checks.cache_values``), once per unmodified tensors
+  (``checks.checked_once``); a refused call leaves the caches untouched.
+- **Not at all** under CUDA graph capture (a read would need a device-to-host copy, which capture
+  forbids).
+
+Whatever the values, the kernels clamp every index and rotary position, so they never read outside the
+caches and the rotary tables, and an append writes nothing for a batch entry whose cache_seqlens,
+cache_leftpad, cache_batch_idx (or one shared with another entry), rotary span or block-table entries
+of the pages it writes are out of range: never outside the caches, nor into another sequence's row or
+page. Out-of-range values give that entry unspecified outputs, and an error where the checks run.
 """
 
 from __future__ import annotations
@@ -16,9 +31,9 @@ import inspect
 import torch
 from torch import Tensor
 
-from tileattn import backend, checks
+from tileattn import backend, checks, errors
 from tileattn.kernels import configs
-from tileattn.params import AttnParams, CacheLayout
+from tileattn.params import CALL_KVCACHE, CALL_PAGED_VARLEN, AttnParams, CacheLayout
 
 
 def fwd_kvcache_impl(
@@ -50,41 +65,53 @@ def fwd_kvcache_impl(
     (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
     out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
     once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
-    caller gave cache_seqlens as an int (its checks are then remembered with the other index tensors'
-    instead of reading a new tensor every call). FP8 caches come with ``k_descale`` and ``v_descale``, fp32
-    ``(batch, nheads_k)`` contiguous."""
+    caller gave cache_seqlens as an int (checked here without reading ``seqlens``: with the other index
+    tensors' values on the host, or alone before the kernels check those). FP8 caches come with
+    ``k_descale`` and ``v_descale``, fp32 ``(batch, nheads_k)`` contiguous. The module docstring says how
+    index values are checked."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    span = max(seqlen_new, q_span)  # positions past cache_seqlens the rotary tables cover
+    impl = backend.implementation(q)
+    settings = configs.current(device)
     max_seqlen_k = None
-    if batch and not backend.capturing(device):
+    record = None
+    if not backend.capturing(device):
+        errors.raise_pending(device)  # (an error an earlier call's kernels found)
         rotary_len = rotary_cos.shape[0] if rotary_cos is not None else None
-        span = max(seqlen_new, q_span)
-        cache_rows, page_size = k_cache.shape[:2]  # batch_cache, or num_pages and page_size when paged
+        if batch and errors.deferred(q, settings, impl):
+            record = errors.record(device)
+            if seqlens_value is not None:  # known here; the kernels check the index tensors' values
+                max_seqlen_k = checks.known_cache_values(
+                    [seqlens_value], seqlen_new, capacity, rotary_len, span, "cache_seqlens"
+                )
+        elif batch:
+            cache_rows, page_size = k_cache.shape[:2]  # batch_cache, or num_pages and page_size when paged
 
-        def check() -> int:
-            return checks.cache_values(
-                seqlens,
-                seqlen_new,
-                capacity,
-                cache_leftpad,
-                cache_batch_idx,
-                cache_rows,
-                block_table,
-                cache_rows,
-                page_size,
-                rotary_len,
-                span,
+            def check() -> int:
+                return checks.cache_values(
+                    seqlens,
+                    seqlen_new,
+                    capacity,
+                    cache_leftpad,
+                    cache_batch_idx,
+                    cache_rows,
+                    block_table,
+                    cache_rows,
+                    page_size,
+                    rotary_len,
+                    span,
+                )
+
+            # once per step, not per layer: the layers share cache_seqlens and block_table (checks.checked_once)
+            max_seqlen_k = checks.checked_once(
+                (seqlens if seqlens_value is None else None, cache_leftpad, cache_batch_idx, block_table),
+                ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span, seqlens_value, batch),
+                check,
             )
-
-        # once per step, not per layer: the layers share cache_seqlens and block_table (checks.checked_once)
-        max_seqlen_k = checks.checked_once(
-            (seqlens if seqlens_value is None else None, cache_leftpad, cache_batch_idx, block_table),
-            ("kvcache", seqlen_new, capacity, cache_rows, page_size, rotary_len, span, seqlens_value, batch),
-            check,
-        )
     p = AttnParams(
         batch=batch,
         seqlen_q=seqlen_q,
@@ -96,13 +123,11 @@ def fwd_kvcache_impl(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
-    impl = backend.implementation(q)
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
-    settings = configs.current(device)
     with backend.on_device(q):
         impl.kvcache_append(
             k_cache, v_cache, k, v, rotary, seqlens, cache_batch_idx, block_table, plans,
-            (k_descale, v_descale), settings.interpret,
+            (k_descale, v_descale), settings.interpret, cache_leftpad, span, record, CALL_KVCACHE,
         )  # fmt: skip
         c = CacheLayout(
             seqlens_k=seqlens,
@@ -116,10 +141,15 @@ def fwd_kvcache_impl(
             q_rotary=(*rotary, q_span > 1) if rotary is not None else None,
             k_descale=k_descale,
             v_descale=v_descale,
+            record=record,
+            call=CALL_KVCACHE,
         )
         if q.numel() == 0:
-            return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
-        out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, settings)
+            out, lse = torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
+        else:
+            out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, settings)
+        if record is not None:
+            errors.mirror(device)
     return out.contiguous(), lse
 
 
@@ -167,12 +197,19 @@ def fwd_paged_varlen_impl(
     device = q.device
     capacity = block_table.shape[1] * k.shape[1]
     seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    settings = configs.current(device)
+    impl = backend.implementation(q)
     longest = None
+    record = None
     if not backend.capturing(device):
+        errors.raise_pending(device)  # (an error an earlier call's kernels found)
         checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
         lengths = checks.cu_values("cu_seqlens_k", cu_seqlens_k, None, "max_seqlen_k", max_seqlen_k)
         longest = max(lengths, default=0)
-        if batch:
+        if batch and errors.deferred(q, settings, impl):  # the lengths here, the table by the kernel
+            record = errors.record(device)
+            checks.known_cache_values(lengths, 0, capacity, None, 0, "key lengths (cu_seqlens_k)")
+        elif batch:
             checks.checked_once(
                 (cu_seqlens_k, block_table),
                 ("paged", capacity, k.shape[0], k.shape[1]),
@@ -205,9 +242,13 @@ def fwd_paged_varlen_impl(
     )
     if q.numel() == 0 or batch == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(p.as_4d(q)).fill_(float("inf"))
-    c = CacheLayout(seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest)
+    c = CacheLayout(
+        seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest, record=record, call=CALL_PAGED_VARLEN
+    )
     with backend.on_device(q):
-        out, lse = backend.implementation(q).attn_fwd_kvcache(q, k, v, p, c, configs.current(device))
+        out, lse = impl.attn_fwd_kvcache(q, k, v, p, c, settings)
+        if record is not None:
+            errors.mirror(device)
     return out.contiguous(), lse
 
 

@@ -1,7 +1,9 @@
 """MLA decoding as the ``torch.library`` custom op ``tileattn::mla_fwd``: the value checks of the
-lengths and the block table (read on the host once per unmodified tensors, skipped under CUDA graph
-capture, where the kernel's clamping keeps every read inside the cache), then the kernel, or the
-PyTorch path for CPU tensors. ``tileattn.mla`` validates the metadata and calls it.
+lengths and the block table, then the kernel, or the PyTorch path for CPU tensors. ``tileattn.mla``
+validates the metadata and calls it. The values are checked as ``ops.kvcache`` says: by the kernel
+for CUDA tensors (an error raised by a later call, ``tileattn.errors``), on the host once per unmodified
+tensors for CPU tensors or with ``Settings.sync_checks``, not at all under CUDA graph capture; the
+kernel's clamping keeps every read inside the cache whatever the values.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tileattn import backend, checks
+from tileattn import backend, checks, errors
 from tileattn.kernels import configs
 
 
@@ -30,22 +32,31 @@ def mla_fwd_impl(
     device = q.device
     num_pages, page_size = kv.shape[:2]
     capacity = block_table.shape[1] * page_size
-    if batch and not backend.capturing(device):
-        checks.checked_once(
-            (seqlens, block_table),
-            ("mla", capacity, num_pages, page_size),
-            lambda: checks.cache_values(
-                seqlens, 0, capacity, None, None, batch, block_table, num_pages, page_size, None, 0
-            ),
-        )
+    impl = backend.implementation(q)
+    settings = configs.current(device)
+    record = None
+    if not backend.capturing(device):
+        errors.raise_pending(device)  # (an error an earlier call's kernels found)
+        if batch and errors.deferred(q, settings, impl):
+            record = errors.record(device)
+        elif batch:
+            checks.checked_once(
+                (seqlens, block_table),
+                ("mla", capacity, num_pages, page_size),
+                lambda: checks.cache_values(
+                    seqlens, 0, capacity, None, None, batch, block_table, num_pages, page_size, None, 0
+                ),
+            )
     if q.numel() == 0:
         out = q.new_zeros((batch, seqlen_q, nheads, head_dim_v))
         return out, torch.full((batch, nheads, seqlen_q), float("inf"), device=device)
     with backend.on_device(q):
-        return backend.implementation(q).mla_fwd(
-            q, kv, block_table, seqlens, metadata, num_splits, head_dim_v, softmax_scale, causal,
-            configs.current(device),
-        )  # fmt: skip
+        out, lse = impl.mla_fwd(
+            q, kv, block_table, seqlens, metadata, num_splits, head_dim_v, softmax_scale, causal, settings, record
+        )
+        if record is not None:
+            errors.mirror(device)
+    return out, lse
 
 
 _mla_fwd_op = torch.library.custom_op("tileattn::mla_fwd", mla_fwd_impl, mutates_args=())
