@@ -176,9 +176,12 @@ def flash_mla_with_kvcache(
         ``lse (batch, nheads_q, seqlen_q)`` (natural log; +inf for rows that see no key, whose output
         is 0).
 
-    cache_seqlens and block_table are read on the host to validate them, once until a torch op changes
-    them (``flash_attn_with_kvcache`` says when a change is not seen), and not under CUDA graph capture,
-    where out-of-range values give unspecified results but no read outside the cache.
+    cache_seqlens and block_table are checked as ``flash_attn_with_kvcache``'s index tensors are: by the
+    kernel for CUDA tensors (a length below 0 or past the capacity, or a block-table entry outside the
+    pool among those covering a sequence's keys, is raised by the next call on the device or by
+    ``tileattn.check_errors()``), on the host for CPU tensors or with ``TILEATTN_SYNC_CHECKS=1`` (once
+    until a torch op changes them), and not under CUDA graph capture. Out-of-range values give
+    unspecified results but never a read outside the cache.
     """
     checks.check_tensor("q", q, "(batch, seqlen_q, nheads_q, d)")
     checks.check_tensor("k_cache", k_cache, "(num_blocks, block_size, nheads_k, d)")
