@@ -178,11 +178,12 @@ class Settings:
     fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     fp8_v_transposed: bool = False
     # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is its two warpgroups' rows), by head
-    # dim: a persistent grid under ``gluon_long_seqlen_k`` keys, one program per query tile from there
-    # (``fwd_gluon_long``); calls it cannot compute, and head dims not here, run the portable forward
+    # dim: one program per query tile, or (``fwd_gluon_short``) a persistent grid under
+    # ``gluon_short_seqlen_k`` keys; calls it cannot compute, and head dims in neither, run the portable
+    # forward
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
-    fwd_gluon_long: Mapping[int, KernelConfig] = field(default_factory=dict)
-    gluon_long_seqlen_k: int = 4096
+    fwd_gluon_short: Mapping[int, KernelConfig] = field(default_factory=dict)
+    gluon_short_seqlen_k: int = 4096
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)

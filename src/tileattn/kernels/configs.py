@@ -50,11 +50,11 @@ HOPPER = Settings(
     },
     fp8_v_transposed=True,
     # FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py): 128 query rows over
-    # 128-key tiles (64 at head dim 256); a persistent grid with three stages for short key ranges, one
-    # program per query tile with two from gluon_long_seqlen_k keys. Head dim 64 stays on the portable
-    # forward (faster causal, within a few % otherwise)
-    fwd_gluon={128: KernelConfig(128, 128, 4, 3), 256: KernelConfig(128, 64, 4, 2)},
-    fwd_gluon_long={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
+    # 128-key tiles (64 at head dim 256), one program per query tile, two stages; at head dim 128 under
+    # gluon_short_seqlen_k keys a persistent grid with three. Head dim 64 stays on the portable forward
+    # (faster causal, within a few % otherwise)
+    fwd_gluon={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
+    fwd_gluon_short={128: KernelConfig(128, 128, 4, 3)},
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     bwd_dkdv={
