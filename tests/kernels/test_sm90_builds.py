@@ -172,14 +172,22 @@ with configs.override(h200):
     new = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     decode.kvcache_append(pool, pool, new, new, None, seqlens - 1, None, table, leftpad=seqlens, span=1,
                           record=record, call=CALL_KVCACHE)
+    # MLA at DeepSeek's head dims (its key loop spills at 255 registers): plain, then checking
+    from tileattn.kernels.decode import mla
+    latent = torch.empty(4096, 64, 1, 576, dtype=torch.bfloat16)
+    meta, splits = torch.zeros(132, 8, dtype=torch.int32), torch.zeros(65, dtype=torch.int32)
+    for checked in (None, record):
+        mla.mla_fwd(torch.empty(64, 1, 128, 576, dtype=torch.bfloat16), latent, table.view(64, 128)[:, :64],
+                    seqlens.expand(64).contiguous(), meta, splits, 512, 0.1, True, configs.current(q.device), checked)
 for name, kernel, kw in compile_report._LAUNCHES:
     ptx = kernel.asm["ptx"]
     row = dict(kernel=name, grid=kw["grid"], check=kw.get("CHECK"), **compile_report.resources(kernel))
     row["claims"] = len(re.findall(r"atom\\.global\\.acq_rel\\.sys\\.cas\\.b64", ptx))
     row["releases"] = len(re.findall(r"atom\\.global\\.sys\\.release\\.exch\\.b64", ptx))
-    if name == "_attn_fwd_kvcache":
+    if name in ("_attn_fwd_kvcache", "_mla_fwd"):
         row.update(tile_loop=compile_report.tile_loop(kernel), loads_before_wait=compile_report.loads_before_wait(ptx))
-    rows.append(row)
+    if name != "_combine":
+        rows.append(row)
 compile_report._LAUNCHES.clear()
 """
 )
@@ -188,14 +196,18 @@ compile_report._LAUNCHES.clear()
 def test_decode_builds_that_check_index_values():
     """The builds of calls whose kernels check their index values (``tileattn.errors``, CHECK): 1 x 128k
     over pages of 16 is the plain build's grid and key loop (to within 1 %), spill-free, one block per SM,
-    loading nothing before its griddepcontrol.wait; it and the append claim the error record with a
-    system-scope compare-and-swap (the host reads it) and release its code with a system-scope exchange."""
-    plain, _, checked, _, append = _compiled(CHECK_CASES)
+    loading nothing before its griddepcontrol.wait; MLA's key loop (which spills) is the plain build's,
+    its spills no larger; each claims the error record with a system-scope compare-and-swap (the host
+    reads it) and releases its code with a system-scope exchange, and so does the append."""
+    plain, checked, append, mla_plain, mla_checked = _compiled(CHECK_CASES)
     assert plain["check"] == 0 and checked["check"] == 1 and checked["grid"] == plain["grid"], (plain, checked)
     assert checked["stack"] == 0 and checked["blocks_per_sm"] == plain["blocks_per_sm"], (plain, checked)
     assert checked["tile_loop"] <= 1.01 * plain["tile_loop"] and checked["loads_before_wait"] == 0, (plain, checked)
     assert plain["claims"] == 0 and checked["claims"] == checked["releases"] == 1, (plain, checked)
     assert append["kernel"] == "_rotate_rows" and append["claims"] == append["releases"] == 1, append
+    assert mla_checked["check"] == 3 and mla_checked["claims"] == mla_checked["releases"] == 1, mla_checked
+    assert mla_checked["stack"] <= mla_plain["stack"], (mla_plain, mla_checked)
+    assert mla_checked["tile_loop"] <= 1.01 * mla_plain["tile_loop"], (mla_plain, mla_checked)
 
 
 EDGE_CASES = (

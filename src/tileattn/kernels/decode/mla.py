@@ -108,6 +108,47 @@ def _q_tiles(
 
 
 @triton.jit
+def _part_keys(Seqlens, b, begin_idx, end_idx, begin_seq, end_seq, capacity, BLOCK_N: tl.constexpr):
+    """``(seqlen_k, lo, k_end)``: sequence b's length (clamped to the capacity) and the keys ``[lo,
+    k_end)`` of it that the part ``begin_idx, begin_seq ... end_idx, end_seq`` takes, in whole tiles."""
+    seqlen_k = tl.minimum(tl.maximum(tl.load(Seqlens + b), 0), capacity)
+    k_end = seqlen_k
+    if b == end_idx:
+        k_end = tl.minimum(tl.maximum(end_seq, 0), seqlen_k)
+        # a split point (not the sequence's end) rounds down to a whole tile, as the next part's start
+        # does below: the parts of a sequence then share no key whatever the schedule's block
+        k_end = tl.where(k_end < seqlen_k, k_end // BLOCK_N * BLOCK_N, k_end)
+    lo = 0
+    if b == begin_idx:  # (whole tiles from the part's first block)
+        lo = tl.minimum(tl.maximum(begin_seq, 0), k_end) // BLOCK_N * BLOCK_N
+    return seqlen_k, lo, k_end
+
+
+@triton.jit(noinline=True)
+def _check_part(
+    Record, Seqlens, Table, stride_tb,
+    begin_idx, end_idx, begin_seq, end_seq, capacity, num_pages,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
+    """The deferred checks (``tileattn.errors``) of the sequences a part takes: each length below 0 or
+    past the capacity, and the block-table entries covering the part's keys of it (the parts of a
+    schedule made for the lengths cover every key), the first bad value into the error record."""
+    for b in range(begin_idx, end_idx + 1):
+        _, lo, k_end = _part_keys(Seqlens, b, begin_idx, end_idx, begin_seq, end_seq, capacity, BLOCK_N)
+        code, j, value, bound, extra = record.entry_error(
+            Seqlens, Seqlens, Seqlens, b, 0, capacity, num_pages, 0, 0, False, False, False
+        )
+        col_hi = tl.cdiv(k_end, PAGE_SIZE)
+        col, page = record.first_bad_page(
+            Table + tl.cast(b, tl.int64) * stride_tb, lo // PAGE_SIZE, col_hi, num_pages, 64
+        )
+        code, j, value, bound, extra = record.first_error(
+            code, j, value, bound, extra, col < col_hi, record.BLOCK_TABLE, col, page, num_pages, 0
+        )
+        record.record(Record, code, b, j, value, bound, extra, CHECK)
+
+
+@triton.jit
 def _mla_fwd(
     Q, KV, Out, Lse, OutP, LseP, Table, Seqlens, Meta, SplitOffsets, Record,
     stride_qb, stride_qm, stride_qh,
@@ -140,8 +181,8 @@ def _mla_fwd(
 
     CHECK (``params.CALL_MLA``; 0: none): the call defers its index checks to the kernel. The programs of
     the first row block and kv head write the first bad value they read into the error record
-    ``Record``: a length below 0 or past the capacity, a block-table entry outside the pool among those
-    covering the part's keys (the parts of a schedule made for the lengths cover every key)."""
+    ``Record`` (``_check_part``, after their work and not inlined: this kernel spills at 255 registers,
+    and the checks' code inlined made the key loop's spills worse)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -174,16 +215,7 @@ def _mla_fwd(
     row_p = (i * nheads + h).to(tl.int64) * D_V  # a partial slot's rows: (token, head) contiguous
     for b in range(begin_idx, end_idx + 1):
         b64 = tl.cast(b, tl.int64)
-        seqlen_k = tl.minimum(tl.maximum(tl.load(Seqlens + b), 0), capacity)
-        k_end = seqlen_k
-        if b == end_idx:
-            k_end = tl.minimum(tl.maximum(end_seq, 0), seqlen_k)
-            # a split point (not the sequence's end) rounds down to a whole tile, as the next part's start
-            # does below: the parts of a sequence then share no key whatever the schedule's block
-            k_end = tl.where(k_end < seqlen_k, k_end // BLOCK_N * BLOCK_N, k_end)
-        lo = 0
-        if b == begin_idx:  # (whole tiles from the part's first block)
-            lo = tl.minimum(tl.maximum(begin_seq, 0), k_end) // BLOCK_N * BLOCK_N
+        seqlen_k, lo, k_end = _part_keys(Seqlens, b, begin_idx, end_idx, begin_seq, end_seq, capacity, BLOCK_N)
         causal_end = seqlen_k - seqlen_q + 1  # token i sees keys below causal_end + i
         hi = k_end
         full_hi = k_end
@@ -193,9 +225,9 @@ def _mla_fwd(
         full_hi = tl.maximum(lo + (full_hi - lo) // BLOCK_N * BLOCK_N, lo)  # whole unmasked tiles
         hi = tl.maximum(hi, full_hi)
 
+        Table_row = Table + b64 * stride_tb
         Q_b = Q + b64 * stride_qb + row_q[:, None]
         q_a, q_b, q_e = _q_tiles(Q_b, mask_r[:, None], offs_c, offs_e, D_V, D_ROPE, CHUNK_V, TWO_CHUNKS)
-        Table_row = Table + b64 * stride_tb
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc_a = tl.zeros([BLOCK_M, CHUNK_V], dtype=tl.float32)
@@ -234,17 +266,13 @@ def _mla_fwd(
                 tl.store(P_b + CHUNK_V + offs_c[None, :], acc_b, mask=mask_r[:, None])
             lse = tl.where(seen, lse, float("-inf"))
             tl.store(LseP + slot * stride_pls + h * seqlen_q + i, lse, mask=mask_r)
-        if CHECK != 0:
-            if (pid_m == 0) & (hk == 0):
-                code, j, value, bound, extra = record.entry_error(
-                    Seqlens, Seqlens, Seqlens, b, 0, capacity, num_pages, 0, 0, False, False, False
-                )
-                col_hi = tl.cdiv(k_end, PAGE_SIZE)
-                col, page = record.first_bad_page(Table_row, lo // PAGE_SIZE, col_hi, num_pages, 64)
-                code, j, value, bound, extra = record.first_error(
-                    code, j, value, bound, extra, col < col_hi, record.BLOCK_TABLE, col, page, num_pages, 0
-                )
-                record.record(Record, code, b, j, value, bound, extra, CHECK)
+    if CHECK != 0:  # (after the work, a call of its own: the key loop's registers stay as they are)
+        if (pid_m == 0) & (hk == 0):
+            _check_part(
+                Record, Seqlens, Table, stride_tb,
+                begin_idx, end_idx, begin_seq, end_seq, capacity, num_pages,
+                BLOCK_N, PAGE_SIZE, CHECK,
+            )  # fmt: skip
 
 
 LAUNCHER = Launcher(_mla_fwd)

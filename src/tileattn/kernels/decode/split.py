@@ -128,7 +128,7 @@ def _widened(x, dtype, WIDEN: tl.constexpr):
     return y
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _check_entry(
     Record, SeqlensK, LeftPad, BatchIdx, Table_row,
     b, hk, split, num_splits, nheads_k, seqlen_q,
@@ -140,7 +140,8 @@ def _check_entry(
     the first row block: each checks the values it reads (``record.entry_error``; the rotary tables must
     cover q's positions and the new keys'), and the block-table entries covering the entry's keys are
     shared out among them, ``cdiv(entries, nheads_k * num_splits)`` each. The first bad value goes into
-    the error record."""
+    the error record. Not inlined: a call after the entry's work leaves the key loop's register
+    allocation as the plain build's."""
     span = tl.maximum(new_tokens, 1)
     if ROT_PER_TOKEN:
         span = tl.maximum(new_tokens, seqlen_q)
