@@ -3,14 +3,17 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python scripts/sanitize.py
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
     (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
-    FP8 calls only, --mla for MLA decoding only)
+    FP8 calls only, --mla for MLA decoding only, --bad-values for the KV-cache calls with index values
+    out of range only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
 with every feature flag and the per-feature tile tables (causal, window, varlen), and the KV-cache
 kernels (contiguous and paged caches, split-KV and its combine, leftpad, batch_idx, the table lookahead
 and in-loop variants, paged prefill, TMA and 64-bit offset builds, which only settings select here,
-through ``configs.override``), with odd head dims and ragged tails."""
+through ``configs.override``), with odd head dims and ragged tails; and KV-cache and MLA calls whose
+index values are out of range, which the kernels check as they read them (``tileattn.errors``): every
+read must stay inside the caches and every append inside its own sequence's row or pages."""
 
 import dataclasses
 import sys
@@ -26,6 +29,65 @@ KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter r
 FLASHMASK_ONLY = "--flashmask" in sys.argv
 FP8_ONLY = "--fp8" in sys.argv
 MLA_ONLY = "--mla" in sys.argv
+BAD_VALUES_ONLY = "--bad-values" in sys.argv
+
+
+def bad_value_calls() -> None:
+    """KV-cache calls with each index value out of range (the kernels check them, the next check raises):
+    cache_seqlens negative and past the capacity, cache_leftpad past cache_seqlens, cache_batch_idx
+    negative, past the rows and repeated with an append, block-table entries negative and past the pool
+    (covering the new token and older keys), rotary tables too short; split and not; the paged varlen
+    call's table; MLA lengths and table entries."""
+    from tileattn import mla
+
+    def refused(fn, *args, **kwargs) -> None:
+        fn(*args, **kwargs)
+        try:
+            tileattn.check_errors(dev)
+        except tileattn.InvalidArgument:
+            return
+        raise AssertionError("a bad index value was not reported")
+
+    i32 = dict(dtype=torch.int32, device=dev)
+    q = torch.randn(3, 2, 8, 72, device=dev, dtype=dt)
+    new = torch.randn(3, 2, 2, 72, device=dev, dtype=dt)
+    angle = torch.rand(300, 36, device=dev)
+    cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+    rows = torch.randn(4, 157, 2, 72, device=dev, dtype=dt)
+    pool = torch.randn(3 * 10 + 1, 16, 2, 72, device=dev, dtype=dt)
+    table = torch.randperm(31, device=dev)[:30].view(3, 10).int()
+    ok = torch.tensor([0, 61, 150], **i32)
+    for splits in (1, 4):
+        for kw in (
+            dict(cache_seqlens=torch.tensor([0, -5, 150], **i32)),
+            dict(cache_seqlens=torch.tensor([0, 61, 156], **i32)),
+            dict(cache_seqlens=ok, cache_leftpad=torch.tensor([0, 90, 3], **i32)),
+            dict(cache_seqlens=ok, cache_batch_idx=torch.tensor([0, -1, 2], **i32)),
+            dict(cache_seqlens=ok, cache_batch_idx=torch.tensor([0, 4, 2], **i32)),
+            dict(cache_seqlens=ok, cache_batch_idx=torch.tensor([1, 1, 2], **i32)),
+            dict(cache_seqlens=ok, rotary_cos=cos[:100], rotary_sin=sin[:100]),
+        ):
+            rotary = {} if "rotary_cos" in kw else dict(rotary_cos=cos, rotary_sin=sin)
+            call = dict(causal=True, num_splits=splits, **rotary, **kw)
+            refused(tileattn.flash_attn_with_kvcache, q, rows, rows, new, new, **call)
+        for column, page in ((3, 31), (0, -1), (2, 2**31 - 1)):  # (the new token of sequence 1 at column 3)
+            bad = table.clone()
+            bad[1, column] = page
+            call = dict(cache_seqlens=ok, block_table=bad, num_splits=splits)
+            refused(tileattn.flash_attn_with_kvcache, q, pool, pool, new, new, **call)
+    cu = torch.tensor([0, 5, 9], **i32)
+    bad = table[:2, :1].clone()
+    bad[1, 0] = 77
+    qv = torch.randn(9, 8, 72, device=dev, dtype=dt)
+    refused(tileattn.flash_attn_varlen_func, qv, pool, pool, cu, cu, 5, 5, block_table=bad)
+    latent = torch.randn(9, 16, 1, 80, device=dev, dtype=dt)
+    lat_table = torch.arange(8, **i32).view(2, 4)
+    ql = torch.randn(2, 1, 16, 80, device=dev, dtype=dt)
+    for lens, entry in (([40, 70], None), ([-3, 20], None), ([40, 20], 99)):
+        t = lat_table.clone()
+        if entry is not None:
+            t[1, 1] = entry
+        refused(mla.flash_mla_with_kvcache, ql, latent, t, torch.tensor(lens, **i32), 64)
 
 
 def mla_calls() -> None:
@@ -125,6 +187,11 @@ def flashmask_calls() -> None:
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 
 
+if BAD_VALUES_ONLY:
+    bad_value_calls()
+    torch.cuda.synchronize()
+    print("sanitize workload done")
+    sys.exit(0)
 if MLA_ONLY:
     mla_calls()
     torch.cuda.synchronize()
@@ -249,5 +316,6 @@ with configs.override(with_decode(offs_64_always=True)):
             tileattn.flash_attn_with_kvcache(
                 q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=splits, **extra
             )
+bad_value_calls()
 torch.cuda.synchronize()
 print("sanitize workload done")
