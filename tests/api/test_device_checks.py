@@ -39,6 +39,13 @@ def _no_error_left():
         record.words[0] = 0
 
 
+def _settled(device):
+    """After a call whose kernels found a bad value: on the GPU they run behind the host, and the next call
+    raises only what they have written by then."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
 def _inputs(device, paged=False):
     """Two sequences appending one token (rotated) into a cache of capacity 12: entry 0 at position 3,
     entry 1 at 11 (the last slot)."""
@@ -105,6 +112,7 @@ def test_bad_values_raise_at_the_next_call(device, changes, paged, words, writes
     before = (args["k_cache"].clone(), args["v_cache"].clone())
     with _checks(device, False):
         tileattn.flash_attn_with_kvcache(**args)  # (returns: its kernels found the value)
+        _settled(device)
         for cache, old in zip((args["k_cache"], args["v_cache"]), before):
             assert _written(old, cache) == writes, "an entry with a bad value appended, or another's row changed"
         error = check_refused(lambda: _valid_call(args), tileattn.InvalidArgument, [*words, "earlier", "did not run"])
@@ -154,6 +162,7 @@ def test_paged_varlen_table_checked_by_the_kernel(device):
     bad = torch.tensor([[0], [7]], dtype=I32, device=device)
     with _checks(device, False):
         tileattn.flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 6, 6, block_table=bad)
+        _settled(device)
         words = ["block_table[1, 0] = 7", "[0, 4)", "flash_attn_varlen_func", "did not run"]
         check_refused(
             lambda: tileattn.flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 6, 6, block_table=good),
@@ -190,6 +199,7 @@ def test_mla_values_checked_by_the_kernel(device, lengths, table_change, words):
     before = kv.clone()
     with _checks(device, False):
         mla.flash_mla_with_kvcache(q, kv, table, seqlens, 64)
+        _settled(device)
         good = torch.tensor([5, 5], dtype=I32, device=device)
         call = lambda: mla.flash_mla_with_kvcache(q, kv, torch.arange(8, dtype=I32, device=device).view(2, 4), good, 64)  # noqa: E731
         check_refused(call, tileattn.InvalidArgument, [*words, "flash_mla_with_kvcache", "did not run"])
