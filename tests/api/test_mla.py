@@ -10,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 import oracle
+import tileattn
 from helpers import check_lse, check_refused, example, interpreter_skips, on, run_example, run_property
 from kvcache_ref import dense_view
 from tileattn import mla
@@ -244,6 +245,9 @@ def test_mla_bad_input(backend):
         (lambda: call(q, kv, table, lengths, 512, causal=1), ["causal", "bool"]),
         (lambda: call(q, kv, table, lengths, 512, softmax_scale=float("nan")), ["softmax_scale"]),
         (lambda: call(q.double(), kv.double(), table, lengths, 512), ["float16"]),
+    ]
+    # index values: refused at once on the CPU; on the GPU the kernel finds them, the next check raises
+    bad_values = [
         (lambda: call(q, kv, table, torch.tensor([100, 200], dtype=i32, device=device), 512), ["exceeds", "capacity"]),
         (lambda: call(q, kv, table, torch.tensor([-1, 20], dtype=i32, device=device), 512), [">= 0"]),
         (lambda: call(q, kv, table + kv.shape[0], lengths, 512), ["block_table", "not a page"]),
@@ -251,6 +255,12 @@ def test_mla_bad_input(backend):
     with ctx:
         for fn, words in bad:
             check_refused(fn, mla.InvalidArgument, words)
+        for fn, words in bad_values:
+            if backend == "cuda":
+                fn()
+                check_refused(lambda: tileattn.check_errors(device), mla.InvalidArgument, words)
+            else:
+                check_refused(fn, mla.InvalidArgument, words)
         check_refused(lambda: mla.get_mla_metadata(lengths, 0, 1), mla.InvalidArgument, ["num_q_tokens_per_head_k"])
         check_refused(lambda: mla.get_mla_metadata(lengths.long(), 16, 1), mla.InvalidArgument, ["int32"])
     assert torch.equal(kv, before)
