@@ -4,7 +4,7 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
     (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
     FP8 calls only, --mla for MLA decoding only, --bad-values for the KV-cache calls with index values
-    out of range only)
+    out of range only, --gluon for the Gluon forward's builds only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -30,6 +30,7 @@ FLASHMASK_ONLY = "--flashmask" in sys.argv
 FP8_ONLY = "--fp8" in sys.argv
 MLA_ONLY = "--mla" in sys.argv
 BAD_VALUES_ONLY = "--bad-values" in sys.argv
+GLUON_ONLY = "--gluon" in sys.argv
 
 
 def bad_value_calls() -> None:
@@ -160,6 +161,30 @@ def fp8_calls() -> None:
             )  # fmt: skip
 
 
+def gluon_calls() -> None:
+    """The Gluon forward (sm90, Triton 3.6; nothing to run elsewhere) on ragged tails: key and query
+    lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work items with no
+    key tile), GQA, both grids (one program per tile; persistent with a few programs each walking many
+    items, so the barriers' phases wrap), head dims 128 and 256, and a backward behind it."""
+    from tileattn.kernels import gluon
+    from tileattn.params import AttnParams
+
+    if torch.cuda.get_device_capability()[0] != 9 or not gluon.available():
+        return
+    from tileattn.kernels.gluon import forward as hopper
+
+    for d, block_n in ((128, 128), (256, 64)):
+        for sq, sk, causal in ((300, 300, True), (113, 1025, True), (1025, 113, True), (200, 333, False)):
+            q = torch.randn(2, sq, 4, d, device=dev, dtype=dt)
+            k, v = (torch.randn(2, sk, 2, d, device=dev, dtype=dt) for _ in range(2))
+            p = AttnParams(2, sq, sk, d, d**-0.5, window_right=0 if causal else -1)
+            for programs in (hopper.ONE_PER_TILE, 3):
+                hopper.attn_fwd(q, k, v, p, block_n=block_n, stages=2 if d == 256 else 3, programs=programs)
+        q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
 def flashmask_calls() -> None:
     """FlashMask: builders and random per-head bounds on odd shapes (ragged tiles, GQA, seqlen_q != seqlen_k,
     head dims 59 / 111 / 256, dropout, the deterministic backward, a packed batch with empty sequences)."""
@@ -187,6 +212,11 @@ def flashmask_calls() -> None:
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 
 
+if GLUON_ONLY:
+    gluon_calls()
+    torch.cuda.synchronize()
+    print("sanitize workload done")
+    sys.exit(0)
 if BAD_VALUES_ONLY:
     bad_value_calls()
     torch.cuda.synchronize()
@@ -208,6 +238,7 @@ if FLASHMASK_ONLY:
     print("sanitize workload done")
     sys.exit(0)
 if not KVCACHE_ONLY:
+    gluon_calls()
     flashmask_calls()
     fp8_calls()
     mla_calls()
