@@ -3,10 +3,10 @@
 ``flash_attn_with_kvcache``, the paged ``flash_attn_varlen_func`` and ``flash_mla_with_kvcache`` read
 index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block tables) whose values a CUDA call
 cannot see without a device sync. By default their kernels check those values where they load them:
-the first value out of range a kernel finds goes into its device's *error record*, eight int64 words in
-pinned host memory (``params.RECORD_WORDS``), which the kernels write directly (zero-copy, a system-scope
-compare-and-swap on the code word, the code written last) and the host reads as plain memory, without
-a sync. Every call that could record one first looks at its device's record: an error found in an
+the first value out of range a kernel finds goes into its device's *error record*, eight int64 words
+(``params.RECORD_WORDS``; a compare-and-swap on the code word claims it, the code is written last) on
+the device, which each checked call copies into pinned host memory behind its kernels (an asynchronous
+copy), where the host reads it as plain memory, without a sync. Every call that could record one first looks at its device's record: an error found in an
 earlier call is cleared and raised, as ``InvalidArgument`` with the words of the host-side check
 (``checks.index_message``), before the call does anything. ``check_errors`` synchronises the device
 and raises a pending error: call it where you want errors surfaced (after a generation step).
@@ -32,10 +32,13 @@ _CALLS = {
 }
 
 
-# Whether CUDA kernels write the record in pinned host memory directly (zero-copy). Off (set before a
-# device's first checked call), or where the driver does not map pinned memory for the device, they
-# write a device tensor, copied into pinned memory after each call (``mirror``): a copy's host time more.
-ZERO_COPY = True
+# Whether CUDA kernels write the record in pinned host memory directly (zero-copy) instead of a device
+# tensor copied into pinned memory after each call (``mirror``). Off by default: the claim is a
+# system-scope atomic, which on host memory needs PCIe atomics (the H200 host has them, but
+# compute-sanitizer refuses such an atomic, and hosts without them would fault); the copy measured no
+# slower (docs/perf.md). Set before a device's first checked call; it also needs the driver to map pinned
+# memory for the device.
+ZERO_COPY = False
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
