@@ -26,11 +26,6 @@ from tileattn.kernels import configs
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
 KVCACHE_ONLY = "--kvcache" in sys.argv  # the KV-cache kernels only (a shorter run)
-FLASHMASK_ONLY = "--flashmask" in sys.argv
-FP8_ONLY = "--fp8" in sys.argv
-MLA_ONLY = "--mla" in sys.argv
-BAD_VALUES_ONLY = "--bad-values" in sys.argv
-GLUON_ONLY = "--gluon" in sys.argv
 
 
 def bad_value_calls() -> None:
@@ -212,31 +207,19 @@ def flashmask_calls() -> None:
     torch.autograd.grad(out, (q, k), torch.randn_like(out))
 
 
-if GLUON_ONLY:
-    gluon_calls()
-    torch.cuda.synchronize()
-    print("sanitize workload done")
-    sys.exit(0)
-if BAD_VALUES_ONLY:
-    bad_value_calls()
-    torch.cuda.synchronize()
-    print("sanitize workload done")
-    sys.exit(0)
-if MLA_ONLY:
-    mla_calls()
-    torch.cuda.synchronize()
-    print("sanitize workload done")
-    sys.exit(0)
-if FP8_ONLY:
-    fp8_calls()
-    torch.cuda.synchronize()
-    print("sanitize workload done")
-    sys.exit(0)
-if FLASHMASK_ONLY:
-    flashmask_calls()
-    torch.cuda.synchronize()
-    print("sanitize workload done")
-    sys.exit(0)
+ALONE = {  # flags that run one workload alone
+    "--gluon": gluon_calls,
+    "--bad-values": bad_value_calls,
+    "--mla": mla_calls,
+    "--fp8": fp8_calls,
+    "--flashmask": flashmask_calls,
+}
+for flag, calls in ALONE.items():
+    if flag in sys.argv:
+        calls()
+        torch.cuda.synchronize()
+        print("sanitize workload done")
+        sys.exit(0)
 if not KVCACHE_ONLY:
     gluon_calls()
     flashmask_calls()
