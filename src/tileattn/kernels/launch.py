@@ -9,8 +9,9 @@ parameters on the development machine, more than the kernel itself runs at small
 The launch key holds everything the build depends on: each tensor argument's dtype and whether its
 address is 16-byte aligned (the only tensor properties Triton specialises on), each int argument's
 value (Triton specialises ints on their value: 1, multiples of 16, 64-bit range), bools as bools, the
-type of each float argument (floats are not specialised), the constexpr values, the launch options and
-the current CUDA device (builds are loaded per device). It is a superset of Triton's specialisation
+type of each float argument (floats are not specialised), each host-side TMA descriptor's dtype, block
+shape, shared layout and padding (a Gluon kernel's, ``kernels.gluon``: what Triton specialises it on),
+the constexpr values, the launch options and the current CUDA device (builds are loaded per device). It is a superset of Triton's specialisation
 key, so a hit launches the build Triton would have chosen. Parameters marked ``do_not_specialize``
 enter the key by type (ints by their range: 32-bit, 64-bit signed or unsigned).
 
@@ -47,6 +48,12 @@ if interpreting():  # loop bounds under older interpreters with numpy 2.4 (kerne
 VERIFY = os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1"
 _MAX_PLANS = 4096  # builds remembered per kernel; beyond that the oldest go
 _INT32 = range(-(2**31), 2**31)
+
+
+def _descriptor_key(d) -> tuple:
+    """What Triton specialises a host-side TMA descriptor on (Gluon's or ``triton.tools``'): its dtype, block
+    shape, shared layout and padding; its shape and strides are launch arguments."""
+    return (type(d), d.base.dtype, tuple(d.block_shape), getattr(d, "layout", None), d.padding)
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -88,7 +95,8 @@ def _hooks_set(fn) -> bool:
 class Launcher:
     """``Launcher(kernel)(grid, args, constexprs, **options)`` launches ``kernel[grid](*args, **constexprs,
     **options)``, where ``args`` are the leading parameters in order and ``constexprs`` name all the
-    others (a kernel with constexpr defaults left out is launched through ``JITFunction.run`` every time)."""
+    others (a kernel with constexpr defaults left out is launched through ``JITFunction.run`` every time,
+    which ``TILEATTN_VERIFY_LAUNCH=1`` refuses)."""
 
     def __init__(self, fn: JITFunction):
         self.fn = fn
@@ -98,7 +106,8 @@ class Launcher:
 
     def _key(self, args: tuple, constexprs: dict, options: dict) -> tuple:
         tensor = torch.Tensor
-        # ints by value, bools tagged (True == 1 as dict keys), floats by type, None as it is
+        # ints by value, bools tagged (True == 1 as dict keys), floats by type, None as it is, Gluon's
+        # TMA descriptors as Triton specialises them (dtype, block shape, shared layout, padding)
         key = [
             (a.dtype, a.data_ptr() % 16 == 0)
             if isinstance(a, tensor)
@@ -106,6 +115,8 @@ class Launcher:
             if type(a) is float
             else (bool, a)
             if type(a) is bool
+            else _descriptor_key(a)
+            if hasattr(a, "block_shape")
             else a
             for a in args
         ]
@@ -123,7 +134,8 @@ class Launcher:
         """Launches like ``__call__``; returns the build it launched bound to this grid, constexprs and
         options (None when the launch went through ``JITFunction.run``)."""
         ensure_scratch_allocator()  # (a build may need scratch on either path)
-        if plain_run_needed(self.fn) or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+        first = getattr(args[0], "base", args[0]) if args else None  # (a TMA descriptor's tensor)
+        if plain_run_needed(self.fn) or not (isinstance(first, torch.Tensor) and first.is_cuda):
             self.fn[grid](*args, **constexprs, **options)
             return None
         grid = (*grid, 1, 1)[:3]
@@ -133,6 +145,10 @@ class Launcher:
             kernel = self.fn[grid](*args, **constexprs, **options)
             names = self.fn.arg_names[len(args) :]
             if kernel is None or set(names) != set(constexprs):  # not every parameter named: no plan
+                if VERIFY and kernel is not None:  # (each later launch would pay JITFunction.run's host time)
+                    raise AssertionError(
+                        f"{self.fn.__name__}: parameters {sorted(set(names) - set(constexprs))} not named"
+                    )
                 return None
             plan = remember(self.plans, key, (kernel, tuple(constexprs[name] for name in names)), _MAX_PLANS)
         else:

@@ -20,7 +20,7 @@ def _combine(
     n_rows, nheads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr = False,
+    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
     HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).

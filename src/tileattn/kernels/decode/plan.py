@@ -289,6 +289,7 @@ def plan_launches(
             "SPLITS_PAD": max(2, next_power_of_2(num_splits)),
             "CHUNK": chunk,
             "USE_PDL": pdl,
+            "VAR_SPLITS": False,
         },
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),

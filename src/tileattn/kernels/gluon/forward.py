@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, cdiv
 
 LOG2E = 1.4426950408889634
@@ -315,10 +316,15 @@ def attn_fwd(
     v_desc = TensorDescriptor.from_tensor(_rows(v4), [block_n, headdim], kv_layout)
     items = cdiv(seqlen_q, 2 * WG_ROWS) * nheads * batch
     grid = (min(items, programs or _sm_count(q4.device)),)
-    _fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-        nheads, nheads // nheads_k, batch, seqlen_q, seqlen_k, p.softmax_scale * LOG2E,
-        STAGES=stages, CAUSAL=p.window_right == 0, num_warps=4, maxnreg=168,
+    LAUNCHER(
+        grid,
+        (q_desc, k_desc, v_desc, out, lse,
+         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
+         nheads, nheads // nheads_k, batch, seqlen_q, seqlen_k, p.softmax_scale * LOG2E),
+        dict(STAGES=stages, CAUSAL=p.window_right == 0),
+        num_warps=4, maxnreg=168,
     )  # fmt: skip
     return out, lse
+
+
+LAUNCHER = Launcher(_fwd_kernel)  # (kernels.launch: the build chosen once per launch key)
