@@ -51,6 +51,38 @@ def test_launch_key_covers_what_triton_specialises():
                 assert key(a, seed=u) != key(a, seed=w), (u, w)
 
 
+def test_launch_key_covers_what_triton_specialises_of_a_tma_descriptor():
+    """Gluon's host-side TMA descriptors (with the Triton the Gluon kernels are written for) enter the key
+    as Triton specialises them: by dtype, block shape and shared layout, not by their tensor's shape,
+    strides or address."""
+    import pytest
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from tileattn.kernels import gluon as kernels_gluon
+    from tileattn.kernels.launch import _descriptor_key
+
+    if not kernels_gluon.available():
+        pytest.skip("the Gluon kernels' Triton only")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia import hopper as gluon
+
+    def desc(rows, cols, block, dtype=torch.bfloat16):
+        t = torch.zeros(rows, cols, dtype=dtype)
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+        return gluon.TensorDescriptor.from_tensor(t, block, layout)
+
+    variants = [desc(256, 2048, [64, 128]), desc(250, 2056, [64, 128]), desc(256, 2048, [128, 128]),
+                desc(256, 2048, [64, 64]), desc(256, 2048, [64, 128], torch.float16)]  # fmt: skip
+    for u in variants:
+        hash(_descriptor_key(u))
+        for w in variants:
+            same_spec = native_specialize_impl(BaseBackend, u, False, True, True) == native_specialize_impl(
+                BaseBackend, w, False, True, True
+            )
+            assert (_descriptor_key(u) == _descriptor_key(w)) == same_spec
+
+
 def test_launches_take_the_direct_path_by_default(monkeypatch):
     """Outside the interpreter and without Triton hooks, debug or instrumentation, launches skip
     JITFunction.run (Triton 3.6's launch hooks are empty HookChains by default, not None)."""

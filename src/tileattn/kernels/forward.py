@@ -247,11 +247,14 @@ def attn_fwd(
         if gluon.available():
             from tileattn.kernels.gluon import forward as hopper
 
-            if hopper.eligible(q, k, v, p):
+            rows = hopper.eligible_rows(q, k, v, p)
+            if rows is not None:
                 short = p.seqlen_k < s.gluon_short_seqlen_k and q.shape[-1] in s.fwd_gluon_short
                 cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[q.shape[-1]]
                 programs = None if short else hopper.ONE_PER_TILE
-                return hopper.attn_fwd(q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs)
+                return hopper.attn_fwd(
+                    q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs, rows=rows
+                )
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]

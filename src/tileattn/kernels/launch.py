@@ -128,11 +128,20 @@ class Launcher:
         return (device, tuple(key), tuple(constexprs.items()), tuple(options.items()))
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
-        self.bind(grid, args, constexprs, **options)
+        self._launch(grid, args, constexprs, options)
 
     def bind(self, grid: tuple, args: tuple, constexprs: dict, **options) -> Bound | None:
         """Launches like ``__call__``; returns the build it launched bound to this grid, constexprs and
         options (None when the launch went through ``JITFunction.run``)."""
+        launched = self._launch(grid, args, constexprs, options)
+        if launched is None:
+            return None
+        grid, key, plan = launched
+        return Bound(self, grid, key, plan[0], plan[1], constexprs, options)
+
+    def _launch(self, grid: tuple, args: tuple, constexprs: dict, options: dict) -> tuple | None:
+        """The launch: (grid, key, plan) of the build it launched, or None when it went through
+        ``JITFunction.run``."""
         ensure_scratch_allocator()  # (a build may need scratch on either path)
         first = getattr(args[0], "base", args[0]) if args else None  # (a TMA descriptor's tensor)
         if plain_run_needed(self.fn) or not (isinstance(first, torch.Tensor) and first.is_cuda):
@@ -155,7 +164,7 @@ class Launcher:
             if VERIFY:
                 self.verify(plan[0], grid, args, constexprs, options)
             plan[0][grid](*args, *plan[1])
-        return Bound(self, grid, key, plan[0], plan[1], constexprs, options)
+        return grid, key, plan
 
     def verify(self, kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
         chosen = self.fn.run(*args, grid=grid, warmup=True, **constexprs, **options)

@@ -287,33 +287,43 @@ def _rows(t4: torch.Tensor) -> torch.Tensor | None:
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
     """Whether the Gluon forward computes this call: sm90, plain dense attention (causal or not; no
     dropout, window, ALiBi, softcap, FlashMask, FP8), bf16/fp16, head dim 64, 128 or 256, TMA-readable rows."""
+    return eligible_rows(q4, k4, v4, p) is not None
+
+
+def eligible_rows(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
     if not (q4.is_cuda and _sm90(q4.device.index)):
-        return False
+        return None
     if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
-        return False
+        return None
     if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0):
-        return False
+        return None
     if q4.dtype not in (torch.bfloat16, torch.float16) or q4.shape[-1] not in HEAD_DIMS:
-        return False
-    return all(_rows(t) is not None for t in (q4, k4, v4))
+        return None
+    rows = (_rows(q4), _rows(k4), _rows(v4))
+    return None if None in rows else rows
 
 
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_n: int = 128, stages: int = 2,
-    programs: int | None = None,
+    programs: int | None = None, rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q, lse fp32 ``(batch, nheads, seqlen_q)``. ``programs``:
     the grid (default: one program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per
-    work item, each starting where a non-persistent launch would put it)."""
+    work item, each starting where a non-persistent launch would put it). ``rows``: what ``eligible_rows``
+    returned for these tensors (made here if None)."""
     batch, seqlen_q, nheads, headdim = q4.shape
     seqlen_k, nheads_k = k4.shape[1], k4.shape[2]
     out = torch.empty_like(q4, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, nheads, seqlen_q), device=q4.device, dtype=torch.float32)
     q_layout = _tile_layout(WG_ROWS, headdim, q4.dtype)
     kv_layout = _tile_layout(block_n, headdim, q4.dtype)
-    q_desc = TensorDescriptor.from_tensor(_rows(q4), [WG_ROWS, headdim], q_layout)
-    k_desc = TensorDescriptor.from_tensor(_rows(k4), [block_n, headdim], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(_rows(v4), [block_n, headdim], kv_layout)
+    q2, k2, v2 = rows if rows is not None else (_rows(q4), _rows(k4), _rows(v4))
+    q_desc = TensorDescriptor.from_tensor(q2, [WG_ROWS, headdim], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [block_n, headdim], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [block_n, headdim], kv_layout)
     items = cdiv(seqlen_q, 2 * WG_ROWS) * nheads * batch
     grid = (min(items, programs or _sm_count(q4.device)),)
     LAUNCHER(
