@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tileattn.kernels import common, flashmask
 from tileattn.kernels.configs import bwd_dkdv_config, bwd_dq_config
+from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, Settings, cdiv
 
 
@@ -421,6 +422,10 @@ def _attn_bwd_dq(
     tl.store(DQ_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
 
 
+# (kernels.launch: each kernel's build chosen once per launch key)
+PREPROCESS, DKDV, DQ = Launcher(_bwd_preprocess), Launcher(_attn_bwd_dkdv), Launcher(_attn_bwd_dq)
+
+
 def attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -440,18 +445,8 @@ def attn_bwd(
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     nheads_k = k4.shape[2]
-
-    delta = torch.empty_like(lse)
+    delta = _delta(o4, do4, lse, p, s)
     rows = q4.shape[1]
-    block_pre = 16 if s.interpret else 64
-    _bwd_preprocess[(cdiv(rows, block_pre), nheads, q4.shape[0])](
-        o4, do4, delta,
-        *o4.stride()[:3],
-        *do4.stride()[:3],
-        *p.lse_strides(delta),
-        rows,
-        HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=block_pre,
-    )  # fmt: skip
 
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
     # the arguments after the pointers and strides, as both kernels take them
@@ -489,23 +484,28 @@ def attn_bwd(
     else:
         grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
     tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_k, batch, cfg.block_n, s.varlen_scan_batch)
-    _attn_bwd_dkdv[grid](
-        q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
-        dq_acc if dq_acc is not None else dk4,
-        *flashmask.launch_args(p, cfg.block_m, cfg.block_n, True, grid[0] * grid[2], lse),
-        *p.strides(q4),
-        *p.strides(k4),
-        *p.strides(v4),
-        *p.strides(do4),
-        *p.strides(dk4),
-        *p.strides(dv4),
-        *(p.strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
-        *p.lse_strides(lse),
-        p.alibi_batch_stride(),
-        *sizes_and_scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic, BATCH_PAD=batch_pad,
-        **flags,
+    DKDV(
+        grid,
+        (
+            q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+            dq_acc if dq_acc is not None else dk4,
+            *flashmask.launch_args(p, cfg.block_m, cfg.block_n, True, grid[0] * grid[2], lse),
+            *p.strides(q4),
+            *p.strides(k4),
+            *p.strides(v4),
+            *p.strides(do4),
+            *p.strides(dk4),
+            *p.strides(dv4),
+            *(p.strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
+            *p.lse_strides(lse),
+            p.alibi_batch_stride(),
+            *sizes_and_scalars,
+        ),
+        dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic, BATCH_PAD=batch_pad,
+            **flags,
+        ),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     if dq_acc is not None:
@@ -518,23 +518,41 @@ def attn_bwd(
     else:
         grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
     tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
-    _attn_bwd_dq[grid](
-        q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
-        *flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse),
-        *p.strides(q4),
-        *p.strides(k4),
-        *p.strides(v4),
-        *p.strides(do4),
-        *p.strides(dq4),
-        *p.lse_strides(lse),
-        p.alibi_batch_stride(),
-        *sizes_and_scalars,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        USE_TMA=common.use_tma(cfg, k4, v4), BATCH_PAD=batch_pad,
-        **flags,
+    DQ(
+        grid,
+        (
+            q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+            *flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse),
+            *p.strides(q4),
+            *p.strides(k4),
+            *p.strides(v4),
+            *p.strides(do4),
+            *p.strides(dq4),
+            *p.lse_strides(lse),
+            p.alibi_batch_stride(),
+            *sizes_and_scalars,
+        ),
+        dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            USE_TMA=common.use_tma(cfg, k4, v4), BATCH_PAD=batch_pad,
+            **flags,
+        ),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, p: AttnParams, s: Settings) -> torch.Tensor:
+    """Δ = rowsum(dO ∘ O) in fp32, shaped and strided as ``lse`` (``_bwd_preprocess``)."""
+    delta = torch.empty_like(lse)
+    rows = o4.shape[1]
+    block_pre = 16 if s.interpret else 64
+    PREPROCESS(
+        (cdiv(rows, block_pre), o4.shape[2], o4.shape[0]),
+        (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], *p.lse_strides(delta), rows),
+        dict(HEAD_DIM=o4.shape[3], BLOCK_D=p.block_d, BLOCK_M=block_pre),
+    )
+    return delta
 
 
 def _dense_as_packed(
