@@ -109,7 +109,9 @@ class Launcher:
         # ints by value, bools tagged (True == 1 as dict keys), floats by type, None as it is, Gluon's
         # TMA descriptors as Triton specialises them (dtype, block shape, shared layout, padding)
         key = [
-            (a.dtype, a.data_ptr() % 16 == 0)
+            a  # (ints first: most arguments are, and their value is their key)
+            if type(a) is int
+            else (a.dtype, a.data_ptr() % 16 == 0)
             if isinstance(a, tensor)
             else float
             if type(a) is float
