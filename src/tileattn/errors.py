@@ -6,10 +6,11 @@ cannot see without a device sync. By default their kernels check those values wh
 the first value out of range a kernel finds goes into its device's *error record*, eight int64 words
 (``params.RECORD_WORDS``; a compare-and-swap on the code word claims it, the code is written last) on
 the device, which each checked call copies into pinned host memory behind its kernels (an asynchronous
-copy), where the host reads it as plain memory, without a sync. Every call that could record one first looks at its device's record: an error found in an
-earlier call is cleared and raised, as ``InvalidArgument`` with the words of the host-side check
-(``checks.index_message``), before the call does anything. ``check_errors`` synchronises the device
-and raises a pending error: call it where you want errors surfaced (after a generation step).
+copy), where the host reads it as plain memory, without a sync. Every call that could record one first
+looks at its device's record: an error found in an earlier call is cleared and raised, as
+``InvalidArgument`` with the words of the host-side check (``checks.index_message``), before the call
+does anything. ``check_errors`` synchronises the device and raises a pending error: call it where you
+want errors surfaced (after a generation step).
 
 ``Settings.sync_checks`` (``TILEATTN_SYNC_CHECKS=1``) checks the values on the host before every call
 instead, as CPU tensors always are (a read costs them no sync); ``sync_checks=False`` defers CPU

@@ -222,8 +222,9 @@ def test_valid_calls_whose_kernels_check(device, case, layout, num_splits):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the record's copy mode is for CUDA devices")
 def test_record_copied_from_the_device(monkeypatch):
-    """With errors.ZERO_COPY off (the default; also where the driver does not map pinned memory), the record lives on the device
-    and each checked call queues its copy into pinned memory: errors are raised the same way."""
+    """With errors.ZERO_COPY off (the default; also where the driver does not map pinned memory), the
+    record lives on the device and each checked call queues its copy into pinned memory: errors are
+    raised the same way."""
     device = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setattr(errors, "ZERO_COPY", False)
     monkeypatch.setitem(errors._RECORDS, device, errors._Record(device))

@@ -11,9 +11,10 @@ address is 16-byte aligned (the only tensor properties Triton specialises on), e
 value (Triton specialises ints on their value: 1, multiples of 16, 64-bit range), bools as bools, the
 type of each float argument (floats are not specialised), each host-side TMA descriptor's dtype, block
 shape, shared layout and padding (a Gluon kernel's, ``kernels.gluon``: what Triton specialises it on),
-the constexpr values, the launch options and the current CUDA device (builds are loaded per device). It is a superset of Triton's specialisation
-key, so a hit launches the build Triton would have chosen. Parameters marked ``do_not_specialize``
-enter the key by type (ints by their range: 32-bit, 64-bit signed or unsigned).
+the constexpr values, the launch options and the current CUDA device (builds are loaded per device). It
+is a superset of Triton's specialisation key, so a hit launches the build Triton would have chosen.
+Parameters marked ``do_not_specialize`` enter the key by type (ints by their range: 32-bit, 64-bit
+signed or unsigned).
 
 A hit skips what ``JITFunction.run`` does besides choosing the build: its pre-run hooks and
 instrumentation mode (``Launcher`` falls back to ``JITFunction.run`` while either is set, and under the
