@@ -1,6 +1,7 @@
 """kernels/launch.py: the launch key against Triton's own specialisation, the direct launch path that
 skips JITFunction.run, and the scratch allocator a bound launch installs in each context."""
 
+import pytest
 import torch
 
 F16 = torch.float16
@@ -149,3 +150,36 @@ def test_bound_launches_install_the_scratch_allocator_in_each_context():
     thread.start()
     thread.join()
     assert Recorder.calls == [True, False, False]
+
+
+def test_planned_launches_pass_the_launcher_what_its_python_wrapper_would(monkeypatch):
+    """A planned launch calls the build's launcher without CompiledKernel's runner: on Triton 3.6 its C entry
+    point, with the arguments the launcher's Python wrapper passes it (no launch metadata, no hooks), and the
+    wrapper itself where the build needs scratch memory or the C signature is not known."""
+    from types import SimpleNamespace
+
+    import triton
+
+    from tileattn.kernels import launch
+
+    nvidia = pytest.importorskip("triton.backends.nvidia.driver")
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 0)
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=active))  # (no CUDA driver here)
+    calls = []
+    for scratch in (0, 64):
+        run = object.__new__(nvidia.CudaLauncher)  # (attributes set by hand: no CUDA on the test machine)
+        attrs = dict(launch_cooperative_grid=False, launch_pdl=True, global_scratch_size=scratch)
+        attrs.update(profile_scratch_size=0, global_scratch_align=128, num_ctas=1, profile_scratch_align=1)
+        for name, value in attrs.items():
+            setattr(run, name, value)
+        run.launch = lambda *a: calls.append(a)
+        kernel = SimpleNamespace(run=run, function=7, packed_metadata=("meta",))
+        fn, head, _ = launch._direct(kernel)
+        args = (torch.empty(1), 3, 1.5)
+        if triton.__version__.startswith(launch._C_LAUNCH_VERSIONS) and not scratch:
+            assert fn is run.launch
+            fn(2, 1, 1, 0, *head, *args)
+            run(2, 1, 1, 0, 7, ("meta",), None, None, None, *args)
+            assert calls[-2] == calls[-1]
+        else:
+            assert fn is run and head == (7, ("meta",), None, None, None)

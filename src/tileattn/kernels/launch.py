@@ -3,8 +3,10 @@
 ``JITFunction.run`` binds and specialises every argument on every launch (a generated binder), derives
 the compile-cache key and looks the build up: about 20 µs of host time for the decode kernel's 56
 parameters on the development machine, more than the kernel itself runs at small decode sizes.
-``Launcher`` does that once per *launch key* and then launches the build it got directly
-(``CompiledKernel[grid](*args)``, Triton's own launch entry point for a compiled build).
+``Launcher`` does that once per *launch key* and then launches the build it got directly: through the
+build's launcher (the C entry point on Triton 3.6 for builds without scratch memory), without the
+launch-metadata object and hook arguments ``CompiledKernel[grid](*args)`` makes on every call (no hook
+is set on that path).
 
 The launch key holds everything the build depends on: each tensor argument's dtype and whether its
 address is 16-byte aligned (the only tensor properties Triton specialises on), each int argument's
@@ -25,8 +27,7 @@ checked against the build ``JITFunction.run`` selects.
 
 ``Launcher.bind`` also returns the build it launched as a ``Bound``: callers that know their next
 launches have the same key (``kernels.decode`` plans its launches once per call signature) launch it
-again without computing the key, and without Triton's launch-metadata and hook calls while no hook is
-set.
+again without computing the key.
 """
 
 from __future__ import annotations
@@ -162,11 +163,17 @@ class Launcher:
                         f"{self.fn.__name__}: parameters {sorted(set(names) - set(constexprs))} not named"
                     )
                 return None
-            plan = remember(self.plans, key, (kernel, tuple(constexprs[name] for name in names)), _MAX_PLANS)
+            tail = tuple(constexprs[name] for name in names)
+            plan = remember(self.plans, key, (kernel, tail, _direct(kernel)), _MAX_PLANS)
         else:
+            kernel, tail, direct = plan
             if VERIFY:
-                self.verify(plan[0], grid, args, constexprs, options)
-            plan[0][grid](*args, *plan[1])
+                self.verify(kernel, grid, args, constexprs, options)
+            if direct is None:
+                kernel[grid](*args, *tail)
+            else:  # (no hook is set: plain_run_needed above)
+                launch, head, (device, stream) = direct
+                launch(*grid, stream(device()), *head, *args, *tail)
         return grid, key, plan
 
     def verify(self, kernel, grid: tuple, args: tuple, constexprs: dict, options: dict) -> None:
@@ -179,6 +186,29 @@ class Launcher:
 # C ``launch(grid x, y, z, stream, function, cooperative, pdl, global scratch, profile scratch,
 # packed metadata, launch metadata, enter hook, exit hook, *args)``, read from Triton 3.6's driver.
 _C_LAUNCH_VERSIONS = ("3.6.",)
+
+
+def _direct(kernel) -> tuple | None:
+    """How to launch ``kernel`` (a ``CompiledKernel`` whose handles are loaded) without its runner's
+    launch-metadata and hook calls, for use while no hook is set: ``(launch, head, (device, stream))``, called
+    as ``launch(x, y, z, stream(device()), *head, *args)``. ``launch`` is the launcher's C entry point where
+    that is known (Triton 3.6, builds without scratch memory), else its Python wrapper (which allocates the
+    scratch); None for kernels that are not such a build."""
+    if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+        return None
+    active = driver.active
+    stream = (active.get_current_device, active.get_current_stream)
+    run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+    c_entry = all(
+        hasattr(run, name)
+        for name in ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid")
+    )
+    if c_entry and triton.__version__.startswith(_C_LAUNCH_VERSIONS) and hasattr(run, "launch_pdl"):
+        if not run.global_scratch_size and not run.profile_scratch_size:
+            head = (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
+            return run.launch, head, stream
+    # what CompiledKernel's runner passes, with no launch metadata and no hooks (none is set)
+    return run, (function, metadata, None, None, None), stream
 
 
 class Bound:
@@ -209,24 +239,9 @@ class Bound:
     def __init__(self, launcher: Launcher, grid: tuple, key: tuple, kernel, tail: tuple, constexprs, options):
         self.launcher, self.grid, self.key, self.kernel, self.tail = launcher, grid, key, kernel, tail
         self.constexprs, self.options = constexprs, options
-        self._launch = None
         self._scratch = bool(getattr(getattr(kernel, "metadata", None), "global_scratch_size", 0))
-        if not all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
-            return
-        active = driver.active
-        self._stream = (active.get_current_device, active.get_current_stream)
-        run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
-        # what CompiledKernel's runner passes, with no launch metadata and no hooks (none is set)
-        self._launch, self._head = run, (function, metadata, None, None, None)
-        c_entry = all(
-            hasattr(run, name)
-            for name in ("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid")
-        )
-        if c_entry and triton.__version__.startswith(_C_LAUNCH_VERSIONS) and hasattr(run, "launch_pdl"):
-            if not run.global_scratch_size and not run.profile_scratch_size:
-                pdl = run.launch_pdl
-                self._launch = run.launch
-                self._head = (function, run.launch_cooperative_grid, pdl, None, None, metadata, None, None, None)
+        direct = _direct(kernel)
+        self._launch, self._head, self._stream = direct if direct is not None else (None, None, None)
 
     def __call__(self, args: tuple) -> None:
         if self._scratch:  # (this thread or task may not have launched the build before)
