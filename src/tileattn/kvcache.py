@@ -150,6 +150,13 @@ def flash_attn_with_kvcache(
         )
         if key is not None:
             remember(calls, key, call, _MAX_CALLS)
+    elif direct:  # an eager call of a known signature: the launches of the last such call, where they apply
+        replayed = ops.replay_kvcache(
+            call.plans, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+            alibi_slopes, *call.descales(k_descale, v_descale),
+        )  # fmt: skip
+        if replayed is not None:
+            return replayed if return_softmax_lse else replayed[0]
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens_value = None
         seqlens = cache_seqlens.contiguous()
@@ -183,7 +190,13 @@ def flash_attn_with_kvcache(
         *call.descales(k_descale, v_descale),
     )
     if direct:
-        out, lse = ops.fwd_kvcache_impl(*args, plans=call.plans, seqlens_value=seqlens_value)
+        given = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
+        as_given = all(a is b for a, b in zip(args, given + (block_table, alibi_slopes))) and all(
+            d is None or d.is_contiguous() for d in (k_descale, v_descale)
+        )  # (the replayed launches take the arguments as they come: none may need a copy)
+        out, lse = ops.fwd_kvcache_impl(
+            *args, plans=call.plans, seqlens_value=seqlens_value, replay=key is not None and as_given
+        )
         if k is not None:  # what the op's dispatcher does for its mutated arguments
             torch.autograd.graph.increment_version((k_cache, v_cache))
     else:

@@ -332,6 +332,11 @@ CALL_PAGED_VARLEN = 2  # flash_attn_varlen_func with block_table
 CALL_MLA = 3  # flash_mla_with_kvcache
 
 
+# The key under which a call signature's plan table (``CacheLayout.plans``) holds ``(settings, step)``: the
+# step (``kernels.decode.plan.Step``) of a call the eager API may replay (``CacheLayout.replay``)
+REPLAY = "replay"
+
+
 @dataclass
 class CacheLayout:
     """Where each sequence's keys live in a KV cache, validated by the API.
@@ -363,3 +368,7 @@ class CacheLayout:
     v_descale: torch.Tensor | None = None
     record: torch.Tensor | None = None
     call: int = 0
+    # the eager API may replay this call's planned step for later calls with the same metadata, without
+    # its checks (``kernels.decode.plan.REPLAY``): no append, no rotary, a tensor cache_seqlens, the
+    # arguments used as given, the values checked in the kernels (``record``)
+    replay: bool = False

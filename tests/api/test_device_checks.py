@@ -17,6 +17,8 @@ from helpers import check_refused
 from kvcache_cases import F16, _check_case, _kernel_device
 from tileattn import errors, mla
 from tileattn.kernels import configs
+from tileattn.reference import attention_ref
+from tileattn.testing import check_close
 
 I32 = torch.int32
 
@@ -245,3 +247,56 @@ def test_sync_checks_from_the_environment():
     env = dict(os.environ, TILEATTN_SYNC_CHECKS="1")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.stdout.split() == ["True", "True"], res.stderr[-2000:]
+
+
+def test_eager_decode_replays_the_launches_of_its_signature(device, monkeypatch):
+    """An eager decode step whose values the kernels check (no append, no rotary, a tensor cache_seqlens, its
+    arguments as given) runs the last such call's launches when it has the same signature: no checks and no
+    planning on the host, each call's own tensors and values, exact; a bad value is still recorded by the
+    kernels and raised by the next call. Not under other settings, nor for a call whose arguments needed a
+    copy (a strided alibi_slopes)."""
+    from tileattn import kvcache
+    from tileattn.ops import kvcache as ops
+    from tileattn.params import REPLAY
+
+    gen = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(2, 40, 2, 16, dtype=F16, generator=gen).to(device) for _ in range(2))
+    slopes = torch.rand(8, generator=gen)[::2].to(device)  # (strided: the call copies it)
+
+    def step(lengths, **extra):
+        q = torch.randn(2, 1, 4, 16, dtype=F16, generator=gen).to(device)
+        seqlens = torch.tensor(lengths, dtype=I32, device=device)  # a new tensor every step
+        out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=2, **extra)
+        keys = torch.arange(40, device=device)[None] < seqlens[:, None].long()
+        ref, lowp = (
+            attention_ref(q, kc, vc, key_padding_mask=keys, upcast=up, **extra)[0] for up in (torch.float64, False)
+        )
+        check_close(f"step {lengths}", out, ref, lowp)
+
+    kvcache.calls.clear()
+    calls = []
+    impl = ops.fwd_kvcache_impl
+    monkeypatch.setattr(ops, "fwd_kvcache_impl", lambda *a, **kw: calls.append(1) or impl(*a, **kw))
+    with _checks(device, False):
+        step([30, 7])
+        (call,) = kvcache.calls.values()
+        assert REPLAY in call.plans and len(calls) == 1
+        for lengths in ([31, 8], [1, 40], [17, 17]):
+            step(lengths)
+        assert len(calls) == 1, "a step of the same signature ran the host path"
+        bad = torch.tensor([3, 41], dtype=I32, device=device)
+        q = torch.zeros(2, 1, 4, 16, dtype=F16, device=device)
+        tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, num_splits=2)  # (replayed: returns)
+        _settled(device)
+        check_refused(lambda: step([5, 5]), tileattn.InvalidArgument, ["cache_seqlens", "41", "earlier"])
+        step([5, 5])
+        kvcache.calls.clear()
+        step([9, 9], alibi_slopes=slopes)
+        step([9, 9], alibi_slopes=slopes)
+        assert len(calls) == 3 and all(REPLAY not in c.plans for c in kvcache.calls.values())
+        step([9, 9], alibi_slopes=slopes.contiguous())
+        step([9, 9], alibi_slopes=slopes.contiguous())
+        assert len(calls) == 4
+    with _checks(device, True):  # other settings: the host path (and its checks)
+        step([30, 7])
+    assert len(calls) == 5

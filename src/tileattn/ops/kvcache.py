@@ -33,7 +33,7 @@ from torch import Tensor
 
 from tileattn import backend, checks, errors
 from tileattn.kernels import configs
-from tileattn.params import CALL_KVCACHE, CALL_PAGED_VARLEN, AttnParams, CacheLayout
+from tileattn.params import CALL_KVCACHE, CALL_PAGED_VARLEN, REPLAY, AttnParams, CacheLayout
 
 
 def fwd_kvcache_impl(
@@ -60,15 +60,18 @@ def fwd_kvcache_impl(
     v_descale: Tensor | None = None,
     plans: dict | None = None,
     seqlens_value: int | None = None,
+    replay: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
-    (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
-    out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
-    once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
-    caller gave cache_seqlens as an int (checked here without reading ``seqlens``: with the other index
-    tensors' values on the host, or alone before the kernels check those). FP8 caches come with
-    ``k_descale`` and ``v_descale``, fp32 ``(batch, nheads_k)`` contiguous. The module docstring says how
-    index values are checked."""
+        (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
+        out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
+        once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
+        caller gave cache_seqlens as an int (checked here without reading ``seqlens``: with the other index
+        tensors' values on the host, or alone before the kernels check those); and ``replay``, that the caller
+    passed its arguments as given (no copies) and may replay this call's launches for later calls of its
+    signature (``replay_kvcache``). FP8 caches come with
+        ``k_descale`` and ``v_descale``, fp32 ``(batch, nheads_k)`` contiguous. The module docstring says how
+        index values are checked."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
@@ -143,6 +146,9 @@ def fwd_kvcache_impl(
             v_descale=v_descale,
             record=record,
             call=CALL_KVCACHE,
+            # (a later call of this signature runs this one's launches: nothing it depends on but the
+            # settings, which replay_kvcache compares, may differ)
+            replay=replay and record is not None and k is None and rotary is None and seqlens_value is None,
         )
         if q.numel() == 0:
             out, lse = torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
@@ -153,13 +159,49 @@ def fwd_kvcache_impl(
     return out.contiguous(), lse
 
 
+def replay_kvcache(
+    plans: dict,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    seqlens: Tensor,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    alibi_slopes: Tensor | None,
+    k_descale: Tensor | None,
+    v_descale: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:
+    """``fwd_kvcache_impl`` for a call whose signature's table ``plans`` holds a replayable step
+    (``CacheLayout.replay``: an eager call of this metadata ran with its values checked in the kernels,
+    no append, no rotary, a tensor cache_seqlens, its arguments as given): the earlier call's launches
+    with this call's tensors, after the pending-error check, or None when the step does not apply (no
+    step, other settings now, or a CUDA graph capture). The API's call key (``kvcache._call_key``)
+    guarantees the rest: the same shapes, strides, dtypes, devices, alignments and options."""
+    entry = plans.get(REPLAY)
+    if entry is None:
+        return None
+    settings, step = entry
+    device = q.device
+    if configs.current(device) is not settings or backend.capturing(device):
+        return None
+    errors.raise_pending(device)
+    with backend.on_device(q):
+        out, lse = step(
+            q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx, block_table, None, None, k_descale,
+            v_descale, alibi_slopes, errors.record(device),
+        )  # fmt: skip
+        errors.mirror(device)
+    return out, lse
+
+
 def _op_prototype():
     """Carries the op's signature: ``fwd_kvcache_impl``'s without its eager-only arguments."""
 
 
 _signature = inspect.signature(fwd_kvcache_impl)
 _op_prototype.__signature__ = _signature.replace(
-    parameters=[p for name, p in _signature.parameters.items() if name not in ("plans", "seqlens_value")]
+    parameters=[p for name, p in _signature.parameters.items() if name not in ("plans", "seqlens_value", "replay")]
 )
 _MUTATED = ("k_cache", "v_cache")
 _fwd_kvcache_op = torch.library.custom_op(

@@ -19,6 +19,7 @@ from tileattn.kernels import common
 from tileattn.kernels.decode import combine, paging, split
 from tileattn.kernels.launch import Launcher
 from tileattn.params import (
+    REPLAY,
     AttnParams,
     CacheLayout,
     DecodeSettings,
@@ -317,7 +318,7 @@ def plans_in(table: dict, s: Settings | None = None) -> list[tuple[Launch, Launc
     bases = [base for base in list(table.values()) if isinstance(base, Base)]
     if s is not None:
         bases = [base for base in bases if (base.settings, base.interpret) == (s.decode, s.interpret)]
-    return [plan for base in bases for plan in list(base.plans.values())]
+    return [(step.attn, step.merge) for base in bases for step in list(base.plans.values())]
 
 
 def attn_fwd_kvcache(
@@ -344,44 +345,81 @@ def attn_fwd_kvcache(
         base = new_base(q4, k_cache, p, s)
         if table is not None:
             remember_plan(table, key, base)
-    device = q.device
     num_splits, tiles = base.splits(p, c)
-    out = torch.empty(q.shape, device=device, dtype=q.dtype)  # contiguous: _combine addresses it flat
-    o4 = p.as_4d(out)
-    lse = torch.empty(base.lse_shape, device=device, dtype=torch.float32)
-    split_kv = num_splits > 1
-    if split_kv:  # the partial LSEs, then (16-byte aligned) the partial outputs: one allocation
-        n_lse = num_splits * lse.numel()
-        at = cdiv(n_lse, 4) * 4
-        l_target = torch.empty(at + num_splits * out.numel(), device=device, dtype=torch.float32)
-        o_target = l_target[at:]
-    else:
-        o_target, l_target = o4, lse
     checked = c.call if c.record is not None else 0
-    plan = base.plans.get((num_splits, tiles, checked))
-    if plan is None:
-        plan = plan_launches(base, q4, k_cache, v_cache, o4, lse, p, c, num_splits, tiles)
+    step = base.plans.get((num_splits, tiles, checked))
+    if step is None:
+        step = Step(base, q, k_cache, v_cache, p, c, num_splits, tiles)
         if table is not None:
-            remember_plan(base.plans, (num_splits, tiles, checked), plan)
-    seqlens = c.seqlens_k
-    plan[0](
-        (
-            q4,
-            k_cache,
-            v_cache,
-            o_target,
-            l_target,
-            p.alibi_slopes if p.alibi_slopes is not None else lse,
-            seqlens,
-            c.leftpad if c.leftpad is not None else seqlens,
-            c.batch_idx if c.batch_idx is not None else seqlens,
-            c.block_table if c.block_table is not None else seqlens,
-            p.cu_seqlens_q if p.cu_seqlens_q is not None else seqlens,
-            *(c.q_rotary[:2] if c.q_rotary is not None else (seqlens, seqlens)),
-            *((c.k_descale, c.v_descale) if c.k_descale is not None else (lse, lse)),
-            c.record if c.record is not None else seqlens,
-        )
+            remember_plan(base.plans, (num_splits, tiles, checked), step)
+    if c.replay and table is not None:
+        table[REPLAY] = (s, step)
+    return step(
+        q,
+        k_cache,
+        v_cache,
+        c.seqlens_k,
+        c.leftpad,
+        c.batch_idx,
+        c.block_table,
+        p.cu_seqlens_q,
+        c.q_rotary,
+        c.k_descale,
+        c.v_descale,
+        p.alibi_slopes,
+        c.record,
     )
-    if split_kv:
-        plan[1]((o_target, l_target, o4, lse, lse))
-    return out, lse
+
+
+class Step:
+    """What a call with planned launches does: allocate the outputs, launch the split kernel and the
+    combine. Built once per call signature, settings, split count and key tiles per program
+    (``attn_fwd_kvcache``); ``step(q, k_cache, v_cache, seqlens_k, ...)`` with the tensors of a call of
+    that signature (``CacheLayout``'s, None where the call has none) returns ``(out, lse)``."""
+
+    __slots__ = ("attn", "merge", "varlen", "lse_shape", "lse_numel", "split_at", "split_size")
+
+    def __init__(self, base: Base, q, k_cache, v_cache, p: AttnParams, c: CacheLayout, num_splits: int, tiles: int):
+        q4 = p.as_4d(q)
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty(base.lse_shape, device=q.device, dtype=torch.float32)
+        self.attn, self.merge = plan_launches(base, q4, k_cache, v_cache, p.as_4d(out), lse, p, c, num_splits, tiles)
+        self.varlen, self.lse_shape, self.lse_numel = p.is_varlen, base.lse_shape, lse.numel()
+        # with splits, the partial LSEs then (16-byte aligned) the partial outputs: one allocation
+        self.split_at = cdiv(num_splits * lse.numel(), 4) * 4 if num_splits > 1 else 0
+        self.split_size = self.split_at + num_splits * out.numel()
+
+    def __call__(
+        self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q, q_rotary, k_descale,
+        v_descale, alibi_slopes, record,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        device = q.device
+        out = torch.empty(q.shape, device=device, dtype=q.dtype)  # contiguous: _combine addresses it flat
+        lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
+        q4, o4 = (q.unsqueeze(0), out.unsqueeze(0)) if self.varlen else (q, out)
+        if self.split_at:
+            l_target = torch.empty(self.split_size, device=device, dtype=torch.float32)
+            o_target = l_target[self.split_at :]
+        else:
+            o_target, l_target = o4, lse
+        self.attn(
+            (
+                q4,
+                k_cache,
+                v_cache,
+                o_target,
+                l_target,
+                alibi_slopes if alibi_slopes is not None else lse,
+                seqlens,
+                leftpad if leftpad is not None else seqlens,
+                batch_idx if batch_idx is not None else seqlens,
+                block_table if block_table is not None else seqlens,
+                cu_seqlens_q if cu_seqlens_q is not None else seqlens,
+                *(q_rotary[:2] if q_rotary is not None else (seqlens, seqlens)),
+                *((k_descale, v_descale) if k_descale is not None else (lse, lse)),
+                record if record is not None else seqlens,
+            )
+        )
+        if self.merge is not None:
+            self.merge((o_target, l_target, o4, lse, lse))
+        return out, lse
