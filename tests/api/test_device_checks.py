@@ -261,7 +261,7 @@ def test_eager_decode_replays_the_launches_of_its_signature(device, monkeypatch)
 
     gen = torch.Generator().manual_seed(1)
     kc, vc = (torch.randn(2, 40, 2, 16, dtype=F16, generator=gen).to(device) for _ in range(2))
-    slopes = torch.rand(8, generator=gen)[::2].to(device)  # (strided: the call copies it)
+    slopes = torch.rand(8, generator=gen).to(device)[::2]  # (strided: the call copies it)
 
     def step(lengths, **extra):
         q = torch.randn(2, 1, 4, 16, dtype=F16, generator=gen).to(device)

@@ -318,7 +318,7 @@ def plans_in(table: dict, s: Settings | None = None) -> list[tuple[Launch, Launc
     bases = [base for base in list(table.values()) if isinstance(base, Base)]
     if s is not None:
         bases = [base for base in bases if (base.settings, base.interpret) == (s.decode, s.interpret)]
-    return [(step.attn, step.merge) for base in bases for step in list(base.plans.values())]
+    return [step.launches for base in bases for step in list(base.plans.values())]
 
 
 def attn_fwd_kvcache(
@@ -377,14 +377,15 @@ class Step:
     (``attn_fwd_kvcache``); ``step(q, k_cache, v_cache, seqlens_k, ...)`` with the tensors of a call of
     that signature (``CacheLayout``'s, None where the call has none) returns ``(out, lse)``."""
 
-    __slots__ = ("attn", "merge", "varlen", "lse_shape", "lse_numel", "split_at", "split_size")
+    __slots__ = ("launches", "attn", "merge", "varlen", "lse_shape", "split_at", "split_size")
 
     def __init__(self, base: Base, q, k_cache, v_cache, p: AttnParams, c: CacheLayout, num_splits: int, tiles: int):
         q4 = p.as_4d(q)
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         lse = torch.empty(base.lse_shape, device=q.device, dtype=torch.float32)
-        self.attn, self.merge = plan_launches(base, q4, k_cache, v_cache, p.as_4d(out), lse, p, c, num_splits, tiles)
-        self.varlen, self.lse_shape, self.lse_numel = p.is_varlen, base.lse_shape, lse.numel()
+        self.launches = plan_launches(base, q4, k_cache, v_cache, p.as_4d(out), lse, p, c, num_splits, tiles)
+        self.attn, self.merge = self.launches
+        self.varlen, self.lse_shape = p.is_varlen, base.lse_shape
         # with splits, the partial LSEs then (16-byte aligned) the partial outputs: one allocation
         self.split_at = cdiv(num_splits * lse.numel(), 4) * 4 if num_splits > 1 else 0
         self.split_size = self.split_at + num_splits * out.numel()
