@@ -292,6 +292,38 @@ def compile_gluon(headdim: int, causal: bool, **options) -> dict:
     )
 
 
+def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
+    """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, with ``options`` (block_m,
+    stages, dq_tma; the launcher's defaults, else the settings table's entry): its resources, and from the
+    PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and its dQ reduce-adds."""
+    from tileattn.kernels import configs
+    from tileattn.kernels.gluon import backward as hopper
+    from tileattn.params import AttnParams
+
+    batch, seqlen, nheads = 2, 1024, 2048 // headdim
+    q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
+    lse = torch.zeros(batch, nheads, seqlen, dtype=torch.float32)
+    cfg = configs.HOPPER.bwd_gluon.get(headdim)
+    if cfg is not None:
+        options = dict(dict(block_m=cfg.block_m, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1), **options)
+    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
+    name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")
+    _LAUNCHES.clear()
+    ptx = kernel.asm["ptx"]
+    return dict(
+        kernel=name,
+        headdim=headdim,
+        causal=causal,
+        options=options,
+        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
+        atomics=len(re.findall(r"^\s*(?:@!?%\w+\s+)?(?:red|atom)\.global", ptx, re.M)),
+        **resources(kernel),
+    )
+
+
 _LAUNCHES: list = []
 
 

@@ -184,6 +184,11 @@ class Settings:
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_gluon_short: Mapping[int, KernelConfig] = field(default_factory=dict)
     gluon_short_seqlen_k: int = 4096
+    # the Gluon backward on sm90 (``kernels.gluon.backward``: one dK/dV/dQ kernel, dQ added in fp32, so never
+    # with ``deterministic``), by head dim: block_m query rows per tile, block_n keys per program (128),
+    # num_stages the (Q, dO) ring's depth, dq_atomic 1 for fp32 atomic adds, else TMA reduce-adds. Empty:
+    # the portable backward runs
+    bwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)

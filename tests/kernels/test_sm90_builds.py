@@ -331,3 +331,28 @@ def test_gluon_forward_builds_as_designed():
     for row in rows:
         assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
         assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+
+
+GLUON_BWD_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon_bwd(d, causal) for d in (64, 128) for causal in (False, True)]
+"""
+
+
+def test_gluon_backward_builds_as_designed():
+    """The Gluon backward (kernels/gluon/backward.py; Triton 3.6's Gluon, else nothing to build) is
+    warp-specialized as designed at the launcher's default tiles: two consumer warpgroups at 240
+    registers and a loader at 24 (setmaxnreg), one block of twelve warps per SM within shared memory, a
+    few scalars spilled at most; a query tile waits for one wgmma group of two (Sᵀ done, dPᵀ running;
+    dV and dK done, dQ running) and adds its dQ by TMA reduce-adds, no atomics."""
+    rows = _compiled(GLUON_BWD_CASES)
+    from tileattn.kernels import gluon
+
+    if not gluon.available():
+        assert rows == []
+        return
+    for row in rows:
+        assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
+        assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+        assert row["tma_reduces"] >= 1 and row["atomics"] == 0, row

@@ -441,6 +441,9 @@ def attn_bwd(
     the inputs' dtype."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(dout, q, k, v, out, lse, p, s)
+    grads = _gluon_bwd(dout, q, k, v, out, lse, p, s)
+    if grads is not None:
+        return grads
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
@@ -553,6 +556,37 @@ def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, p: AttnParams
         dict(HEAD_DIM=o4.shape[3], BLOCK_D=p.block_d, BLOCK_M=block_pre),
     )
     return delta
+
+
+def _gluon_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+    s: Settings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(dq, dk, dv) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` has the head
+    dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
+    in order), else None."""
+    cfg = s.bwd_gluon.get(q.shape[-1])
+    if cfg is None or p.deterministic or p.is_varlen or not q.is_cuda or not lse.is_contiguous():
+        return None
+    from tileattn.kernels import gluon
+
+    if not gluon.available():
+        return None
+    from tileattn.kernels.gluon import backward as hopper
+
+    if not hopper.eligible(q, k, v, dout, p):
+        return None
+    delta = _delta(out, dout, lse, p, s)
+    return hopper.attn_bwd(
+        dout, q, k, v, lse, delta, p,
+        block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1,
+    )  # fmt: skip
 
 
 def _dense_as_packed(

@@ -57,6 +57,9 @@ HOPPER = Settings(
     fwd_gluon_short={128: KernelConfig(128, 128, 4, 3)},
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
+    # FlashAttention-3's warp-specialized backward in Gluon (kernels/gluon/backward.py), by head dim: empty
+    # until measured on the GPU (the portable backward runs)
+    bwd_gluon={},
     bwd_dkdv={
         16: KernelConfig(64, 64, 4, 3),
         32: KernelConfig(64, 64, 4, 3),

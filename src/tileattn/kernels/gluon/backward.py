@@ -1,0 +1,377 @@
+"""The Hopper backward in Gluon: FlashAttention-3's warp-specialized dK/dV/dQ kernel.
+
+One program per (block of 128 keys, kv head, batch entry) walks every query head of its GQA group and
+every 64-row query tile that can see its keys (causal: from the first tile whose last row reaches the
+block's first key), with dK and dV accumulated in registers across all of them. A program has three
+partitions:
+- a loader warp brings the block's K and V once by TMA, then streams (Q tile, dO tile) pairs, with the
+  tile's LSE and Δ (1-D copies from their flat rows), through a ``STAGES``-deep ring of shared-memory
+  buffers (``q_ready``/``do_ready`` mbarriers say a stage is filled, ``free`` that both consumers are
+  done with it);
+- two consumer warpgroups own 64 keys each (the default partition and one worker). With the keys as
+  the wgmma M dimension the per-key accumulators stay in registers: per query tile a warpgroup computes
+  Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (shared-memory operands), Pᵀ = exp(Sᵀ - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - Δ) in
+  registers, dV += Pᵀ·dO and dK += dSᵀ·Q with Pᵀ and dSᵀ as register A operands (the accumulator layout
+  of Sᵀ is the A-operand layout of those products). Both warpgroups write their dSᵀ into one
+  [128 keys × BLOCK_M] shared-memory buffer (two, alternating; ``ds_ready`` says both halves are in),
+  and each computes half of dQ's columns over all 128 keys, dS·K[:, half], which it adds into an fp32
+  dQ buffer in global memory: by TMA reduce-adds (``DQ_TMA``; one bulk reduction per tile from a
+  shared-memory staging buffer) or fp32 atomic adds. The order of those adds varies run to run: dQ is
+  not bitwise reproducible (``deterministic=True`` never comes here).
+
+Only the plain dense path is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as
+one 2-D matrix, bf16/fp16, head dims 64 and 128, causal or not, GQA/MQA; ``eligible`` says when. Rows of
+that 2-D matrix past a sequence's end belong to the next batch entry (or are zero-filled by TMA at the
+end of the tensor), and a tile's LSE and Δ past its sequence are the next head's: the tiles that
+cross a sequence's end mask those queries and keys (P = 0), so they contribute nothing (the dQ
+reduce-adds add exact zeros to the next entry's rows). Rows that saw no key have LSE +inf: P = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as gl_core
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tileattn.kernels.gluon.forward import LOG2E, _rows, _sm90, _tile_layout
+from tileattn.params import AttnParams, cdiv
+
+WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
+HEAD_DIMS = (64, 128)
+LOG2E_C = gl.constexpr(LOG2E)
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # LSE and Δ tiles
+
+
+@gl_core.builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord] += src`` by a TMA bulk reduction from shared memory (cp.reduce.async.bulk.tensor):
+    the op Gluon's builder has but Triton 3.6's ``hopper.tma`` does not export. Complete (its read of
+    ``src`` done) after ``tma.store_wait``."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """The first query tile that sees a key of the block starting at key ``n_start``: causal, the tile
+    whose last row reaches it (query i sees key j iff j <= i + seqlen_k - seqlen_q), else 0."""
+    if CAUSAL:
+        return gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    else:
+        return 0
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
+     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+     kv_ready, q_ready, do_ready, free, ds_ready,
+     DQacc, DK, DV, stride_dqb, stride_dqm,
+     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     group, seqlen_q, seqlen_k, qk_scale, sm_scale) = args  # fmt: skip
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    n_start = gl.program_id(0) * 2 * KEYS
+    h_k = gl.program_id(1)
+    b = gl.program_id(2)
+    # the block's K and V, once: each warpgroup's half as its own tile
+    kv_row = b * seqlen_k + n_start
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for i in gl.static_range(2):
+        coord = [kv_row + i * KEYS, h_k * HEAD_DIM]
+        tma.async_copy_global_to_shared(k_desc, coord, kv_ready, k_smem.slice(i * KEYS, KEYS))
+        tma.async_copy_global_to_shared(v_desc, coord, kv_ready, v_smem.slice(i * KEYS, KEYS))
+    m_lo = _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
+    for g in range(group):
+        h = h_k * group + g
+        lse_row = (b * gl.num_programs(1) * group + h) * seqlen_q  # (b, h)'s LSE and Δ in their flat rows
+        for m in range(m_lo, num_m):
+            s = it % STAGES
+            row = b * seqlen_q + m * BLOCK_M
+            mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
+            tma.async_copy_global_to_shared(lse_desc, [lse_row + m * BLOCK_M], q_ready.index(s), lse_smem.index(s))
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [lse_row + m * BLOCK_M], do_ready.index(s), delta_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+            CAUSAL: gl.constexpr):  # fmt: skip
+    """Raw transposed scores (keys x queries), -inf where a key or a query is past its sequence (the
+    tile's LSE and Δ there are another head's) or (causal) the key is after the query's last key,
+    bottom-right aligned as flash_attn's causal; tiles that need no mask pass."""
+    need = (key_start + KEYS > seqlen_k) | (m_start + BLOCK_M > seqlen_q)
+    if CAUSAL:
+        need = need | (key_start + KEYS - 1 > m_start + seqlen_k - seqlen_q)
+    if need:
+        hidden = (keys[:, None] >= seqlen_k) | (cols[None, :] >= seqlen_q)
+        if CAUSAL:
+            hidden = hidden | (keys[:, None] > cols[None, :] + (seqlen_k - seqlen_q))
+        s = gl.where(hidden, float("-inf"), s)
+    return s
+
+
+@gluon.jit
+def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
+     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+     kv_ready, q_ready, do_ready, free, ds_ready,
+     DQacc, DK, DV, stride_dqb, stride_dqm,
+     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     group, seqlen_q, seqlen_k, qk_scale, sm_scale) = args  # fmt: skip
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2  # the dQ columns this warpgroup computes, over both halves' keys
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    n_start = gl.program_id(0) * 2 * KEYS
+    h_k = gl.program_id(1)
+    b = gl.program_id(2)
+    key_start = n_start + WG * KEYS  # this warpgroup's first key
+    keys = key_start + gl.arange(0, KEYS, layout=key_rows)
+    k = k_smem.slice(WG * KEYS, KEYS)  # [KEYS, HEAD_DIM]: this warpgroup's keys
+    v = v_smem.slice(WG * KEYS, KEYS)
+    k_cols = k_smem.slice(WG * DQ_COLS, DQ_COLS, dim=1)  # [2 * KEYS, DQ_COLS]: all keys, this warpgroup's dQ columns
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
+    m_lo = _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
+    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    mbarrier.wait(kv_ready, 0)
+    it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
+    for g in range(group):
+        h = h_k * group + g
+        for m in range(m_lo, num_m):
+            s = it % STAGES
+            phase = (it // STAGES) & 1
+            m_start = m * BLOCK_M
+            cols = m_start + gl.arange(0, BLOCK_M, layout=q_cols)
+            q = q_smem.index(s)
+            do = do_smem.index(s)
+            # Sᵀ and dPᵀ issued together; the exponent runs while dPᵀ is on the tensor cores
+            mbarrier.wait(q_ready.index(s), phase)
+            # [KEYS, BLOCK_M] = k @ qᵀ, then [KEYS, BLOCK_M] = v @ dOᵀ
+            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(s), phase)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st,))
+            st = _masked(st, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS, BLOCK_M, CAUSAL)
+            lse2 = lse_smem.index(s).load(q_cols) * LOG2E_C  # +inf for rows that saw no key: P = 0
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # [KEYS, BLOCK_M], 0 where hidden
+            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dpt = warpgroup_mma_wait(0, deps=(dpt,))
+            dv = warpgroup_mma(p_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM] += pᵀ @ dO
+            delta = delta_smem.index(s).load(q_cols)
+            ds = (pt * (dpt - delta[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
+            ds_op = gl.convert_layout(ds, op_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM] += dsᵀ @ q
+            # both warpgroups' dSᵀ in one [2 * KEYS, BLOCK_M] buffer (two, alternating: a warpgroup writes
+            # one only after both have passed the other's ds_ready, so after both read it last time)
+            ds_buf = ds_smem.index(it % 2)
+            ds_buf.slice(WG * KEYS, KEYS).store(ds)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(it % 2), count=1)
+            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+            # [BLOCK_M, DQ_COLS] = ds @ k[:, cols]: this warpgroup's half of dQ's columns, over all 2 * KEYS keys
+            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(dv, dk, p_op, ds_op))
+            mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
+            dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
+            dq_col = h * HEAD_DIM + WG * DQ_COLS
+            if DQ_TMA:
+                dq_buf = dq_smem.index(WG)
+                tma.store_wait(0)  # the last tile's reduce-add has read the staging buffer
+                dq_buf.store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [b * seqlen_q + m_start, dq_col], dq_buf)
+            else:
+                rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                dq_cols = dq_col + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+                dq_ptrs = DQacc + b.to(gl.int64) * stride_dqb + rows.to(gl.int64)[:, None] * stride_dqm
+                gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
+            it += 1
+    if DQ_TMA:
+        tma.store_wait(0)
+
+    # dK = dSᵀ·Q · scale, dV = Pᵀ·dO; keys past the sequence are not written
+    d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    out_rows = key_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    mask = (out_rows < seqlen_k)[:, None]
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_k * stride_dkh + out_rows.to(gl.int64)[:, None] * stride_dkn
+    gl.store(dk_ptrs + d_cols[None, :], (dk * sm_scale).to(dtype), mask=mask)
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_k * stride_dvh + out_rows.to(gl.int64)[:, None] * stride_dvn
+    gl.store(dv_ptrs + d_cols[None, :], dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, 0)
+
+
+@gluon.jit
+def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, 1)
+
+
+@gluon.jit
+def _bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV,
+    stride_dqb, stride_dqm,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    group, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
+):  # fmt: skip
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2 * KEYS, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * KEYS, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, 2 * KEYS, BLOCK_M], ds_layout)
+    if DQ_TMA:  # each warpgroup's staging buffer for its dQ reduce-adds
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    else:
+        dq_smem = ds_smem
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups' halves of dSᵀ written
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
+     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+            kv_ready, q_ready, do_ready, free, ds_ready,
+            DQacc, DK, DV, stride_dqb, stride_dqm,
+            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            group, seqlen_q, seqlen_k, qk_scale, sm_scale)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consume_default, (args, CAUSAL, DQ_TMA)),
+            (_consume_worker, (args, CAUSAL, DQ_TMA)),
+            (_load, (args, CAUSAL)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
+def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
+    """Whether the Gluon backward computes this call: sm90, plain dense attention (causal or not; no
+    dropout, window, ALiBi, softcap, FlashMask, FP8, varlen), not ``deterministic``, bf16/fp16, head dim
+    64 or 128, q, k, v and dO with TMA-readable rows."""
+    if not (q4.is_cuda and _sm90(q4.device.index)):
+        return False
+    if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
+        return False
+    if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0) or p.deterministic:
+        return False
+    if q4.dtype not in (torch.bfloat16, torch.float16) or q4.shape[-1] not in HEAD_DIMS:
+        return False
+    if q4.shape[0] > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
+        return False
+    return all(_rows(t) is not None for t in (q4, k4, v4, do4))
+
+
+def attn_bwd(
+    do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int = 128, stages: int = 2,
+    dq_tma: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, in the inputs' dtype.
+
+    do4, q4: ``(batch, seqlen_q, nheads, headdim)``; k4, v4: ``(batch, seqlen_k, nheads_k, headdim)``;
+    lse: the forward's fp32 ``(batch, nheads, seqlen_q)`` natural-log LSE (+inf for rows that saw no key);
+    delta: fp32 ``rowsum(dO ∘ O)`` of the same shape and strides (``backward._bwd_preprocess``).
+    block_m: query rows per tile (64); block_n: keys per program (128: 64 per consumer warpgroup);
+    stages: the (Q, dO) ring's depth; dq_tma: dQ added by TMA reduce-adds (else fp32 atomic adds)."""
+    if block_n != 2 * WG_KEYS:
+        raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
+    batch, seqlen_q, nheads, headdim = q4.shape
+    if not (lse.is_contiguous() and delta.is_contiguous()):
+        raise ValueError("lse and delta must be contiguous")
+    dq_acc = torch.zeros((batch, seqlen_q, nheads, headdim), device=q4.device, dtype=torch.float32)
+    dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
+    dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
+    _launch(do4, q4, k4, v4, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma)
+    return dq_acc.to(q4.dtype), dk, dv
+
+
+def _launch(
+    do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, p: AttnParams,
+    block_m: int, stages: int, dq_tma: bool,
+) -> None:  # fmt: skip
+    """The kernel alone: adds dQ (softmax_scale applied) into the fp32 ``dq_acc`` (contiguous, shaped as
+    q4, zeroed by the caller) and writes dk, dv (contiguous, shaped as k4)."""
+    batch, seqlen_q, nheads, headdim = q4.shape
+    seqlen_k, nheads_k = k4.shape[1], k4.shape[2]
+    q_layout = _tile_layout(block_m, headdim, q4.dtype)
+    kv_layout = _tile_layout(WG_KEYS, headdim, q4.dtype)
+    q_desc = TensorDescriptor.from_tensor(_rows(q4), [block_m, headdim], q_layout)
+    do_desc = TensorDescriptor.from_tensor(_rows(do4), [block_m, headdim], q_layout)
+    k_desc = TensorDescriptor.from_tensor(_rows(k4), [WG_KEYS, headdim], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(_rows(v4), [WG_KEYS, headdim], kv_layout)
+    dq_desc = TensorDescriptor.from_tensor(_rows(dq_acc), [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
+    # LSE and Δ as flat rows (any seqlen_q: a 1-D copy needs no aligned row stride)
+    lse_desc = TensorDescriptor(lse.view(-1), [lse.numel()], [1], [block_m], _ROW_LAYOUT)
+    delta_desc = TensorDescriptor(delta.view(-1), [delta.numel()], [1], [block_m], _ROW_LAYOUT)
+    grid = (cdiv(seqlen_k, 2 * WG_KEYS), nheads_k, batch)
+    _bwd_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv,
+        dq_acc.stride(0), dq_acc.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        nheads // nheads_k, seqlen_q, seqlen_k, p.softmax_scale * LOG2E, p.softmax_scale,
+        STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, num_warps=4, maxnreg=168,
+    )  # fmt: skip
+
+
+def _dq_layout(rows: int, headdim: int):
+    """The shared-memory layout of an fp32 ``rows × headdim`` dQ staging tile."""
+    return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.float32)

@@ -1,0 +1,119 @@
+"""The Gluon backward (kernels/gluon/backward.py) on an sm90 GPU against the tests' oracle: odd lengths
+(one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
+that see no key, key blocks no row sees), fp16 and bf16, head dims 64 and 128, each build the settings or
+the bench may pick (ring depth, dQ by TMA reduce-adds or atomic adds), and the portable backward's
+dispatch to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with
+a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves are
+checked without a GPU in test_sm90_builds.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import oracle
+import tileattn
+from tileattn.kernels import configs, gluon
+from tileattn.params import AttnParams, KernelConfig
+from tileattn.testing import check_close
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon.available()),
+    reason="the Gluon backward needs an sm90 GPU and Triton 3.6",
+)
+
+CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
+    (2, 1, 1, 4, 4, 64, False, torch.bfloat16),
+    (2, 1, 1, 4, 4, 128, True, torch.float16),
+    (2, 63, 63, 4, 4, 128, True, torch.bfloat16),
+    (1, 113, 1025, 8, 2, 128, True, torch.bfloat16),  # key blocks no row sees
+    (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows before key 0's diagonal see no key
+    (3, 1025, 1025, 4, 1, 128, False, torch.float16),
+    (1, 113, 1025, 2, 1, 64, False, torch.float16),
+    (2, 1000, 1000, 6, 3, 64, True, torch.float16),
+    (2, 777, 300, 8, 8, 128, False, torch.bfloat16),
+]
+BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False)]
+
+
+def _inputs(case):
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, dout
+
+
+def _references(q, k, v, dout, causal):
+    """The oracle's gradients (fp64) and plain PyTorch's (the inputs' precision), with the oracle's output
+    and LSE (the backward's inputs)."""
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = oracle.attention(qr, kr, vr, causal=causal)
+    ref.out.backward(dout.double())
+    lows = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low = oracle.attention(*lows, causal=causal, precision=None)
+    low.out.backward(dout)
+    return ref, (qr.grad, kr.grad, vr.grad), tuple(t.grad for t in lows)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_builds_match_the_oracle(case):
+    from tileattn.kernels.gluon import backward as hopper
+
+    batch, seqlen_q, seqlen_k, _, _, headdim, causal, dtype = case
+    q, k, v, dout = _inputs(case)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, causal)
+    out = ref.out.to(dtype)
+    lse = ref.lse.float().contiguous()  # +inf for rows that see no key
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # rowsum(dO ∘ O)
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    assert hopper.eligible(q, k, v, dout, p)
+    for build in BUILDS:
+        grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
+        for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+            assert t.dtype == dtype and t.shape == r.shape
+            check_close(f"{name} {build}", t, r, lo)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
+    from tileattn.kernels.gluon import backward as hopper
+
+    calls = []
+    run = hopper.attn_bwd
+    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
+    q, k, v, dout = _inputs(case)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
+    with configs.override(settings):
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+    assert len(calls) == 1
+    _, grads_ref, grads_low = _references(q, k, v, dout, True)
+    for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
+        check_close(f"d{name}", t.grad, r, lo)
+
+
+def test_calls_it_cannot_compute_are_not_eligible():
+    """Dropout, windows, softcap, deterministic, fp32, head dim 256, heads that are not one TMA row: not
+    eligible (the portable backward runs)."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    q, k, v, dout = _inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16))
+    p = AttnParams(1, 128, 128, 128, 128**-0.5)
+    assert hopper.eligible(q, k, v, dout, p)
+    for change in (
+        dict(dropout_p=0.1),
+        dict(window_left=16, window_right=0),
+        dict(softcap=5.0),
+        dict(deterministic=True),
+    ):
+        assert not hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
+    assert not hopper.eligible(q.float(), k.float(), v.float(), dout.float(), p)
+    wide = torch.randn(1, 128, 2, 256, device="cuda", dtype=torch.bfloat16)
+    assert not hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
+    padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
+    assert not hopper.eligible(q, k, v, padded, p)
