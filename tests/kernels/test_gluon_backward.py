@@ -33,7 +33,7 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1000, 1000, 6, 3, 64, True, torch.float16),
     (2, 777, 300, 8, 8, 128, False, torch.bfloat16),
 ]
-BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False)]
+BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
 
 
 def _inputs(case):

@@ -5,7 +5,8 @@ every 64-row query tile that can see its keys (causal: from the first tile whose
 block's first key), with dK and dV accumulated in registers across all of them. A program has three
 partitions:
 - a loader warp brings the block's K and V once by TMA, then streams (Q tile, dO tile) pairs, with the
-  tile's LSE and Δ (1-D copies from their flat rows), through a ``STAGES``-deep ring of shared-memory
+  tile's LSE and Δ (1-D copies from their flat rows; or ``LSE_TMA=False``: the consumers load those
+  with masked loads), through a ``STAGES``-deep ring of shared-memory
   buffers (``q_ready``/``do_ready`` mbarriers say a stage is filled, ``free`` that both consumers are
   done with it);
 - two consumer warpgroups own 64 keys each (the default partition and one worker). With the keys as
@@ -22,9 +23,14 @@ partitions:
 Only the plain dense path is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as
 one 2-D matrix, bf16/fp16, head dims 64 and 128, causal or not, GQA/MQA; ``eligible`` says when. Rows of
 that 2-D matrix past a sequence's end belong to the next batch entry (or are zero-filled by TMA at the
-end of the tensor), and a tile's LSE and Δ past its sequence are the next head's: the tiles that
-cross a sequence's end mask those queries and keys (P = 0), so they contribute nothing (the dQ
-reduce-adds add exact zeros to the next entry's rows). Rows that saw no key have LSE +inf: P = 0.
+end of the tensor), and a tile's LSE and Δ past its sequence are the next head's (or padding): the
+tiles that cross a sequence's end mask those queries and keys (P = 0), so they contribute nothing (the
+dQ reduce-adds add exact zeros to the next entry's rows). Rows that saw no key have LSE +inf: P = 0.
+
+TMA needs every copy's innermost start to be 16-byte aligned (a copy that starts elsewhere is an
+illegal instruction on the H200, and no check catches it before). The 2-D copies start at multiples of
+the head dim; a 1-D LSE/Δ copy starts at ``(b * nheads + h) * seqlen_q + m * BLOCK_M``, not aligned
+where seqlen_q is not a multiple of 4, so those rows then come from zero-padded copies (``_lse_rows``).
 """
 
 from __future__ import annotations
@@ -73,13 +79,13 @@ def _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.c
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr):
+def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, stride_dqb, stride_dqm,
+     DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
      stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     group, seqlen_q, seqlen_k, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -99,17 +105,25 @@ def _load(args, CAUSAL: gl.constexpr):
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
-        lse_row = (b * gl.num_programs(1) * group + h) * seqlen_q  # (b, h)'s LSE and Δ in their flat rows
+        lse_row = (b * nheads + h) * lse_stride  # (b, h)'s LSE and Δ in their flat rows
         for m in range(m_lo, num_m):
             s = it % STAGES
             row = b * seqlen_q + m * BLOCK_M
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
-            tma.async_copy_global_to_shared(lse_desc, [lse_row + m * BLOCK_M], q_ready.index(s), lse_smem.index(s))
-            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
-            tma.async_copy_global_to_shared(delta_desc, [lse_row + m * BLOCK_M], do_ready.index(s), delta_smem.index(s))
+            if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as _lse_rows makes it)
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
+                tma.async_copy_global_to_shared(lse_desc, [lse_row + m * BLOCK_M], q_ready.index(s), lse_smem.index(s))
+                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(
+                    delta_desc, [lse_row + m * BLOCK_M], do_ready.index(s), delta_smem.index(s)
+                )
+            else:  # the consumers load the tile's LSE and Δ themselves
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
+                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
             it += 1
 
 
@@ -131,13 +145,13 @@ def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS: gl.cons
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr):
+def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, WG: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, stride_dqb, stride_dqm,
+     DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
      stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-     group, seqlen_q, seqlen_k, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -156,6 +170,7 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))  # a tile's LSE/Δ (loads)
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
@@ -174,11 +189,16 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
     for g in range(group):
         h = h_k * group + g
+        lse_row = (b * nheads + h).to(gl.int64) * lse_stride
         for m in range(m_lo, num_m):
             s = it % STAGES
             phase = (it // STAGES) & 1
             m_start = m * BLOCK_M
             cols = m_start + gl.arange(0, BLOCK_M, layout=q_cols)
+            if not LSE_TMA:  # one element a thread, in flight with the waits and the first products
+                in_seq = m_start + offs < seqlen_q
+                lse_ld = gl.load(Lse + lse_row + m_start + offs, mask=in_seq, other=float("inf"))
+                delta_ld = gl.load(Delta + lse_row + m_start + offs, mask=in_seq, other=0.0)
             q = q_smem.index(s)
             do = do_smem.index(s)
             # Sᵀ and dPᵀ issued together; the exponent runs while dPᵀ is on the tensor cores
@@ -189,13 +209,20 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr)
             dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st,))
             st = _masked(st, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS, BLOCK_M, CAUSAL)
-            lse2 = lse_smem.index(s).load(q_cols) * LOG2E_C  # +inf for rows that saw no key: P = 0
+            if LSE_TMA:
+                lse_in = lse_smem.index(s).load(q_cols)
+            else:
+                lse_in = gl.convert_layout(lse_ld, q_cols)
+            lse2 = lse_in * LOG2E_C  # +inf for rows that saw no key: P = 0
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # [KEYS, BLOCK_M], 0 where hidden
             p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
             dv = warpgroup_mma(p_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM] += pᵀ @ dO
-            delta = delta_smem.index(s).load(q_cols)
-            ds = (pt * (dpt - delta[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
+            if LSE_TMA:
+                delta_in = delta_smem.index(s).load(q_cols)
+            else:
+                delta_in = gl.convert_layout(delta_ld, q_cols)
+            ds = (pt * (dpt - delta_in[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
             ds_op = gl.convert_layout(ds, op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM] += dsᵀ @ q
             # both warpgroups' dSᵀ in one [2 * KEYS, BLOCK_M] buffer (two, alternating: a warpgroup writes
@@ -237,23 +264,23 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr)
 
 
 @gluon.jit
-def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, 0)
+def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, 0)
 
 
 @gluon.jit
-def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, 1)
+def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, 1)
 
 
 @gluon.jit
 def _bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta,
     stride_dqb, stride_dqm,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    group, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr,
+    nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -269,8 +296,12 @@ def _bwd_kernel(
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
     else:
         dq_smem = ds_smem
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    if LSE_TMA:  # each stage's LSE and Δ tiles
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    else:
+        lse_smem = ds_smem
+        delta_smem = ds_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -287,14 +318,14 @@ def _bwd_kernel(
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
             kv_ready, q_ready, do_ready, free, ds_ready,
-            DQacc, DK, DV, stride_dqb, stride_dqm,
+            DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
             stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-            group, seqlen_q, seqlen_k, qk_scale, sm_scale)  # fmt: skip
+            nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_default, (args, CAUSAL, DQ_TMA)),
-            (_consume_worker, (args, CAUSAL, DQ_TMA)),
-            (_load, (args, CAUSAL)),
+            (_consume_default, (args, CAUSAL, DQ_TMA, LSE_TMA)),
+            (_consume_worker, (args, CAUSAL, DQ_TMA, LSE_TMA)),
+            (_load, (args, CAUSAL, LSE_TMA)),
         ],
         [4, 1],
         [240, 24],
@@ -321,7 +352,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Te
 def attn_bwd(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int = 128, stages: int = 2,
-    dq_tma: bool = True,
+    dq_tma: bool = True, lse_load: str = "tma",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, in the inputs' dtype.
 
@@ -329,23 +360,49 @@ def attn_bwd(
     lse: the forward's fp32 ``(batch, nheads, seqlen_q)`` natural-log LSE (+inf for rows that saw no key);
     delta: fp32 ``rowsum(dO ∘ O)`` of the same shape and strides (``backward._bwd_preprocess``).
     block_m: query rows per tile (64); block_n: keys per program (128: 64 per consumer warpgroup);
-    stages: the (Q, dO) ring's depth; dq_tma: dQ added by TMA reduce-adds (else fp32 atomic adds)."""
+    stages: the (Q, dO) ring's depth; dq_tma: dQ added by TMA reduce-adds (else fp32 atomic adds);
+    lse_load: how a tile's LSE and Δ arrive, one of ``LSE_LOADS``: ``"tma"`` by 1-D TMA copies from rows
+    that start 16-byte aligned (zero-padded copies of lse and delta where seqlen_q is not a multiple of 4
+    or the rows are shorter than a tile), ``"load"`` by masked loads in the consumers, ``"tma-unaligned"``
+    by 1-D TMA copies from the flat rows as given (a copy whose start is not 16-byte aligned is an
+    illegal instruction on the H200: kept only to show that on the GPU)."""
     if block_n != 2 * WG_KEYS:
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
+    if lse_load not in LSE_LOADS:
+        raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
     batch, seqlen_q, nheads, headdim = q4.shape
     if not (lse.is_contiguous() and delta.is_contiguous()):
         raise ValueError("lse and delta must be contiguous")
+    if lse.shape != (batch, nheads, seqlen_q) or delta.shape != lse.shape:
+        raise ValueError(f"lse and delta must be (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}")
     dq_acc = torch.zeros((batch, seqlen_q, nheads, headdim), device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
-    _launch(do4, q4, k4, v4, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma)
+    _launch(do4, q4, k4, v4, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
     return dq_acc.to(q4.dtype), dk, dv
+
+
+LSE_LOADS = ("tma", "load", "tma-unaligned")
+
+
+def _lse_rows(t: torch.Tensor, block_m: int, aligned: bool) -> tuple[torch.Tensor, int]:
+    """A contiguous ``(batch, nheads, seqlen_q)`` fp32 tensor as flat rows for 1-D TMA copies, and their
+    stride: the tensor itself where its rows start 16-byte aligned (seqlen_q a multiple of 4; TMA faults
+    on a copy that starts elsewhere) and it holds at least a tile, else (``aligned``) a zero-padded copy
+    with rows of whole tiles. The padding is read only by queries past the sequence, which are masked."""
+    batch, nheads, seqlen_q = t.shape
+    if not aligned or (seqlen_q % 4 == 0 and t.numel() >= block_m):
+        return t.view(-1), seqlen_q
+    stride = cdiv(seqlen_q, block_m) * block_m
+    rows = t.new_zeros((batch * nheads, stride))
+    rows[:, :seqlen_q] = t.view(batch * nheads, seqlen_q)
+    return rows.view(-1), stride
 
 
 def _launch(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, p: AttnParams,
-    block_m: int, stages: int, dq_tma: bool,
+    block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
 ) -> None:  # fmt: skip
     """The kernel alone: adds dQ (softmax_scale applied) into the fp32 ``dq_acc`` (contiguous, shaped as
     q4, zeroed by the caller) and writes dk, dv (contiguous, shaped as k4)."""
@@ -358,17 +415,20 @@ def _launch(
     k_desc = TensorDescriptor.from_tensor(_rows(k4), [WG_KEYS, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(_rows(v4), [WG_KEYS, headdim], kv_layout)
     dq_desc = TensorDescriptor.from_tensor(_rows(dq_acc), [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
-    # LSE and Δ as flat rows (any seqlen_q: a 1-D copy needs no aligned row stride)
-    lse_desc = TensorDescriptor(lse.view(-1), [lse.numel()], [1], [block_m], _ROW_LAYOUT)
-    delta_desc = TensorDescriptor(delta.view(-1), [delta.numel()], [1], [block_m], _ROW_LAYOUT)
+    # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)
+    lse_rows, lse_stride = _lse_rows(lse, block_m, aligned=lse_load == "tma")
+    delta_rows, _ = _lse_rows(delta, block_m, aligned=lse_load == "tma")
+    lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], _ROW_LAYOUT)
+    delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], _ROW_LAYOUT)
     grid = (cdiv(seqlen_k, 2 * WG_KEYS), nheads_k, batch)
     _bwd_kernel[grid](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
         dq_acc.stride(0), dq_acc.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        nheads // nheads_k, seqlen_q, seqlen_k, p.softmax_scale * LOG2E, p.softmax_scale,
-        STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, num_warps=4, maxnreg=168,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, lse_stride, p.softmax_scale * LOG2E, p.softmax_scale,
+        STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, LSE_TMA=lse_load != "load", num_warps=4,
+        maxnreg=168,
     )  # fmt: skip
 
 
