@@ -70,11 +70,14 @@ def test_builds_match_the_oracle(case):
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # rowsum(dO ∘ O)
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
     assert hopper.eligible(q, k, v, dout, p)
+    # (the rounding floor at the gradients' scale, as tests/helpers.py sets it: one row and one key give
+    # dk = 0 exactly, from dP - delta, two fp32 sums of the same products in another order)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
     for build in BUILDS:
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             assert t.dtype == dtype and t.shape == r.shape
-            check_close(f"{name} {build}", t, r, lo)
+            check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
 
 
 @pytest.mark.parametrize("headdim", [64, 128])
@@ -93,8 +96,9 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
         out.backward(dout)
     assert len(calls) == 1
     _, grads_ref, grads_low = _references(q, k, v, dout, True)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
-        check_close(f"d{name}", t.grad, r, lo)
+        check_close(f"d{name}", t.grad, r, lo, floor_scale=scale)
 
 
 def test_calls_it_cannot_compute_are_not_eligible():

@@ -57,9 +57,11 @@ HOPPER = Settings(
     fwd_gluon_short={128: KernelConfig(128, 128, 4, 3)},
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
-    # FlashAttention-3's warp-specialized backward in Gluon (kernels/gluon/backward.py), by head dim: empty
-    # until measured on the GPU (the portable backward runs)
-    bwd_gluon={},
+    # FlashAttention-3's warp-specialized backward in Gluon (kernels/gluon/backward.py), by head dim: at 128
+    # it ran 1.37x (4k) and 1.50x (8k causal) the portable backward, level with cuDNN, the ring 3 deep
+    # (+5 % at 4k, -3 % at 8k causal against 2); at 64 it runs no faster than the portable backward
+    # (docs/perf.md, "Gluon backward")
+    bwd_gluon={128: KernelConfig(64, 128, 4, 3)},
     bwd_dkdv={
         16: KernelConfig(64, 64, 4, 3),
         32: KernelConfig(64, 64, 4, 3),
