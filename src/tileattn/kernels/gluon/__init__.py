@@ -2,7 +2,8 @@
 
 Gluon's API changes between Triton releases: these kernels are built and measured against Triton 3.6,
 and ``available`` keeps every other Triton on the portable kernels. Gluon kernels do not run in Triton's
-interpreter, so they are tested on the GPU only (tests/gpu).
+interpreter, so they are tested on the GPU only (tests/kernels/test_gluon_*.py; their sm90 builds are
+compiled without a GPU in tests/kernels/test_sm90_builds.py).
 """
 
 from __future__ import annotations
