@@ -313,12 +313,13 @@ def test_dropout_on_the_cpu_path(tmp_path):
 
 
 def test_cp_on_cpu_processes(tmp_path):
-    """--cp without GPUs: 2 gloo processes, every scheme timed against the single-process anchor and
-    matching the single-process output exactly enough (fp32: far below a bf16 ulp)."""
+    """--cp on CPU processes (the default without GPUs, ``--device cpu`` with them): 2 gloo processes, every
+    scheme timed against the single-process anchor and matching the single-process output exactly enough
+    (fp32: far below a bf16 ulp)."""
     from tileattn.bench.__main__ import main
 
     out = tmp_path / "r.jsonl"
-    assert main(["--cp", "--seqlen", "64", "128", "--out", str(out)]) == 0
+    assert main(["--cp", "--device", "cpu", "--seqlen", "64", "128", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["scheme"], r["seqlen"]) for r in rows] == [
         (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses", "gather-kv")

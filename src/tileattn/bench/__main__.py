@@ -548,7 +548,7 @@ def main(argv=None) -> int:
         from tileattn.bench.context import format_context, run_context
 
         seqlens = args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else None
-        rows = run_context(args.world, seqlens)
+        rows = run_context(args.world, seqlens, device=args.device)
         append_results(args.out, rows)
         print(format_context(rows))
         return 0

@@ -70,11 +70,10 @@ def _gather_kv(cp):
     return call
 
 
-def _worker(rank: int, world: int, store: str, results: str, seqlens: list[int], repeats: int) -> None:
+def _worker(rank: int, world: int, store: str, results: str, seqlens: list[int], repeats: int, cuda: bool) -> None:
     from tileattn import distributed as cp
     from tileattn import flash_attn_func
 
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -182,9 +181,10 @@ def _longest(cp, device, group, world: int, peak_per_token: float) -> dict:
     return dict(case="cp_longest", scheme="zigzag", world=world, seqlen=0, ms=None, peak_gib=None)
 
 
-def run_context(world: int | None = None, seqlens=None, repeats: int = 5) -> list[dict]:
-    """Spawns ``world`` ranks (default: every GPU, or 2 CPU processes) and returns the rows of rank 0."""
-    cuda = torch.cuda.is_available()
+def run_context(world: int | None = None, seqlens=None, repeats: int = 5, device: str | None = None) -> list[dict]:
+    """Spawns ``world`` ranks (default: every GPU, or 2 CPU processes) and returns the rows of rank 0.
+    ``device``: "cuda" or "cpu" (gloo processes on a host with GPUs too); default: cuda if there is a GPU."""
+    cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     world = world or (torch.cuda.device_count() if cuda else 2)
     if cuda and world > torch.cuda.device_count():
         raise SystemExit(f"--cp: {world} ranks need {world} GPUs, this host has {torch.cuda.device_count()}")
@@ -193,7 +193,7 @@ def run_context(world: int | None = None, seqlens=None, repeats: int = 5) -> lis
         raise SystemExit(f"--cp: every sequence length must be a multiple of 2 x {world} ranks, got {seqlens}")
     with tempfile.TemporaryDirectory() as d:
         results = os.path.join(d, "rows.json")
-        args = (world, os.path.join(d, "store"), results, seqlens, repeats)
+        args = (world, os.path.join(d, "store"), results, seqlens, repeats, cuda)
         mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
         with open(results) as f:
             return json.load(f)
