@@ -374,6 +374,6 @@ class CacheLayout:
     record: torch.Tensor | None = None
     call: int = 0
     # the eager API may replay this call's planned step for later calls with the same metadata, without
-    # its checks (``kernels.decode.plan.REPLAY``): no append, no rotary, a tensor cache_seqlens, the
-    # arguments used as given, the values checked in the kernels (``record``)
+    # its checks (``REPLAY``, ``ops.kvcache.replay_kvcache``): no append, no rotary, a tensor
+    # cache_seqlens, the arguments used as given, the values checked in the kernels (``record``)
     replay: bool = False

@@ -63,15 +63,14 @@ def fwd_kvcache_impl(
     replay: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The ``tileattn::fwd_kvcache`` op: value checks, rotary, the in-place append and the attention
-        (metadata already validated). Two arguments only the eager API passes (the op's schema leaves them
-        out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
-        once (``CacheLayout.plans``), and ``seqlens_value``, the value of every entry of ``seqlens`` when the
-        caller gave cache_seqlens as an int (checked here without reading ``seqlens``: with the other index
-        tensors' values on the host, or alone before the kernels check those); and ``replay``, that the caller
-    passed its arguments as given (no copies) and may replay this call's launches for later calls of its
-    signature (``replay_kvcache``). FP8 caches come with
-        ``k_descale`` and ``v_descale``, fp32 ``(batch, nheads_k)`` contiguous. The module docstring says how
-        index values are checked."""
+    (metadata already validated). Three arguments only the eager API passes (the op's schema leaves them
+    out): ``plans``, the table in which the kernels plan the launches of calls with this call's metadata
+    once (``CacheLayout.plans``); ``seqlens_value``, the value of every entry of ``seqlens`` when the
+    caller gave cache_seqlens as an int (checked here without reading ``seqlens``: with the other index
+    tensors' values on the host, or alone before the kernels check those); and ``replay``, that the
+    caller passed its arguments as given (no copies) and may replay this call's launches for later calls
+    of its signature (``replay_kvcache``). FP8 caches come with ``k_descale`` and ``v_descale``, fp32
+    ``(batch, nheads_k)`` contiguous. The module docstring says how index values are checked."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
