@@ -263,6 +263,14 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
     return rows
 
 
+def _warp_specialization(ptx: str) -> dict:
+    """From a Gluon kernel's PTX: the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
+    return dict(
+        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+    )
+
+
 def compile_gluon(headdim: int, causal: bool, **options) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, with ``options`` (block_n,
     stages; the settings table's entry by default): its resources, and from the PTX
@@ -286,8 +294,7 @@ def compile_gluon(headdim: int, causal: bool, **options) -> dict:
         headdim=headdim,
         causal=causal,
         options=options,
-        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        **_warp_specialization(ptx),
         **resources(kernel),
     )
 
@@ -305,7 +312,7 @@ def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
     lse = torch.zeros(batch, nheads, seqlen, dtype=torch.float32)
     cfg = configs.HOPPER.bwd_gluon.get(headdim)
     if cfg is not None:
-        options = dict(dict(block_m=cfg.block_m, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1), **options)
+        options = dict(hopper.config_options(cfg), **options)
     p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1)
     hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
     name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")
@@ -316,8 +323,7 @@ def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
         headdim=headdim,
         causal=causal,
         options=options,
-        setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        **_warp_specialization(ptx),
         tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
         atomics=len(re.findall(r"^\s*(?:@!?%\w+\s+)?(?:red|atom)\.global", ptx, re.M)),
         **resources(kernel),

@@ -19,6 +19,25 @@ from tileattn.api import cpu_backend
 from tileattn.testing import check_close
 
 
+def needs_gluon(what: str):
+    """The skip mark of tests of a Gluon kernel (``kernels.gluon``): they need an sm90 GPU and the Triton
+    its Gluon was written for (they do not run in the interpreter)."""
+    from tileattn.kernels import gluon
+
+    on_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return pytest.mark.skipif(not (on_sm90 and gluon.available()), reason=f"{what} needs an sm90 GPU and Triton 3.6")
+
+
+def gluon_case_inputs(case: tuple, count: int) -> tuple[torch.Tensor, ...]:
+    """``count`` random CUDA tensors of a Gluon test case ``(batch, seqlen_q, seqlen_k, nheads, nheads_k,
+    headdim, causal, dtype)``: q, k, v, then more shaped like q (dO), from a generator seeded by the case."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    shapes = [(batch, seqlen_q, nheads, headdim)] + [(batch, seqlen_k, nheads_k, headdim)] * 2
+    shapes += [shapes[0]] * (count - 3)
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
+
+
 def builds(backend: str, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None):
     """Context in which calls on ``backend`` launch the kernels with these KernelConfig fields changed in
     every table entry of its settings (``configs.with_builds``): the build variants the tables do not

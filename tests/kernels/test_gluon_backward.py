@@ -13,14 +13,12 @@ import torch
 
 import oracle
 import tileattn
-from tileattn.kernels import configs, gluon
+from helpers import gluon_case_inputs, needs_gluon
+from tileattn.kernels import configs
 from tileattn.params import AttnParams, KernelConfig
 from tileattn.testing import check_close
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon.available()),
-    reason="the Gluon backward needs an sm90 GPU and Triton 3.6",
-)
+pytestmark = needs_gluon("the Gluon backward")
 
 CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 4, 4, 64, False, torch.bfloat16),
@@ -34,16 +32,6 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 777, 300, 8, 8, 128, False, torch.bfloat16),
 ]
 BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
-
-
-def _inputs(case):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
-    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
-    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
-    return q, k, v, dout
 
 
 def _references(q, k, v, dout, causal):
@@ -63,7 +51,7 @@ def test_builds_match_the_oracle(case):
     from tileattn.kernels.gluon import backward as hopper
 
     batch, seqlen_q, seqlen_k, _, _, headdim, causal, dtype = case
-    q, k, v, dout = _inputs(case)
+    q, k, v, dout = gluon_case_inputs(case, 4)
     ref, grads_ref, grads_low = _references(q, k, v, dout, causal)
     out = ref.out.to(dtype)
     lse = ref.lse.float().contiguous()  # +inf for rows that see no key
@@ -88,7 +76,7 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     run = hopper.attn_bwd
     monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
-    q, k, v, dout = _inputs(case)
+    q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
     with configs.override(settings):
@@ -106,7 +94,7 @@ def test_calls_it_cannot_compute_are_not_eligible():
     eligible (the portable backward runs)."""
     from tileattn.kernels.gluon import backward as hopper
 
-    q, k, v, dout = _inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16))
+    q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
     p = AttnParams(1, 128, 128, 128, 128**-0.5)
     assert hopper.eligible(q, k, v, dout, p)
     for change in (

@@ -10,15 +10,12 @@ import torch
 
 import oracle
 import tileattn
-from helpers import check_lse
-from tileattn.kernels import configs, gluon
+from helpers import check_lse, gluon_case_inputs, needs_gluon
+from tileattn.kernels import configs
 from tileattn.params import AttnParams
 from tileattn.testing import check_close
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon.available()),
-    reason="the Gluon forward needs an sm90 GPU and Triton 3.6",
-)
+pytestmark = needs_gluon("the Gluon forward")
 
 CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 4, 4, 64, False, torch.bfloat16),
@@ -38,21 +35,12 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
 }
 
 
-def _inputs(case):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
-    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
-    q = torch.randn(batch, seqlen_q, nheads, headdim, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(batch, seqlen_k, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
-    return q, k, v
-
-
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_builds_match_the_oracle(case):
     from tileattn.kernels.gluon import forward as hopper
 
     batch, seqlen_q, seqlen_k, _, _, headdim, causal, _ = case
-    q, k, v = _inputs(case)
+    q, k, v = gluon_case_inputs(case, 3)
     ref = oracle.attention(q, k, v, causal=causal)
     low = oracle.attention(q, k, v, causal=causal, precision=None)
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
@@ -71,7 +59,7 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     run = hopper.attn_fwd
     monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
-    q, k, v = (t.requires_grad_() for t in _inputs(case))
+    q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
     out = tileattn.flash_attn_func(q, k, v, causal=True)
     assert len(calls) == 1
     dout = torch.randn_like(out)
@@ -92,7 +80,7 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
     runs); a packed qkv's q, k and v are."""
     from tileattn.kernels.gluon import forward as hopper
 
-    q, k, v = _inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16))
+    q, k, v = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 3)
     p = AttnParams(1, 128, 128, 128, 128**-0.5)
     assert hopper.eligible(q, k, v, p)
     for change in (dict(dropout_p=0.1), dict(window_left=16, window_right=0), dict(softcap=5.0)):

@@ -316,6 +316,13 @@ if gluon.available():
 """
 
 
+def _assert_warp_specialized(row: dict) -> None:
+    """A Gluon build as the kernels are designed: one block of twelve warps per SM, a few scalars spilled
+    at most, two consumer warpgroups at 240 registers and a loader at 24, waits for one wgmma group of two."""
+    assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
+    assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+
+
 def test_gluon_forward_builds_as_designed():
     """The Gluon forward (kernels/gluon/forward.py; Triton 3.6's Gluon, else the portable kernels run and
     there is nothing to build) is warp-specialized as designed at the tables' tiles: two consumer
@@ -329,8 +336,7 @@ def test_gluon_forward_builds_as_designed():
         assert rows == []
         return
     for row in rows:
-        assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
-        assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+        _assert_warp_specialized(row)
 
 
 GLUON_BWD_CASES = """
@@ -342,9 +348,9 @@ if gluon.available():
 
 def test_gluon_backward_builds_as_designed():
     """The Gluon backward (kernels/gluon/backward.py; Triton 3.6's Gluon, else nothing to build) is
-    warp-specialized as designed at the launcher's default tiles: two consumer warpgroups at 240
-    registers and a loader at 24 (setmaxnreg), one block of twelve warps per SM within shared memory, a
-    few scalars spilled at most; a query tile waits for one wgmma group of two (Sᵀ done, dPᵀ running;
+    warp-specialized as designed at the settings' tiles (the launcher's defaults where the table has
+    none): two consumer warpgroups at 240 registers and a loader at 24 (setmaxnreg), one block of twelve
+    warps per SM within shared memory, a few scalars spilled at most; a query tile waits for one wgmma group of two (Sᵀ done, dPᵀ running;
     dV and dK done, dQ running) and adds its dQ by TMA reduce-adds, no atomics."""
     rows = _compiled(GLUON_BWD_CASES)
     from tileattn.kernels import gluon
@@ -353,6 +359,5 @@ def test_gluon_backward_builds_as_designed():
         assert rows == []
         return
     for row in rows:
-        assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
-        assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+        _assert_warp_specialized(row)
         assert row["tma_reduces"] >= 1 and row["atomics"] == 0, row

@@ -583,10 +583,7 @@ def _gluon_bwd(
     if not hopper.eligible(q, k, v, dout, p):
         return None
     delta = _delta(out, dout, lse, p, s)
-    return hopper.attn_bwd(
-        dout, q, k, v, lse, delta, p,
-        block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1,
-    )  # fmt: skip
+    return hopper.attn_bwd(dout, q, k, v, lse, delta, p, **hopper.config_options(cfg))
 
 
 def _dense_as_packed(

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon.forward import LOG2E, _rows, _sm90, _tile_layout
-from tileattn.params import AttnParams, cdiv
+from tileattn.params import AttnParams, KernelConfig, cdiv
 
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
 HEAD_DIMS = (64, 128)
@@ -347,6 +347,11 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Te
     if q4.shape[0] > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return False
     return all(_rows(t) is not None for t in (q4, k4, v4, do4))
+
+
+def config_options(cfg: KernelConfig) -> dict:
+    """``attn_bwd``'s build options for a ``Settings.bwd_gluon`` entry."""
+    return dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1)
 
 
 def attn_bwd(
