@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import LOG2E, _rows, _sm90, _tile_layout
+from tileattn.kernels.gluon.forward import LOG2E, _rows, _tile_layout, plain_dense
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
@@ -336,13 +336,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Te
     """Whether the Gluon backward computes this call: sm90, plain dense attention (causal or not; no
     dropout, window, ALiBi, softcap, FlashMask, FP8, varlen), not ``deterministic``, bf16/fp16, head dim
     64 or 128, q, k, v and dO with TMA-readable rows."""
-    if not (q4.is_cuda and _sm90(q4.device.index)):
-        return False
-    if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
-        return False
-    if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0) or p.deterministic:
-        return False
-    if q4.dtype not in (torch.bfloat16, torch.float16) or q4.shape[-1] not in HEAD_DIMS:
+    if p.deterministic or not plain_dense(q4, p, HEAD_DIMS):
         return False
     if q4.shape[0] > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return False

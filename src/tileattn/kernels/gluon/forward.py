@@ -284,6 +284,19 @@ def _rows(t4: torch.Tensor) -> torch.Tensor | None:
     return t4.as_strided((b * s, h * d), (st[1], 1))
 
 
+def plain_dense(q4: torch.Tensor, p: AttnParams, head_dims: tuple) -> bool:
+    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain dense attention,
+    causal or not (no varlen, FP8, dropout, softcap, ALiBi, FlashMask or window), bf16/fp16 at one of
+    ``head_dims``."""
+    if not (q4.is_cuda and _sm90(q4.device.index)):
+        return False
+    if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
+        return False
+    if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0):
+        return False
+    return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
+
+
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
     """Whether the Gluon forward computes this call: sm90, plain dense attention (causal or not; no
     dropout, window, ALiBi, softcap, FlashMask, FP8), bf16/fp16, head dim 64, 128 or 256, TMA-readable rows."""
@@ -294,13 +307,7 @@ def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
-    if not (q4.is_cuda and _sm90(q4.device.index)):
-        return None
-    if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
-        return None
-    if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0):
-        return None
-    if q4.dtype not in (torch.bfloat16, torch.float16) or q4.shape[-1] not in HEAD_DIMS:
+    if not plain_dense(q4, p, HEAD_DIMS):
         return None
     rows = (_rows(q4), _rows(k4), _rows(v4))
     return None if None in rows else rows
