@@ -76,8 +76,8 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_run_the_portable_kernels():
-    """Dropout, windows, softcap, fp32, heads that are not one TMA row: not eligible (the portable forward
-    runs); a packed qkv's q, k and v are."""
+    """Dropout, windows, softcap, a softmax scale of 0 or below, fp32, heads that are not one TMA row: not
+    eligible (the portable forward runs); a packed qkv's q, k and v are."""
     from tileattn.kernels.gluon import forward as hopper
 
     q, k, v = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 3)
@@ -85,6 +85,8 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
     assert hopper.eligible(q, k, v, p)
     for change in (dict(dropout_p=0.1), dict(window_left=16, window_right=0), dict(softcap=5.0)):
         assert not hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
+    for scale in (0.0, -0.1):  # (masked -inf times the scale; the row max of the products is not the scores')
+        assert not hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, scale))
     assert not hopper.eligible(q.float(), k.float(), v.float(), p)
     packed = torch.randn(1, 128, 3, 2, 128, device="cuda", dtype=torch.bfloat16)  # q of a packed qkv
     assert hopper.eligible(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], p)

@@ -284,13 +284,15 @@ def _rows(t4: torch.Tensor) -> torch.Tensor | None:
     return t4.as_strided((b * s, h * d), (st[1], 1))
 
 
-def plain_dense(q4: torch.Tensor, p: AttnParams, head_dims: tuple) -> bool:
-    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain dense attention,
-    causal or not (no varlen, FP8, dropout, softcap, ALiBi, FlashMask or window), bf16/fp16 at one of
-    ``head_dims``."""
-    if not (q4.is_cuda and _sm90(q4.device.index)):
+def plain_dense(q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False) -> bool:
+    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention, causal
+    or not (no FP8, dropout, softcap, ALiBi, FlashMask or window), dense (or varlen where ``varlen``),
+    bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw products in the
+    exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the row max of the
+    products would not be the scores')."""
+    if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
         return False
-    if p.is_varlen or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
+    if (p.is_varlen and not varlen) or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
         return False
     if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0):
         return False
