@@ -299,10 +299,11 @@ def compile_gluon(headdim: int, causal: bool, **options) -> dict:
     )
 
 
-def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
-    """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, with ``options`` (block_m,
-    stages, dq_tma; the launcher's defaults, else the settings table's entry): its resources, and from the
-    PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and its dQ reduce-adds."""
+def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, **options) -> dict:
+    """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, dense or ``varlen``, with
+    ``options`` (block_m, stages, dq_tma; the launcher's defaults, else the settings table's entry): its
+    resources, and from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and
+    its dQ reduce-adds."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import backward as hopper
     from tileattn.params import AttnParams
@@ -310,10 +311,17 @@ def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
     batch, seqlen, nheads = 2, 1024, 2048 // headdim
     q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
     lse = torch.zeros(batch, nheads, seqlen, dtype=torch.float32)
+    cu = None
+    if varlen:  # the same rows as one packed batch of two sequences
+        q, lse = q.view(1, batch * seqlen, nheads, headdim), lse.transpose(0, 1).reshape(nheads, batch * seqlen)
+        cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
     cfg = configs.HOPPER.bwd_gluon.get(headdim)
     if cfg is not None:
         options = dict(hopper.config_options(cfg), **options)
-    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    p = AttnParams(
+        batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1, cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+    )  # fmt: skip
     hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
     name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")
     _LAUNCHES.clear()
@@ -322,6 +330,7 @@ def compile_gluon_bwd(headdim: int, causal: bool, **options) -> dict:
         kernel=name,
         headdim=headdim,
         causal=causal,
+        varlen=varlen,
         options=options,
         **_warp_specialization(ptx),
         tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),

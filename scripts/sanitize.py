@@ -4,7 +4,7 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
     (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
     FP8 calls only, --mla for MLA decoding only, --bad-values for the KV-cache calls with index values
-    out of range only, --gluon for the Gluon forward's builds only)
+    out of range only, --gluon for the Gluon kernels' builds only)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -157,10 +157,12 @@ def fp8_calls() -> None:
 
 
 def gluon_calls() -> None:
-    """The Gluon forward (sm90, Triton 3.6; nothing to run elsewhere) on ragged tails: key and query
-    lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work items with no
-    key tile), GQA, both grids (one program per tile; persistent with a few programs each walking many
-    items, so the barriers' phases wrap), head dims 128 and 256, and a backward behind it."""
+    """The Gluon kernels (sm90, Triton 3.6; nothing to run elsewhere). The forward on ragged tails: key
+    and query lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work
+    items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
+    walking many items, so the barriers' phases wrap), head dims 128 and 256, and a backward behind it.
+    The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA, dQ by TMA
+    reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
     from tileattn.kernels import gluon
     from tileattn.params import AttnParams
 
@@ -178,6 +180,33 @@ def gluon_calls() -> None:
         q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
         out = tileattn.flash_attn_func(q, k, v, causal=True)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    from tileattn.kernels import backward as portable
+    from tileattn.kernels import forward
+    from tileattn.kernels.gluon import backward as hopper_bwd
+
+    # the Gluon backward alone: ragged tails, rows that see no key, GQA and MQA, seqlen_q not a multiple
+    # of 4 (padded LSE/Δ rows), dQ by TMA reduce-adds and by atomics
+    for d in hopper_bwd.HEAD_DIMS:
+        for sq, sk, hk, causal in ((113, 1025, 2, True), (1025, 113, 1, True), (63, 63, 4, False), (1, 7, 2, False)):
+            q, do = (torch.randn(2, sq, 4, d, device=dev, dtype=dt) for _ in range(2))
+            k, v = (torch.randn(2, sk, hk, d, device=dev, dtype=dt) for _ in range(2))
+            p = AttnParams(2, sq, sk, d, d**-0.5, window_right=0 if causal else -1)
+            settings = configs.current(torch.device(dev))
+            out, lse = forward.attn_fwd(q, k, v, p, settings)
+            delta = portable._delta(out, do, lse, p, settings)
+            for dq_tma in (True, False):
+                hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
+        # a packed batch (its LSE/Δ rows moved to aligned starts), through the public call
+        lens_q, lens_k = [37, 0, 1, 130, 300], [5, 9, 0, 200, 300]
+        cu_q, cu_k = (
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            for lens in (lens_q, lens_k)
+        )
+        q = torch.randn(sum(lens_q), 4, d, device=dev, dtype=dt, requires_grad=True)
+        k, v = (torch.randn(sum(lens_k), 2, d, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+        for causal in (True, False):
+            out = tileattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
 
 def flashmask_calls() -> None:

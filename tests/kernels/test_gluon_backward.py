@@ -1,10 +1,10 @@
 """The Gluon backward (kernels/gluon/backward.py) on an sm90 GPU against the tests' oracle: odd lengths
 (one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
-that see no key, key blocks no row sees), fp16 and bf16, head dims 64 and 128, each build the settings or
-the bench may pick (ring depth, dQ by TMA reduce-adds or atomic adds), and the portable backward's
-dispatch to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with
-a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves are
-checked without a GPU in test_sm90_builds.py)."""
+that see no key, key blocks no row sees), packed (varlen) batches, fp16 and bf16, head dims 64 and 128,
+each build the settings or the bench may pick (ring depth, query tiles of 128 rows at head dim 64, dQ by
+TMA reduce-adds or atomic adds), and the portable backward's dispatch to it when the settings ask. Gluon
+kernels do not run in Triton's interpreter: off sm90, or with a Triton whose Gluon the kernels were not
+written for, these tests skip (the builds themselves are checked without a GPU in test_sm90_builds.py)."""
 
 import dataclasses
 
@@ -32,6 +32,7 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 777, 300, 8, 8, 128, False, torch.bfloat16),
 ]
 BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
+WIDE_BUILDS = {64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False)]}  # query tiles of 128
 
 
 def _references(q, k, v, dout, causal):
@@ -61,7 +62,7 @@ def test_builds_match_the_oracle(case):
     # (the rounding floor at the gradients' scale, as tests/helpers.py sets it: one row and one key give
     # dk = 0 exactly, from dP - delta, two fp32 sums of the same products in another order)
     scale = torch.stack([r.abs().max() for r in grads_ref])
-    for build in BUILDS:
+    for build in BUILDS + WIDE_BUILDS.get(headdim, []):
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             assert t.dtype == dtype and t.shape == r.shape
@@ -90,8 +91,8 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_are_not_eligible():
-    """Dropout, windows, softcap, deterministic, fp32, head dim 256, heads that are not one TMA row: not
-    eligible (the portable backward runs)."""
+    """Dropout, windows, softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads
+    that are not one TMA row: not eligible (the portable backward runs)."""
     from tileattn.kernels.gluon import backward as hopper
 
     q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
@@ -104,8 +105,65 @@ def test_calls_it_cannot_compute_are_not_eligible():
         dict(deterministic=True),
     ):
         assert not hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
+    for scale in (0.0, -0.1):  # (masked -inf times the scale)
+        assert not hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, scale))
     assert not hopper.eligible(q.float(), k.float(), v.float(), dout.float(), p)
     wide = torch.randn(1, 128, 2, 256, device="cuda", dtype=torch.bfloat16)
     assert not hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
     padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
     assert not hopper.eligible(q, k, v, padded, p)
+
+
+VARLEN_CASES = [  # query lengths, key lengths, nheads, nheads_k, headdim, causal, dtype
+    ([37, 0, 1, 130, 300], [5, 9, 0, 200, 300], 4, 2, 128, True, torch.bfloat16),  # empty, one row, no key
+    ([64, 129, 1000], [64, 129, 1000], 4, 1, 64, True, torch.float16),
+    ([113, 1, 257], [1025, 63, 7], 8, 2, 64, False, torch.bfloat16),
+    ([300, 63], [200, 500], 2, 2, 128, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_packed_batches_match_the_oracle(case, monkeypatch):
+    """Packed (varlen) batches: each sequence's rows start anywhere in the packed tensor, tiles cross into
+    the next sequence (whose rows they must not change), sequences with no rows or no keys, and key
+    blocks past a short sequence's end (the grid covers the longest); through the public call as well."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    lens_q, lens_k, nheads, nheads_k, headdim, causal, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(len(lens_q) * 1000 + headdim)
+    cu_q, cu_k = ([0, *torch.tensor(lens).cumsum(0).tolist()] for lens in (lens_q, lens_k))
+    q, dout = (torch.randn(cu_q[-1], nheads, headdim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(cu_k[-1], nheads_k, headdim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = oracle.attention_varlen(qr, kr, vr, cu_q, cu_k, causal=causal)
+    ref.out.backward(dout.double())
+    grads_ref = (qr.grad, kr.grad, vr.grad)
+    lows = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    oracle.attention_varlen(*lows, cu_q, cu_k, causal=causal, precision=None).out.backward(dout)
+    grads_low = tuple(t.grad for t in lows)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in (cu_q, cu_k))
+    p = AttnParams(
+        len(lens_q), max(lens_q), max(lens_k), headdim, headdim**-0.5, window_right=0 if causal else -1,
+        cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t,
+    )  # fmt: skip
+    q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, dout))
+    assert hopper.eligible(q4, k4, v4, do4, p)
+    lse = ref.lse.float().contiguous()  # (nheads, total_q), +inf for rows that see no key
+    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(0, 1).contiguous()
+    for build in [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, []):
+        grads = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, **build)
+        for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+            assert t.shape == (1, *r.shape)
+            check_close(f"{name} {build}", t[0], r, lo, floor_scale=scale)
+    calls = []
+    run = hopper.attn_bwd
+    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with configs.override(settings):
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
+        out.backward(dout)
+    assert len(calls) == 1
+    for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
+        check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)

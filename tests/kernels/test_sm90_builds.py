@@ -342,7 +342,12 @@ def test_gluon_forward_builds_as_designed():
 GLUON_BWD_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():
-    rows += [compile_report.compile_gluon_bwd(d, causal) for d in (64, 128) for causal in (False, True)]
+    rows += [
+        compile_report.compile_gluon_bwd(d, causal, varlen)
+        for d in (64, 128)
+        for causal in (False, True)
+        for varlen in (False, True)
+    ]
 """
 
 

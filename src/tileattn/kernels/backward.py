@@ -572,7 +572,7 @@ def _gluon_bwd(
     dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
     in order), else None."""
     cfg = s.bwd_gluon.get(q.shape[-1])
-    if cfg is None or p.deterministic or p.is_varlen or not q.is_cuda or not lse.is_contiguous():
+    if cfg is None or p.deterministic or not q.is_cuda or not lse.is_contiguous():
         return None
     from tileattn.kernels import gluon
 
@@ -580,10 +580,12 @@ def _gluon_bwd(
         return None
     from tileattn.kernels.gluon import backward as hopper
 
-    if not hopper.eligible(q, k, v, dout, p):
+    q4, k4, v4, o4, do4 = (p.as_4d(t) for t in (q, k, v, out, dout))
+    if not hopper.eligible(q4, k4, v4, do4, p):
         return None
-    delta = _delta(out, dout, lse, p, s)
-    return hopper.attn_bwd(dout, q, k, v, lse, delta, p, **hopper.config_options(cfg))
+    delta = _delta(o4, do4, lse, p, s)
+    dq, dk, dv = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, **hopper.config_options(cfg))
+    return (dq[0], dk[0], dv[0]) if p.is_varlen else (dq, dk, dv)
 
 
 def _dense_as_packed(

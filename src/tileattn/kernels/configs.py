@@ -59,9 +59,10 @@ HOPPER = Settings(
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     # FlashAttention-3's warp-specialized backward in Gluon (kernels/gluon/backward.py), by head dim: at 128
     # it ran 1.37x (4k) and 1.50x (8k causal) the portable backward, level with cuDNN, the ring 3 deep
-    # (+5 % at 4k, -3 % at 8k causal against 2); at 64 it runs no faster than the portable backward
+    # (+5 % at 4k, -3 % at 8k causal against 2); at 64 on query tiles of 128 rows, a ring of 2 (the most
+    # that fits): 1.13-1.35x the portable backward, level with cuDNN (tiles of 64 ran 0.97-1.28x)
     # (docs/perf.md, "Gluon backward")
-    bwd_gluon={128: KernelConfig(64, 128, 4, 3)},
+    bwd_gluon={64: KernelConfig(128, 128, 4, 2), 128: KernelConfig(64, 128, 4, 3)},
     bwd_dkdv={
         16: KernelConfig(64, 64, 4, 3),
         32: KernelConfig(64, 64, 4, 3),

@@ -6,9 +6,8 @@ block's first key), with dK and dV accumulated in registers across all of them. 
 partitions:
 - a loader warp brings the block's K and V once by TMA, then streams (Q tile, dO tile) pairs, with the
   tile's LSE and Δ (1-D copies from their flat rows; or ``LSE_TMA=False``: the consumers load those
-  with masked loads), through a ``STAGES``-deep ring of shared-memory
-  buffers (``q_ready``/``do_ready`` mbarriers say a stage is filled, ``free`` that both consumers are
-  done with it);
+  with masked loads), through a ``STAGES``-deep ring of shared-memory buffers (``q_ready``/``do_ready``
+  mbarriers say a stage is filled, ``free`` that both consumers are done with it);
 - two consumer warpgroups own 64 keys each (the default partition and one worker). With the keys as
   the wgmma M dimension the per-key accumulators stay in registers: per query tile a warpgroup computes
   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (shared-memory operands), Pᵀ = exp(Sᵀ - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - Δ) in
@@ -20,22 +19,27 @@ partitions:
   shared-memory staging buffer) or fp32 atomic adds. The order of those adds varies run to run: dQ is
   not bitwise reproducible (``deterministic=True`` never comes here).
 
-Only the plain dense path is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as
-one 2-D matrix, bf16/fp16, head dims 64 and 128, causal or not, GQA/MQA; ``eligible`` says when. Rows of
-that 2-D matrix past a sequence's end belong to the next batch entry (or are zero-filled by TMA at the
-end of the tensor), and a tile's LSE and Δ past its sequence are the next head's (or padding): the
+Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
+2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
+cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64 and 128, causal or not,
+GQA/MQA; ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong to the next
+sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past its sequence
+are the next head's or sequence's (or padding): the
 tiles that cross a sequence's end mask those queries and keys (P = 0), so they contribute nothing (the
 dQ reduce-adds add exact zeros to the next entry's rows). Rows that saw no key have LSE +inf: P = 0.
 
 TMA needs every copy's innermost start to be 16-byte aligned (a copy that starts elsewhere is an
 illegal instruction on the H200, and no check catches it before). The 2-D copies start at multiples of
 the head dim; a 1-D LSE/Δ copy starts at ``(b * nheads + h) * seqlen_q + m * BLOCK_M``, not aligned
-where seqlen_q is not a multiple of 4, so those rows then come from zero-padded copies (``_lse_rows``).
+where seqlen_q is not a multiple of 4, so those rows then come from zero-padded copies (``_lse_rows``);
+a packed batch's sequences start anywhere, so theirs are copied to aligned starts (``_varlen_tma_rows``).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
@@ -49,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon.forward import LOG2E, _rows, _tile_layout, plain_dense
+from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
@@ -79,12 +84,75 @@ def _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.c
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr):
+def _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """Where batch entry b lies in the 2-D row matrices: ``(first query row, seqlen_q, first key row,
+    seqlen_k)``, from cu_seqlens (VARLEN), else entries of the padded lengths one after another."""
+    if VARLEN:
+        q0 = gl.load(CuQ + b)
+        k0 = gl.load(CuK + b)
+        return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
+    else:
+        return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
+
+
+@gluon.jit
+def _lse_row(b, h, nheads, q0, lse_stride, VARLEN: gl.constexpr, LSE_TMA: gl.constexpr):
+    """Where (b, h)'s LSE and Δ start in their flat rows: ``(batch, nheads, lse_stride)``, or varlen
+    ``(nheads, lse_stride)``, sequence b at cu_seqlens_q[b] (``q0``), or read by TMA at ``_aligned_start``
+    (``_varlen_tma_rows`` lays them out so)."""
+    if VARLEN:
+        if LSE_TMA:
+            return h * lse_stride + _aligned_start(q0, b)
+        else:
+            return h * lse_stride + q0
+    else:
+        return (b * nheads + h) * lse_stride
+
+
+@triton.jit
+def _aligned_start(q0, b):
+    """Where a packed batch's sequence b (first row ``q0`` = cu_seqlens_q[b]) starts in LSE/Δ rows laid out
+    for TMA: the multiple of 4 at or after ``q0 + 3b`` (16-byte aligned; each sequence moved on by at
+    most 3 rows from the last, so none overlaps the next)."""
+    return (q0 + 3 * b + 3) // 4 * 4
+
+
+@triton.jit
+def _varlen_tma_rows_kernel(Lse, Delta, LseRows, DeltaRows, CuQ, total_q, width, BLOCK: tl.constexpr):
+    """Copies sequence b's part of head h's LSE and Δ rows (``(nheads, total_q)``) to ``_aligned_start``
+    in rows of ``width``, writing zeros up to where the next sequence starts (the last: to the rows'
+    end), so that every value a tile may read is finite."""
+    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch = tl.num_programs(2)
+    q0 = tl.load(CuQ + b)
+    q1 = tl.load(CuQ + b + 1)
+    start = _aligned_start(q0, b)
+    end = tl.where(b + 1 < batch, _aligned_start(q1, b + 1), width)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_seq = offs < q1 - q0
+    src = h.to(tl.int64) * total_q + q0 + offs
+    dst = h.to(tl.int64) * width + start + offs
+    keep = start + offs < end
+    tl.store(LseRows + dst, tl.load(Lse + src, mask=in_seq, other=0.0), mask=keep)
+    tl.store(DeltaRows + dst, tl.load(Delta + src, mask=in_seq, other=0.0), mask=keep)
+
+
+@gluon.jit
+def _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """The query tiles ``[first, end)`` that see the key block starting at n_start: none where the block
+    starts past the sequence's keys (a packed batch's grid covers its longest)."""
+    end = gl.cdiv(seqlen_q, BLOCK_M)
+    if n_start >= seqlen_k:
+        end = 0
+    return _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL), end
+
+
+@gluon.jit
+def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
-     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
      nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -93,22 +161,22 @@ def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr):
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
+    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     # the block's K and V, once: each warpgroup's half as its own tile
-    kv_row = b * seqlen_k + n_start
+    kv_row = k0 + n_start
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
         coord = [kv_row + i * KEYS, h_k * HEAD_DIM]
         tma.async_copy_global_to_shared(k_desc, coord, kv_ready, k_smem.slice(i * KEYS, KEYS))
         tma.async_copy_global_to_shared(v_desc, coord, kv_ready, v_smem.slice(i * KEYS, KEYS))
-    m_lo = _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
-    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
-        lse_row = (b * nheads + h) * lse_stride  # (b, h)'s LSE and Δ in their flat rows
+        lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA)  # (b, h)'s LSE and Δ in their flat rows
         for m in range(m_lo, num_m):
             s = it % STAGES
-            row = b * seqlen_q + m * BLOCK_M
+            row = q0 + m * BLOCK_M
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
             if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as _lse_rows makes it)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
@@ -145,12 +213,13 @@ def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS: gl.cons
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, WG: gl.constexpr):
+def _consume(
+    args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr
+):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
-     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+     DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
      nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -174,6 +243,7 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.const
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
+    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     key_start = n_start + WG * KEYS  # this warpgroup's first key
     keys = key_start + gl.arange(0, KEYS, layout=key_rows)
     k = k_smem.slice(WG * KEYS, KEYS)  # [KEYS, HEAD_DIM]: this warpgroup's keys
@@ -183,13 +253,12 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.const
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    m_lo = _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
-    num_m = gl.cdiv(seqlen_q, BLOCK_M)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
     mbarrier.wait(kv_ready, 0)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
     for g in range(group):
         h = h_k * group + g
-        lse_row = (b * nheads + h).to(gl.int64) * lse_stride
+        lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
         for m in range(m_lo, num_m):
             s = it % STAGES
             phase = (it // STAGES) & 1
@@ -243,11 +312,11 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.const
                 tma.store_wait(0)  # the last tile's reduce-add has read the staging buffer
                 dq_buf.store(dq)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [b * seqlen_q + m_start, dq_col], dq_buf)
+                _tma_reduce_add(dq_desc, [q0 + m_start, dq_col], dq_buf)
             else:
                 rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
                 dq_cols = dq_col + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-                dq_ptrs = DQacc + b.to(gl.int64) * stride_dqb + rows.to(gl.int64)[:, None] * stride_dqm
+                dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
                 gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
             it += 1
     if DQ_TMA:
@@ -257,30 +326,29 @@ def _consume(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.const
     d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     out_rows = key_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
     mask = (out_rows < seqlen_k)[:, None]
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_k * stride_dkh + out_rows.to(gl.int64)[:, None] * stride_dkn
+    dk_ptrs = DK + h_k * stride_dkh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dkn
     gl.store(dk_ptrs + d_cols[None, :], (dk * sm_scale).to(dtype), mask=mask)
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_k * stride_dvh + out_rows.to(gl.int64)[:, None] * stride_dvn
+    dv_ptrs = DV + h_k * stride_dvh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dvn
     gl.store(dv_ptrs + d_cols[None, :], dv.to(dtype), mask=mask)
 
 
 @gluon.jit
-def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, 0)
+def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN, 0)
 
 
 @gluon.jit
-def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, 1)
+def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
+    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN, 1)
 
 
 @gluon.jit
 def _bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta,
-    stride_dqb, stride_dqm,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
+    stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale,
     STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -318,14 +386,13 @@ def _bwd_kernel(
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
             kv_ready, q_ready, do_ready, free, ds_ready,
-            DQacc, DK, DV, Lse, Delta, stride_dqb, stride_dqm,
-            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+            DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
             nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_default, (args, CAUSAL, DQ_TMA, LSE_TMA)),
-            (_consume_worker, (args, CAUSAL, DQ_TMA, LSE_TMA)),
-            (_load, (args, CAUSAL, LSE_TMA)),
+            (_consume_default, (args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN)),
+            (_consume_worker, (args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN)),
+            (_load, (args, CAUSAL, LSE_TMA, VARLEN)),
         ],
         [4, 1],
         [240, 24],
@@ -333,12 +400,12 @@ def _bwd_kernel(
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon backward computes this call: sm90, plain dense attention (causal or not; no
-    dropout, window, ALiBi, softcap, FlashMask, FP8, varlen), not ``deterministic``, bf16/fp16, head dim
-    64 or 128, q, k, v and dO with TMA-readable rows."""
-    if p.deterministic or not plain_dense(q4, p, HEAD_DIMS):
+    """Whether the Gluon backward computes this call: sm90, plain attention (causal or not; no dropout,
+    window, ALiBi, softcap, FlashMask, FP8), dense or varlen, not ``deterministic``, bf16/fp16, head dim
+    64 or 128, q, k, v and dO (4-D: varlen as one batch of packed rows) with TMA-readable rows."""
+    if p.deterministic or not plain_dense(q4, p, HEAD_DIMS, varlen=True):
         return False
-    if q4.shape[0] > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
+    if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return False
     return all(_rows(t) is not None for t in (q4, k4, v4, do4))
 
@@ -353,18 +420,22 @@ def attn_bwd(
     delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int = 128, stages: int = 2,
     dq_tma: bool = True, lse_load: str = "tma",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, in the inputs' dtype.
+    """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, shaped as q4, k4, v4, in the inputs' dtype.
 
     do4, q4: ``(batch, seqlen_q, nheads, headdim)``; k4, v4: ``(batch, seqlen_k, nheads_k, headdim)``;
-    lse: the forward's fp32 ``(batch, nheads, seqlen_q)`` natural-log LSE (+inf for rows that saw no key);
-    delta: fp32 ``rowsum(dO ∘ O)`` of the same shape and strides (``backward._bwd_preprocess``).
+    varlen (``p.cu_seqlens_q``, ``p.cu_seqlens_k``): ``(1, total, heads, headdim)``, the packed rows.
+    lse: the forward's fp32 natural-log LSE, ``(batch, nheads, seqlen_q)`` or varlen ``(nheads,
+    total_q)`` (+inf for rows that saw no key); delta: fp32 ``rowsum(dO ∘ O)`` of the same shape
+    (``backward._bwd_preprocess``).
     block_m: query rows per tile (64); block_n: keys per program (128: 64 per consumer warpgroup);
     stages: the (Q, dO) ring's depth; dq_tma: dQ added by TMA reduce-adds (else fp32 atomic adds);
     lse_load: how a tile's LSE and Δ arrive, one of ``LSE_LOADS``: ``"tma"`` by 1-D TMA copies from rows
     that start 16-byte aligned (zero-padded copies of lse and delta where seqlen_q is not a multiple of 4
-    or the rows are shorter than a tile), ``"load"`` by masked loads in the consumers, ``"tma-unaligned"``
-    by 1-D TMA copies from the flat rows as given (a copy whose start is not 16-byte aligned is an
-    illegal instruction on the H200: kept only to show that on the GPU)."""
+    or the rows are shorter than a tile; varlen, rows in which each sequence starts aligned,
+    ``_varlen_tma_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
+    spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
+    not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
+    as ``"tma"``)."""
     if block_n != 2 * WG_KEYS:
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
     if lse_load not in LSE_LOADS:
@@ -372,9 +443,11 @@ def attn_bwd(
     batch, seqlen_q, nheads, headdim = q4.shape
     if not (lse.is_contiguous() and delta.is_contiguous()):
         raise ValueError("lse and delta must be contiguous")
-    if lse.shape != (batch, nheads, seqlen_q) or delta.shape != lse.shape:
-        raise ValueError(f"lse and delta must be (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}")
-    dq_acc = torch.zeros((batch, seqlen_q, nheads, headdim), device=q4.device, dtype=torch.float32)
+    lse_shape = (nheads, seqlen_q) if p.is_varlen else (batch, nheads, seqlen_q)
+    if lse.shape != lse_shape or delta.shape != lse.shape:
+        names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
+        raise ValueError(f"lse and delta must be {names} = {lse_shape}")
+    dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
     _launch(do4, q4, k4, v4, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
@@ -398,6 +471,31 @@ def _lse_rows(t: torch.Tensor, block_m: int, aligned: bool) -> tuple[torch.Tenso
     return rows.view(-1), stride
 
 
+_VARLEN_ROWS = Launcher(_varlen_tma_rows_kernel)
+
+
+def _varlen_tma_rows(
+    lse: torch.Tensor, delta: torch.Tensor, p: AttnParams, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A packed batch's ``(nheads, total_q)`` LSE and Δ as flat rows for 1-D TMA copies, and their stride:
+    sequence b at ``_aligned_start`` of each row (16-byte aligned), zeros between the sequences (one
+    kernel, no host sync: the starts come from cu_seqlens_q on the device)."""
+    nheads, total_q = lse.shape
+    batch = p.batch
+    width = cdiv(total_q + 3 * batch + 3, 4) * 4  # (past _aligned_start of a sequence after the last)
+    width = max(width, cdiv(block_m, 4) * 4)
+    lse_rows = torch.empty((nheads, width), device=lse.device, dtype=torch.float32)
+    delta_rows = torch.empty_like(lse_rows)
+    block = 256
+    _VARLEN_ROWS(
+        (cdiv(p.seqlen_q + 10, block), nheads, batch),
+        (lse, delta, lse_rows, delta_rows, p.cu_seqlens_q, total_q, width),
+        dict(BLOCK=block),
+        num_warps=4,
+    )
+    return lse_rows.view(-1), delta_rows.view(-1), width
+
+
 def _launch(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, p: AttnParams,
@@ -405,8 +503,8 @@ def _launch(
 ) -> None:  # fmt: skip
     """The kernel alone: adds dQ (softmax_scale applied) into the fp32 ``dq_acc`` (contiguous, shaped as
     q4, zeroed by the caller) and writes dk, dv (contiguous, shaped as k4)."""
-    batch, seqlen_q, nheads, headdim = q4.shape
-    seqlen_k, nheads_k = k4.shape[1], k4.shape[2]
+    headdim = q4.shape[3]
+    nheads, nheads_k = q4.shape[2], k4.shape[2]
     q_layout = _tile_layout(block_m, headdim, q4.dtype)
     kv_layout = _tile_layout(WG_KEYS, headdim, q4.dtype)
     q_desc = TensorDescriptor.from_tensor(_rows(q4), [block_m, headdim], q_layout)
@@ -415,18 +513,28 @@ def _launch(
     v_desc = TensorDescriptor.from_tensor(_rows(v4), [WG_KEYS, headdim], kv_layout)
     dq_desc = TensorDescriptor.from_tensor(_rows(dq_acc), [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
     # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)
-    lse_rows, lse_stride = _lse_rows(lse, block_m, aligned=lse_load == "tma")
-    delta_rows, _ = _lse_rows(delta, block_m, aligned=lse_load == "tma")
+    lse_tma = lse_load != "load"
+    if p.is_varlen:
+        if lse_tma:
+            lse_rows, delta_rows, lse_stride = _varlen_tma_rows(lse, delta, p, block_m)
+        else:
+            lse_rows, delta_rows, lse_stride = lse.view(-1), delta.view(-1), lse.shape[1]
+    else:
+        lse_rows, lse_stride = _lse_rows(lse, block_m, aligned=lse_load == "tma")
+        delta_rows, _ = _lse_rows(delta, block_m, aligned=lse_load == "tma")
     lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], _ROW_LAYOUT)
     delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], _ROW_LAYOUT)
-    grid = (cdiv(seqlen_k, 2 * WG_KEYS), nheads_k, batch)
-    _bwd_kernel[grid](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
-        dq_acc.stride(0), dq_acc.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, lse_stride, p.softmax_scale * LOG2E, p.softmax_scale,
-        STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, LSE_TMA=lse_load != "load", num_warps=4,
+    cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse_rows, lse_rows)
+    LAUNCHER(
+        (cdiv(p.seqlen_k, 2 * WG_KEYS), nheads_k, p.batch),
+        (
+            q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
+            cu_q, cu_k, dq_acc.stride(1), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
+            nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, lse_stride, p.softmax_scale * LOG2E,
+            p.softmax_scale,
+        ),
+        dict(STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, LSE_TMA=lse_tma, VARLEN=p.is_varlen),
+        num_warps=4,
         maxnreg=168,
     )  # fmt: skip
 
@@ -434,3 +542,6 @@ def _launch(
 def _dq_layout(rows: int, headdim: int):
     """The shared-memory layout of an fp32 ``rows × headdim`` dQ staging tile."""
     return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.float32)
+
+
+LAUNCHER = Launcher(_bwd_kernel)  # (kernels.launch: the build chosen once per launch key)
