@@ -5,8 +5,9 @@ index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block tables) whos
 cannot see without a device sync. By default their kernels check those values where they load them:
 the first value out of range a kernel finds goes into its device's *error record*, eight int64 words
 (``params.RECORD_WORDS``; a compare-and-swap on the code word claims it, the code is written last) on
-the device, which each checked call copies into pinned host memory behind its kernels (an asynchronous
-copy), where the host reads it as plain memory, without a sync. Every call that could record one first
+the device, which each checked call brings into pinned host memory behind its kernels (its last kernel
+stores the words there, or an asynchronous copy: ``mirror_target``), where the host reads it as plain
+memory, without a sync. Every call that could record one first
 looks at its device's record: an error found in an earlier call is cleared and raised, as
 ``InvalidArgument`` with the words of the host-side check (``checks.index_message``), before the call
 does anything. ``check_errors`` synchronises the device and raises a pending error: call it where you
@@ -74,9 +75,15 @@ class _Record:
 
     def clear(self, device: torch.device) -> None:
         if self.copied:  # (copies still in flight would bring the error back)
-            torch.cuda.synchronize(device)
+            _settle(device)
             self.tensor.zero_()
         self.words[0] = 0
+
+
+def _settle(device: torch.device) -> None:
+    """Waits for the kernels queued on ``device`` (nothing to wait for off CUDA: the interpreter's ran)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 _RECORDS: dict[torch.device, _Record] = {}
@@ -103,6 +110,14 @@ def record(device: torch.device) -> torch.Tensor:
     return rec.tensor
 
 
+def mirror_target(device: torch.device) -> torch.Tensor | None:
+    """Where a checked call's kernels copy the error record of ``device`` behind their work (``record``
+    first): its pinned host words, which the last kernel of the call may write with plain stores, or None
+    where the kernels write host memory directly (nothing to copy)."""
+    rec = _RECORDS.get(device)
+    return rec.host if rec is not None and rec.copied else None
+
+
 def mirror(device: torch.device) -> None:
     """After a checked call: where the kernels write a device tensor (not ``ZERO_COPY``), its copy into
     pinned memory, queued behind them."""
@@ -120,7 +135,11 @@ def raise_pending(device: torch.device, when: str = "this call did not run") -> 
 
 
 def _take(rec: _Record, device: torch.device, when: str) -> checks.InvalidArgument:
-    code, call, b, j, value, bound, extra, _ = rec.words[:]
+    if rec.copied:  # (the host copy may hold the code before the other words: read the device's words)
+        _settle(device)
+        code, call, b, j, value, bound, extra, _ = rec.tensor.tolist()
+    else:
+        code, call, b, j, value, bound, extra, _ = rec.words[:]
     rec.clear(device)  # (a kernel still running may record another error: raised by a later call)
     name, seqlens_name = _CALLS.get(call, ("a KV-cache call", "cache_seqlens"))
     message = checks.index_message(code, b, j, value, bound, extra, seqlens_name)
@@ -158,6 +177,5 @@ def check_errors(device: torch.device | str | int | None = None) -> None:
     for d in devices:
         if d not in _RECORDS:
             continue
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
+        _settle(d)
         raise_pending(d, "raised by tileattn.check_errors()")

@@ -153,7 +153,7 @@ def flash_attn_with_kvcache(
     elif direct:  # an eager call of a known signature: the launches of the last such call, where they apply
         replayed = ops.replay_kvcache(
             call.plans, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, *call.descales(k_descale, v_descale),
+            alibi_slopes, *call.descales(k_descale, v_descale), return_softmax_lse,
         )  # fmt: skip
         if replayed is not None:
             return replayed if return_softmax_lse else replayed[0]

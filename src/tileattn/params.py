@@ -373,6 +373,10 @@ class CacheLayout:
     v_descale: torch.Tensor | None = None
     record: torch.Tensor | None = None
     call: int = 0
+    # the record's pinned host copy (``errors.mirror_target``), into which the attention step copies the
+    # record behind its kernels (``kernels.decode.plan.Step``), or None: the kernels write host memory, or
+    # the caller copies it
+    mirror: torch.Tensor | None = None
     # the eager API may replay this call's planned step for later calls with the same metadata, without
     # its checks (``REPLAY``, ``ops.kvcache.replay_kvcache``): no append, no rotary, a tensor
     # cache_seqlens, the arguments used as given, the values checked in the kernels (``record``)

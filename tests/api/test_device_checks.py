@@ -15,7 +15,7 @@ import torch
 import tileattn
 from helpers import check_refused
 from kvcache_cases import F16, _check_case, _kernel_device
-from tileattn import errors, mla
+from tileattn import errors, mla, params
 from tileattn.kernels import configs
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
@@ -222,23 +222,48 @@ def test_valid_calls_whose_kernels_check(device, case, layout, num_splits):
         tileattn.check_errors()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the record's copy mode is for CUDA devices")
-def test_record_copied_from_the_device(monkeypatch):
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_record_copied_from_the_device(device, num_splits, monkeypatch):
     """With errors.ZERO_COPY off (the default; also where the driver does not map pinned memory), the
-    record lives on the device and each checked call queues its copy into pinned memory: errors are
-    raised the same way."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    record lives on the device and each checked call brings it into pinned memory behind its kernels:
+    the combine of a split call stores the words there itself (its plan says so), a call without one
+    queues a copy. Errors are raised the same way. (Under the interpreter the record is put in that mode
+    by hand: its device words a tensor apart from the host's.)"""
+    from tileattn import kvcache
+    from tileattn.kernels.decode import plan
+
+    key = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     monkeypatch.setattr(errors, "ZERO_COPY", False)
-    monkeypatch.setitem(errors._RECORDS, device, errors._Record(device))
-    assert errors._RECORDS[device].copied
-    args = _bad_call("cuda", {"cache_seqlens": [3, 12]}, False)
-    tileattn.flash_attn_with_kvcache(**args)
-    check_refused(tileattn.check_errors, tileattn.InvalidArgument, ["cache_seqlens[1] + seqlen_new = 12 + 1"])
-    tileattn.flash_attn_with_kvcache(**args)
-    torch.cuda.synchronize()
-    check_refused(lambda: _valid_call(args), tileattn.InvalidArgument, ["12 + 1", "did not run"])
-    _valid_call(args)
-    tileattn.check_errors()
+    rec = errors._Record(key)
+    if device != "cuda":
+        rec.copied, rec.tensor = True, torch.zeros_like(rec.host)
+    monkeypatch.setitem(errors._RECORDS, key, rec)
+    assert rec.copied and rec.tensor.data_ptr() != rec.host.data_ptr()
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 1, 4, 16, dtype=F16, generator=gen).to(device)
+    kc, vc = (torch.randn(2, 300, 2, 16, dtype=F16, generator=gen).to(device) for _ in range(2))  # 3+ key tiles
+
+    def call(lengths):
+        seqlens = torch.tensor(lengths, dtype=I32, device=device)
+        return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=num_splits)
+
+    words = ["cache_seqlens[1] + seqlen_new = 301 + 0", "capacity 300"]
+    kvcache.calls.clear()
+    with _checks(device, False):
+        call([3, 301])
+        _settled(device)
+        assert rec.words[0] == params.ERR_SEQLENS_CAPACITY, "the host copy holds the error"
+        (call_,) = kvcache.calls.values()
+        assert [merge is not None and merge.constexprs["MIRROR"] for _, merge in plan.plans_in(call_.plans)] == [
+            num_splits > 1
+        ]
+        check_refused(tileattn.check_errors, tileattn.InvalidArgument, words)
+        assert rec.words[0] == 0 and not rec.tensor.any()
+        call([3, 301])  # (replayed)
+        _settled(device)
+        check_refused(lambda: call([3, 300]), tileattn.InvalidArgument, [*words, "did not run"])
+        call([3, 300])
+        tileattn.check_errors()
 
 
 def test_sync_checks_from_the_environment():
@@ -253,21 +278,22 @@ def test_eager_decode_replays_the_launches_of_its_signature(device, monkeypatch)
     """An eager decode step whose values the kernels check (no append, no rotary, a tensor cache_seqlens, its
     arguments as given) runs the last such call's launches when it has the same signature: no checks and no
     planning on the host, each call's own tensors and values, exact; a bad value is still recorded by the
-    kernels and raised by the next call. Not under other settings, nor for a call whose arguments needed a
-    copy (a strided alibi_slopes)."""
+    kernels and raised by the next call. The partials (and an LSE not asked for) go to one scratch buffer per
+    stream, which every replayed call reuses; an LSE asked for is the host path's. Not under other settings,
+    nor for a call whose arguments needed a copy (a strided alibi_slopes)."""
     from tileattn import kvcache
     from tileattn.ops import kvcache as ops
     from tileattn.params import REPLAY
 
     gen = torch.Generator().manual_seed(1)
-    kc, vc = (torch.randn(2, 40, 2, 16, dtype=F16, generator=gen).to(device) for _ in range(2))
+    kc, vc = (torch.randn(2, 300, 2, 16, dtype=F16, generator=gen).to(device) for _ in range(2))  # (3+ tiles)
     slopes = torch.rand(8, generator=gen).to(device)[::2]  # (strided: the call copies it)
 
     def step(lengths, **extra):
         q = torch.randn(2, 1, 4, 16, dtype=F16, generator=gen).to(device)
         seqlens = torch.tensor(lengths, dtype=I32, device=device)  # a new tensor every step
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=2, **extra)
-        keys = torch.arange(40, device=device)[None] < seqlens[:, None].long()
+        keys = torch.arange(300, device=device)[None] < seqlens[:, None].long()
         ref, lowp = (
             attention_ref(q, kc, vc, key_padding_mask=keys, upcast=up, **extra)[0] for up in (torch.float64, False)
         )
@@ -281,22 +307,30 @@ def test_eager_decode_replays_the_launches_of_its_signature(device, monkeypatch)
         step([30, 7])
         (call,) = kvcache.calls.values()
         assert REPLAY in call.plans and len(calls) == 1
-        for lengths in ([31, 8], [1, 40], [17, 17]):
+        for lengths in ([31, 8], [1, 300], [170, 17]):
             step(lengths)
         assert len(calls) == 1, "a step of the same signature ran the host path"
-        bad = torch.tensor([3, 41], dtype=I32, device=device)
+        assert call.plans[REPLAY][1].split_at and len(call.plans[REPLAY][1].scratch) == 1
+        q = torch.randn(2, 1, 4, 16, dtype=F16, generator=gen).to(device)
+        lse_call = lambda: tileattn.flash_attn_with_kvcache(  # noqa: E731
+            q, kc, vc, cache_seqlens=torch.tensor([30, 250], dtype=I32, device=device), num_splits=2,
+            return_softmax_lse=True,
+        )  # fmt: skip
+        first, again = lse_call(), lse_call()  # (the host path, then its replay)
+        assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
+        bad = torch.tensor([3, 301], dtype=I32, device=device)
         q = torch.zeros(2, 1, 4, 16, dtype=F16, device=device)
         tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=bad, num_splits=2)  # (replayed: returns)
         _settled(device)
-        check_refused(lambda: step([5, 5]), tileattn.InvalidArgument, ["cache_seqlens", "41", "earlier"])
+        check_refused(lambda: step([5, 5]), tileattn.InvalidArgument, ["cache_seqlens", "301", "earlier"])
         step([5, 5])
         kvcache.calls.clear()
         step([9, 9], alibi_slopes=slopes)
         step([9, 9], alibi_slopes=slopes)
-        assert len(calls) == 3 and all(REPLAY not in c.plans for c in kvcache.calls.values())
+        assert len(calls) == 4 and all(REPLAY not in c.plans for c in kvcache.calls.values())
         step([9, 9], alibi_slopes=slopes.contiguous())
         step([9, 9], alibi_slopes=slopes.contiguous())
-        assert len(calls) == 4
+        assert len(calls) == 5
     with _checks(device, True):  # other settings: the host path (and its checks)
         step([30, 7])
-    assert len(calls) == 5
+    assert len(calls) == 6

@@ -145,16 +145,17 @@ def fwd_kvcache_impl(
             v_descale=v_descale,
             record=record,
             call=CALL_KVCACHE,
+            mirror=errors.mirror_target(device) if record is not None else None,
             # (a later call of this signature runs this one's launches: nothing it depends on but the
             # settings, which replay_kvcache compares, may differ)
             replay=replay and record is not None and k is None and rotary is None and seqlens_value is None,
         )
         if q.numel() == 0:
             out, lse = torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(q).fill_(float("inf"))
-        else:
+            if record is not None:  # (the append's record: no attention step brings it to the host)
+                errors.mirror(device)
+        else:  # (its step brings the record to the host, c.mirror)
             out, lse = impl.attn_fwd_kvcache(q, k_cache, v_cache, p, c, settings)
-        if record is not None:
-            errors.mirror(device)
     return out.contiguous(), lse
 
 
@@ -170,28 +171,30 @@ def replay_kvcache(
     alibi_slopes: Tensor | None,
     k_descale: Tensor | None,
     v_descale: Tensor | None,
-) -> tuple[Tensor, Tensor] | None:
+    want_lse: bool,
+) -> tuple[Tensor, Tensor | None] | None:
     """``fwd_kvcache_impl`` for a call whose signature's table ``plans`` holds a replayable step
     (``CacheLayout.replay``: an eager call of this metadata ran with its values checked in the kernels,
     no append, no rotary, a tensor cache_seqlens, its arguments as given): the earlier call's launches
     with this call's tensors, after the pending-error check, or None when the step does not apply (no
-    step, other settings now, or a CUDA graph capture). The API's call key (``kvcache._call_key``)
-    guarantees the rest: the same shapes, strides, dtypes, devices, alignments and options."""
+    step, other settings now, a step planned for the other way of bringing the error record to the host,
+    ``errors.mirror_target``, or a CUDA graph capture). The API's call key (``kvcache._call_key``)
+    guarantees the rest: the same shapes, strides, dtypes, devices, alignments and options. Returns
+    ``(out, lse)``, lse None unless ``want_lse`` (``Step.replay``)."""
     entry = plans.get(REPLAY)
     if entry is None:
         return None
     settings, step = entry
     device = q.device
-    if configs.current(device) is not settings or backend.capturing(device):
+    mirror = errors.mirror_target(device)
+    if configs.current(device) is not settings or step.to_host != (mirror is not None) or backend.capturing(device):
         return None
     errors.raise_pending(device)
     with backend.on_device(q):
-        out, lse = step(
-            q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx, block_table, None, None, k_descale,
-            v_descale, alibi_slopes, errors.record(device),
+        return step.replay(
+            q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx, block_table, k_descale, v_descale,
+            alibi_slopes, errors.record(device), mirror, want_lse,
         )  # fmt: skip
-        errors.mirror(device)
-    return out, lse
 
 
 def _op_prototype():
@@ -284,12 +287,15 @@ def fwd_paged_varlen_impl(
     if q.numel() == 0 or batch == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(p.as_4d(q)).fill_(float("inf"))
     c = CacheLayout(
-        seqlens_k=seqlens, block_table=block_table, max_seqlen_k=longest, record=record, call=CALL_PAGED_VARLEN
+        seqlens_k=seqlens,
+        block_table=block_table,
+        max_seqlen_k=longest,
+        record=record,
+        call=CALL_PAGED_VARLEN,
+        mirror=errors.mirror_target(device) if record is not None else None,
     )
-    with backend.on_device(q):
+    with backend.on_device(q):  # (the step brings the record to the host, c.mirror)
         out, lse = impl.attn_fwd_kvcache(q, k, v, p, c, settings)
-        if record is not None:
-            errors.mirror(device)
     return out.contiguous(), lse
 
 

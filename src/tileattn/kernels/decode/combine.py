@@ -1,7 +1,8 @@
 """The combine of split-KV decoding: ``_combine`` merges the split kernel's partial outputs and LSEs into
-the output and its LSE, weighting each split by ``exp(lse_split - lse)``. On sm90+ it runs as a
-programmatic dependent launch of the split kernel (``DecodeSettings.pdl``): its programs start while
-the split kernel runs and wait for its writes. ``combine_tiles`` sizes its loads.
+the output and its LSE, weighting each split by ``exp(lse_split - lse)``, and may bring the error record
+to the host behind the call's kernels (``MIRROR``). On sm90+ it runs as a programmatic dependent launch
+of the split kernel (``DecodeSettings.pdl``): its programs start while the split kernel runs and wait for
+its writes. ``combine_tiles`` sizes its loads.
 """
 
 from __future__ import annotations
@@ -9,18 +10,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tileattn import params
 from tileattn.kernels.launch import Launcher
 from tileattn.params import DecodeSettings, next_power_of_2
+
+RECORD_WORDS = tl.constexpr(params.RECORD_WORDS)
 
 
 @triton.jit
 def _combine(
-    OutP, LseP, Out, Lse, SplitOffsets,
+    OutP, LseP, Out, Lse, SplitOffsets, Record, Mirror,
     stride_ps, stride_ls,
     n_rows, nheads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr, MIRROR: tl.constexpr,
 ):  # fmt: skip
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
     HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
@@ -31,9 +35,17 @@ def _combine(
     ``s * stride_ls`` (LSE) from b's rows, unless VAR_SPLITS: then sequence b has the partial slots
     ``SplitOffsets[b] ... SplitOffsets[b + 1] - 1`` (int32 prefix sums; ``num_splits`` bounds their
     count), slot j's partials at ``j * stride_ps`` / ``j * stride_ls`` laid out like one sequence of
-    the output / LSE, and sequences of one split, which the split kernel wrote whole, are skipped."""
+    the output / LSE, and sequences of one split, which the split kernel wrote whole, are skipped.
+
+    MIRROR: program 0 also copies the device's error record ``Record`` (``RECORD_WORDS`` int64 words, final
+    once the kernels before this one have run) into ``Mirror``, its pinned host copy (plain stores into
+    host memory the device addresses, no atomics), in place of an asynchronous copy after the call."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    if MIRROR:
+        if tl.program_id(0) == 0:
+            words = tl.arange(0, RECORD_WORDS)
+            tl.store(Mirror + words, tl.load(Record + words))
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < n_rows
     offs_s = tl.arange(0, SPLITS_PAD)

@@ -368,7 +368,8 @@ def mla_fwd(
     block_r, chunk_s = combine.combine_tiles(num_parts + 1, head_dim_v, s.decode)
     combine.LAUNCHER(
         (cdiv(n_rows, block_r), 1, 1),
-        (out_p, lse_p, out, lse, num_splits, per_slot * head_dim_v, per_slot, n_rows, nheads, seqlen_q, num_parts + 1),
+        (out_p, lse_p, out, lse, num_splits, lse, lse)
+        + (per_slot * head_dim_v, per_slot, n_rows, nheads, seqlen_q, num_parts + 1),
         {
             "HEAD_DIM": head_dim_v,
             "BLOCK_D": head_dim_v,
@@ -377,6 +378,7 @@ def mla_fwd(
             "CHUNK": chunk_s,
             "USE_PDL": pdl,
             "VAR_SPLITS": True,
+            "MIRROR": False,  # (ops.mla copies the record after the call)
         },
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),

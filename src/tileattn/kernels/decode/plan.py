@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import triton.language as tl
+from triton.runtime import driver
 
 from tileattn.kernels import common
 from tileattn.kernels.decode import combine, paging, split
@@ -291,6 +292,7 @@ def plan_launches(
             "CHUNK": chunk,
             "USE_PDL": pdl,
             "VAR_SPLITS": False,
+            "MIRROR": c.record is not None and c.mirror is not None,
         },
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
@@ -333,8 +335,8 @@ def attn_fwd_kvcache(
 
     With ``c.plans`` (the API's table for calls whose arguments have the same shapes, strides, dtypes,
     devices, alignments and options as this one) the launches are planned once per decode settings,
-    split count, key tiles per program and whether the kernel checks index values (``c.record``): later
-    calls only allocate the outputs and launch."""
+    split count, key tiles per program, and whether the kernels check index values (``c.record``) and
+    copy the error record to the host (``c.mirror``): later calls only allocate the outputs and launch."""
     q4 = p.as_4d(q)
     table = c.plans
     base = None
@@ -346,7 +348,7 @@ def attn_fwd_kvcache(
         if table is not None:
             remember_plan(table, key, base)
     num_splits, tiles = base.splits(p, c)
-    checked = c.call if c.record is not None else 0
+    checked = (c.call, c.mirror is not None) if c.record is not None else 0
     step = base.plans.get((num_splits, tiles, checked))
     if step is None:
         step = Step(base, q, k_cache, v_cache, p, c, num_splits, tiles)
@@ -368,16 +370,26 @@ def attn_fwd_kvcache(
         c.v_descale,
         p.alibi_slopes,
         c.record,
+        c.mirror,
     )
+
+
+_FLAT = torch.contiguous_format  # (empty_like with it: a third of the host time of empty(shape, ...))
 
 
 class Step:
     """What a call with planned launches does: allocate the outputs, launch the split kernel and the
     combine. Built once per call signature, settings, split count and key tiles per program
     (``attn_fwd_kvcache``); ``step(q, k_cache, v_cache, seqlens_k, ...)`` with the tensors of a call of
-    that signature (``CacheLayout``'s, None where the call has none) returns ``(out, lse)``."""
+    that signature (``CacheLayout``'s, None where the call has none) returns ``(out, lse)``. A step planned
+    for a ``CacheLayout.mirror`` (``to_host``) takes the error record and its host copy ``mirror`` and
+    copies the record into it behind its kernels: the combine's first program does, else an asynchronous
+    copy. ``replay`` is the eager API's call of a step (``ops.kvcache.replay_kvcache``)."""
 
-    __slots__ = ("launches", "attn", "merge", "varlen", "lse_shape", "split_at", "split_size")
+    __slots__ = (
+        "launches", "attn", "merge", "to_host", "varlen", "lse_shape", "lse_size", "split_at", "split_size",
+        "lse_at", "scratch",
+    )  # fmt: skip
 
     def __init__(self, base: Base, q, k_cache, v_cache, p: AttnParams, c: CacheLayout, num_splits: int, tiles: int):
         q4 = p.as_4d(q)
@@ -385,22 +397,66 @@ class Step:
         lse = torch.empty(base.lse_shape, device=q.device, dtype=torch.float32)
         self.launches = plan_launches(base, q4, k_cache, v_cache, p.as_4d(out), lse, p, c, num_splits, tiles)
         self.attn, self.merge = self.launches
-        self.varlen, self.lse_shape = p.is_varlen, base.lse_shape
+        self.to_host = c.record is not None and c.mirror is not None  # (the call gives both: plan's key)
+        self.varlen, self.lse_shape, self.lse_size = p.is_varlen, base.lse_shape, lse.numel()
         # with splits, the partial LSEs then (16-byte aligned) the partial outputs: one allocation
         self.split_at = cdiv(num_splits * lse.numel(), 4) * 4 if num_splits > 1 else 0
         self.split_size = self.split_at + num_splits * out.numel()
+        self.lse_at = cdiv(self.split_size, 4) * 4  # (16-byte aligned, as the plan's own LSE was)
+        self.scratch: dict[int, torch.Tensor] = {}  # replay's partials (and unwanted LSE), by CUDA stream
 
     def __call__(
         self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q, q_rotary, k_descale,
-        v_descale, alibi_slopes, record,
+        v_descale, alibi_slopes, record, mirror=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         device = q.device
-        out = torch.empty(q.shape, device=device, dtype=q.dtype)  # contiguous: _combine addresses it flat
+        out = torch.empty_like(q, memory_format=_FLAT)  # contiguous: _combine addresses it flat
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
-        q4, o4 = (q.unsqueeze(0), out.unsqueeze(0)) if self.varlen else (q, out)
+        partials = torch.empty(self.split_size, device=device, dtype=torch.float32) if self.split_at else None
+        self._launch(
+            q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q,
+            q_rotary, k_descale, v_descale, alibi_slopes, record, mirror,
+        )  # fmt: skip
+        return out, lse
+
+    def replay(
+        self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, k_descale, v_descale, alibi_slopes,
+        record, mirror, want_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """An eager call (not under graph capture) on the current CUDA stream (or the interpreter): one
+        allocation, the output.
+        With splits, the partials, and the LSE unless ``want_lse``, go to this step's scratch buffer for
+        the stream, which its calls on the stream reuse: each call's kernels run after the last call's
+        combine has read it (stream order; a split kernel launched as a programmatic dependent touches
+        no memory before the kernel ahead has ended). Returns ``(out, lse or None)``."""
+        device = q.device
+        out = torch.empty_like(q, memory_format=_FLAT)
+        partials = None
         if self.split_at:
-            l_target = torch.empty(self.split_size, device=device, dtype=torch.float32)
-            o_target = l_target[self.split_at :]
+            stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+            partials = self.scratch.get(stream)
+            if partials is None:
+                size = self.lse_at + self.lse_size
+                partials = self.scratch[stream] = torch.empty(size, device=device, dtype=torch.float32)
+        if want_lse or partials is None:
+            lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
+        else:
+            lse = partials[self.lse_at :].view(self.lse_shape)
+        self._launch(
+            q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, None, None,
+            k_descale, v_descale, alibi_slopes, record, mirror,
+        )  # fmt: skip
+        return out, lse if want_lse else None
+
+    def _launch(
+        self, q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q,
+        q_rotary, k_descale, v_descale, alibi_slopes, record, mirror,
+    ) -> None:  # fmt: skip
+        """The launches into ``out`` and ``lse`` (``partials``: the split kernel's fp32 buffer of at least
+        ``split_size``, or None without splits)."""
+        q4, o4 = (q.unsqueeze(0), out.unsqueeze(0)) if self.varlen else (q, out)
+        if partials is not None:
+            o_target, l_target = partials[self.split_at : self.split_size], partials
         else:
             o_target, l_target = o4, lse
         self.attn(
@@ -422,5 +478,6 @@ class Step:
             )
         )
         if self.merge is not None:
-            self.merge((o_target, l_target, o4, lse, lse))
-        return out, lse
+            self.merge((o_target, l_target, o4, lse, lse, *((record, mirror) if self.to_host else (lse, lse))))
+        elif self.to_host:
+            mirror.copy_(record, non_blocking=True)
