@@ -277,6 +277,7 @@ def test_host_on_the_cpu_path():
         ("training", "sdpa fwd+bwd"),
         ("training", "sdpa fwd+bwd p=0.1"),
         ("decode", "tileattn"),
+        ("decode", "tileattn, new cache_seqlens"),
         ("decode", "tileattn paged16"),
         ("decode", "tileattn append"),
         ("decode", "sdpa"),

@@ -2,8 +2,9 @@
 
 Two launch-bound shapes: one layer of BERT-large's attention (8 × 512 tokens, 16 heads of 64; forward,
 forward + backward, with dropout 0.1) and a decode step at 1 × 8k (GQA 32/8, head dim 128: the plain
-call, pages of 16, the append of a new token with rotary), each against SDPA on the same inputs (its
-cuDNN backend for decode). Host time: ``calls`` calls issued right after a synchronize, so the launch
+call, the same with a new cache_seqlens tensor every call as serving loops pass it, pages of 16, the
+append of a new token with rotary), each against SDPA on the same inputs (its cuDNN backend for
+decode). Host time: ``calls`` calls issued right after a synchronize, so the launch
 queue never fills and the clock stops when the host is done issuing; the best of ``rounds`` rounds.
 Device time: CUDA events around the same calls. On CUDA each call is also timed by
 ``triton.testing.do_bench`` (L2 flushed between calls, no graph), which measures the host whenever the
@@ -107,6 +108,12 @@ def decode_cases(device: torch.device, dtype: torch.dtype, shape=DECODE_SHAPE):
             check_close(name, out[:1], ref, attention_ref(qr, kr, vr, upcast=False)[0])
 
         cases[name] = (call, check)
+        if name == "tileattn":  # a serving loop's step: a new cache_seqlens every call, its making included
+
+            def fresh():
+                return tileattn.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens + 0)
+
+            cases["tileattn, new cache_seqlens"] = (fresh, check)
     sdpa = "sdpa cudnn" if device.type == "cuda" else "sdpa"
     cases[sdpa] = (
         lambda: _sdpa(q, kc, vc, cudnn=device.type == "cuda"),
