@@ -1,7 +1,7 @@
 """flash_attn_func and its packed variants against the tests' oracle (tests/oracle.py), forward and backward, on every
 backend (the Triton kernels on the GPU or under the interpreter on CPU, and the CPU path): the features,
-softmax scales of 0 and below, rows that see no key, the LSE, empty and strided inputs, a deterministic
-backward, and on the GPU large shapes."""
+softmax scales of 0 and below, rows that see no key, the LSE, calls without gradients, empty and strided
+inputs, a deterministic backward, and on the GPU large shapes."""
 
 import pytest
 import torch
@@ -140,6 +140,24 @@ def test_lse_matches_reference(backend):
     lowp = oracle.attention(q, k, k, causal=True, precision=None)
     check_lse("lse", lse, ref.lse, lowp.lse)
     check_close("probs", probs.abs(), ref.probs, lowp.probs)
+
+
+def test_calls_without_gradients(backend):
+    """A call that no gradient can reach (no input requires one, or under no_grad / inference_mode) makes no
+    autograd node and returns what the grad-tracking call returns, bit for bit; the grad-tracking call
+    keeps its node."""
+    ctx, device = on(backend)
+    q, k, v = (randn(2, 45, 4, 64, dtype=torch.float16, device=device) for _ in range(3))
+    with ctx:
+        tracked = tileattn.flash_attn_func(*(t.detach().requires_grad_() for t in (q, k, v)), causal=True)
+        plain = tileattn.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
+        with torch.no_grad():
+            no_grad = tileattn.flash_attn_func(q, k, v, causal=True)
+        with torch.inference_mode():
+            inference = tileattn.flash_attn_func(q, k, v, causal=True)
+    assert tracked.grad_fn is not None
+    for out in (plain, no_grad, inference):
+        assert out.grad_fn is None and not out.requires_grad and torch.equal(out, tracked.detach())
 
 
 def test_empty_inputs(backend):

@@ -153,7 +153,8 @@ def forward_impl(
     if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key
         out[tokens_q:] = 0
         lse[:, tokens_q:] = float("inf")
-    return _like(out, q), lse, torch.tensor([seed, 0], dtype=torch.int64)
+    rng_state = torch.tensor([seed, 0], dtype=torch.int64) if seed else torch.zeros(2, dtype=torch.int64)
+    return _like(out, q), lse, rng_state
 
 
 def _out_dtype(q: Tensor) -> torch.dtype:
@@ -316,9 +317,13 @@ def op_options(p: AttnParams) -> tuple:
 
 def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, softmax_lse, rng_state)`` from ``tileattn::fwd``, which carries the autograd, or in eager
-    mode on plain tensors the same implementation without the op's dispatch (``backend.direct``)."""
-    op = EagerAttention.apply if backend.direct(q, k, v) else torch.ops.tileattn.fwd
-    return op(q, k, v, *op_options(p))
+    mode on plain tensors the same implementation without the op's dispatch (``backend.direct``): through
+    ``EagerAttention`` where a gradient may be asked for, else directly."""
+    if not backend.direct(q, k, v):
+        return torch.ops.tileattn.fwd(q, k, v, *op_options(p))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return EagerAttention.apply(q, k, v, *op_options(p))
+    return forward_impl(q, k, v, *op_options(p))  # (nothing to differentiate: no autograd node to make)
 
 
 def backward(
