@@ -37,6 +37,8 @@ a packed batch's sequences start anywhere, so theirs are copied to aligned start
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -539,8 +541,10 @@ def _launch(
     )  # fmt: skip
 
 
+@functools.cache
 def _dq_layout(rows: int, headdim: int):
-    """The shared-memory layout of an fp32 ``rows × headdim`` dQ staging tile."""
+    """The shared-memory layout of an fp32 ``rows × headdim`` dQ staging tile (made once: ~7 µs of host
+    time a call otherwise)."""
     return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.float32)
 
 
