@@ -423,12 +423,11 @@ class Step:
         self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, k_descale, v_descale, alibi_slopes,
         record, mirror, want_lse: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """An eager call (not under graph capture) on the current CUDA stream (or the interpreter): one
-        allocation, the output.
-        With splits, the partials, and the LSE unless ``want_lse``, go to this step's scratch buffer for
-        the stream, which its calls on the stream reuse: each call's kernels run after the last call's
-        combine has read it (stream order; a split kernel launched as a programmatic dependent touches
-        no memory before the kernel ahead has ended). Returns ``(out, lse or None)``."""
+        """An eager call (not under graph capture) on the current CUDA stream (or the interpreter) with one
+        allocation, the output. With splits, the partials, and the LSE unless ``want_lse``, go to this
+        step's scratch buffer for the stream, which its calls on the stream reuse: each call's kernels run
+        after the last call's combine has read it (stream order; a split kernel launched as a programmatic
+        dependent touches no memory before the kernel ahead has ended). Returns ``(out, lse or None)``."""
         device = q.device
         out = torch.empty_like(q, memory_format=_FLAT)
         partials = None
