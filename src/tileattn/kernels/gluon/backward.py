@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import LOG2E, _rows, _tile_layout, plain_dense
+from tileattn.kernels.gluon.forward import LOG2E, _rows, _tile_layout, plain_attention
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
@@ -405,7 +405,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Te
     """Whether the Gluon backward computes this call: sm90, plain attention (causal or not; no dropout,
     window, ALiBi, softcap, FlashMask, FP8), dense or varlen, not ``deterministic``, bf16/fp16, head dim
     64 or 128, q, k, v and dO (4-D: varlen as one batch of packed rows) with TMA-readable rows."""
-    if p.deterministic or not plain_dense(q4, p, HEAD_DIMS, varlen=True):
+    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, varlen=True):
         return False
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return False
@@ -484,13 +484,16 @@ def _varlen_tma_rows(
     kernel, no host sync: the starts come from cu_seqlens_q on the device)."""
     nheads, total_q = lse.shape
     batch = p.batch
-    width = cdiv(total_q + 3 * batch + 3, 4) * 4  # (past _aligned_start of a sequence after the last)
-    width = max(width, cdiv(block_m, 4) * 4)
+    # past _aligned_start of a sequence after the last, and at least one tile's copy (block_m: 64 or 128)
+    width = max(cdiv(total_q + 3 * batch + 3, 4) * 4, block_m)
     lse_rows = torch.empty((nheads, width), device=lse.device, dtype=torch.float32)
     delta_rows = torch.empty_like(lse_rows)
     block = 256
+    # what one sequence's programs write, from its start to the next one's (the last: to the rows' end):
+    # its rows and at most 9 of padding, or at most the rows' minimum width
+    span = max(p.seqlen_q + 9, block_m)
     _VARLEN_ROWS(
-        (cdiv(p.seqlen_q + 10, block), nheads, batch),
+        (cdiv(span, block), nheads, batch),
         (lse, delta, lse_rows, delta_rows, p.cu_seqlens_q, total_q, width),
         dict(BLOCK=block),
         num_warps=4,

@@ -284,7 +284,7 @@ def _rows(t4: torch.Tensor) -> torch.Tensor | None:
     return t4.as_strided((b * s, h * d), (st[1], 1))
 
 
-def plain_dense(q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False) -> bool:
+def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False) -> bool:
     """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention, causal
     or not (no FP8, dropout, softcap, ALiBi, FlashMask or window), dense (or varlen where ``varlen``),
     bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw products in the
@@ -309,7 +309,7 @@ def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
-    if not plain_dense(q4, p, HEAD_DIMS):
+    if not plain_attention(q4, p, HEAD_DIMS):
         return None
     rows = (_rows(q4), _rows(k4), _rows(v4))
     return None if None in rows else rows
