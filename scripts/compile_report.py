@@ -271,9 +271,10 @@ def _warp_specialization(ptx: str) -> dict:
     )
 
 
-def compile_gluon(headdim: int, causal: bool, **options) -> dict:
-    """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, with ``options`` (block_n,
-    stages; the settings table's entry by default): its resources, and from the PTX
+def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
+    """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
+    with a sliding ``window`` (flash_attn's window_size),
+    ``options`` (block_n, stages; the settings table's entry by default): its resources, and from the PTX
     the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper
@@ -281,10 +282,17 @@ def compile_gluon(headdim: int, causal: bool, **options) -> dict:
 
     batch, seqlen, nheads = 2, 1024, 2048 // headdim
     q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
+    cu = None
+    if varlen:  # the same rows as one packed batch of two sequences
+        q = q.view(1, batch * seqlen, nheads, headdim)
+        cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
     cfg = configs.HOPPER.fwd_gluon.get(headdim)
     if cfg is not None:
         options = dict(dict(block_n=cfg.block_n, stages=cfg.num_stages), **options)
-    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    p = AttnParams(
+        batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
+        window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,
+    )  # fmt: skip
     hopper.attn_fwd(q, q, q, p, programs=132, **options)  # (the H200's SMs: the grid, not the build)
     name, kernel, kw = _LAUNCHES.pop()
     _LAUNCHES.clear()
@@ -293,14 +301,17 @@ def compile_gluon(headdim: int, causal: bool, **options) -> dict:
         kernel=name,
         headdim=headdim,
         causal=causal,
+        varlen=varlen,
+        window=window,
         options=options,
         **_warp_specialization(ptx),
         **resources(kernel),
     )
 
 
-def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, **options) -> dict:
-    """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, dense or ``varlen``, with
+def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
+    """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, dense or ``varlen``, causal
+    or with a sliding ``window`` (flash_attn's window_size),
     ``options`` (block_m, stages, dq_tma; the launcher's defaults, else the settings table's entry): its
     resources, and from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and
     its dQ reduce-adds."""
@@ -319,8 +330,8 @@ def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, **option
     if cfg is not None:
         options = dict(hopper.config_options(cfg), **options)
     p = AttnParams(
-        batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0 if causal else -1, cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
+        batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
+        window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,
     )  # fmt: skip
     hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
     name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")
@@ -331,6 +342,7 @@ def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, **option
         headdim=headdim,
         causal=causal,
         varlen=varlen,
+        window=window,
         options=options,
         **_warp_specialization(ptx),
         tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),

@@ -3,10 +3,11 @@
 1. GPT-2 small (124M, random init) training steps at seqlen 1k / 2k / 4k / 8k, batch · seqlen = 16k
    tokens, bf16 autocast, AdamW: tokens/s and peak memory with eager attention, SDPA and tileattn
    (Hugging Face transformers, attn_implementation = "eager" / "sdpa" / "tileattn").
-2. BERT-large training step (masked LM) at seqlen 512.
-3. Attention alone (forward + backward): peak memory against seqlen up to the longest each
+2. A Llama-style model (grouped-query attention, no dropout) the same way, SDPA and tileattn.
+3. BERT-large training step (masked LM) at seqlen 512.
+4. Attention alone (forward + backward): peak memory against seqlen up to the longest each
    implementation fits.
-4. The longest single sequence one GPT-2-small training step fits on the GPU, eager vs tileattn.
+5. The longest single sequence one GPT-2-small training step fits on the GPU, eager vs tileattn.
 
 Writes ``results.json``, ``paper.md`` (tables) and PNG plots into --out.
 
@@ -87,30 +88,63 @@ def gpt2(impl: str, n_positions: int, smoke: bool, attn_pdrop: float | None = No
     return GPT2LMHeadModel(cfg).to(dtype=torch.float32), cfg, impl
 
 
-def run_gpt2(args, device):
+def llama(smoke: bool):
+    """A Llama-style decoder (rotary, RMSNorm, SwiGLU, no dropout) with grouped-query attention, 4 query
+    heads per KV head at head dim 128: 8 layers 2048 wide (about 0.5B parameters with the embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if smoke:
+        cfg = LlamaConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192,
+        )  # fmt: skip
+    else:
+        cfg = LlamaConfig(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+            num_key_value_heads=4, max_position_embeddings=8192,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype=torch.float32)
+
+
+def _run_lm(kind: str, make, vocab: int, args, device, impls=IMPLS):
+    """Training steps of a causal LM at each of ``args.gpt2_seqlens`` (batch · seqlen = ``args.tokens``);
+    ``make(seqlen)`` returns the model, ``vocab`` is its vocabulary size."""
     rows = []
     tokens = args.tokens
     for seqlen in args.gpt2_seqlens:
         batch = max(1, tokens // seqlen)
-        for impl in IMPLS:
+        for impl in impls:
 
             def make_model(impl=impl, seqlen=seqlen):
-                model, cfg, _ = gpt2(impl, seqlen, args.smoke, args.attn_dropout)
+                model = make(seqlen)
                 model.config._attn_implementation = impl
                 model.set_attn_implementation(impl)
                 return model
 
             def make_batch(batch=batch, seqlen=seqlen):
-                vocab = 512 if args.smoke else 50257
                 ids = torch.randint(0, vocab, (batch, seqlen), device=device)
                 return {"input_ids": ids, "labels": ids}
 
             t, peak = train_steps(make_model, make_batch, args.steps, args.warmup, device)
-            row = dict(kind="gpt2", impl=impl, seqlen=seqlen, batch=batch, step_s=t, peak_gb=peak)
+            row = dict(kind=kind, impl=impl, seqlen=seqlen, batch=batch, step_s=t, peak_gb=peak)
             row["tokens_per_s"] = batch * seqlen / t if t else None
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def run_gpt2(args, device):
+    def make(seqlen):
+        return gpt2("", seqlen, args.smoke, args.attn_dropout)[0]
+
+    return _run_lm("gpt2", make, 512 if args.smoke else 50257, args, device, impls=args.impls)
+
+
+def run_llama(args, device):
+    make = lambda seqlen: llama(args.smoke)  # noqa: E731
+    impls = [i for i in args.impls if i != "eager"]  # (eager attention at 16 heads runs out of memory from 4k)
+    return _run_lm("llama", make, 512 if args.smoke else 32000, args, device, impls=impls)
 
 
 def run_bert(args, device):
@@ -118,7 +152,7 @@ def run_bert(args, device):
 
     rows = []
     seqlen, batch = (512, args.bert_batch) if not args.smoke else (64, 2)
-    for impl in IMPLS:
+    for impl in args.impls:
 
         def make_model(impl=impl):
             extra = {} if args.attn_dropout is None else {"attention_probs_dropout_prob": args.attn_dropout}
@@ -214,28 +248,32 @@ def _fmt(x, spec):
 
 
 def write_report(rows, out: Path) -> str:
-    lines = ["## GPT-2 small training step (16k tokens/step, bf16 autocast, AdamW)", ""]
-    lines += ["| seqlen × batch | " + " | ".join(f"{i} tok/s (peak GB)" for i in IMPLS) + " | tileattn ÷ SDPA |"]
-    lines += ["|---" * (len(IMPLS) + 2) + "|"]
-    gpt = [r for r in rows if r["kind"] == "gpt2"]
-    for seqlen in dict.fromkeys(r["seqlen"] for r in gpt):
-        by = {r["impl"]: r for r in gpt if r["seqlen"] == seqlen}
-        cells = [f"{_fmt(by[i]['tokens_per_s'], ',.0f')} ({_fmt(by[i]['peak_gb'], '.1f')})" for i in IMPLS]
-        ratio = ""
-        if by["tileattn"]["tokens_per_s"] and by["sdpa"]["tokens_per_s"]:
-            ratio = f"{by['tileattn']['tokens_per_s'] / by['sdpa']['tokens_per_s']:.2f}×"
-        lines.append(f"| {seqlen} × {by['eager']['batch']} | " + " | ".join(cells) + f" | {ratio} |")
+    lines = []
+    titles = {"gpt2": "GPT-2 small", "llama": "Llama-style, GQA 16:4, head dim 128, 8 layers × 2048"}
+    for kind, title in titles.items():
+        lm = [r for r in rows if r["kind"] == kind]
+        if not lm:
+            continue
+        impls = list(dict.fromkeys(r["impl"] for r in lm))
+        lines += [f"## {title} training step (16k tokens/step, bf16 autocast, AdamW)", ""]
+        lines += ["| seqlen × batch | " + " | ".join(f"{i} tok/s (peak GB)" for i in impls) + " | tileattn ÷ SDPA |"]
+        lines += ["|---" * (len(impls) + 2) + "|"]
+        for seqlen in dict.fromkeys(r["seqlen"] for r in lm):
+            by = {r["impl"]: r for r in lm if r["seqlen"] == seqlen}
+            cells = [f"{_fmt(by[i]['tokens_per_s'], ',.0f')} ({_fmt(by[i]['peak_gb'], '.1f')})" for i in impls]
+            ratio = ""
+            if by["tileattn"]["tokens_per_s"] and by["sdpa"]["tokens_per_s"]:
+                ratio = f"{by['tileattn']['tokens_per_s'] / by['sdpa']['tokens_per_s']:.2f}×"
+            lines.append(f"| {seqlen} × {by['sdpa']['batch']} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append("")
     bert = {r["impl"]: r for r in rows if r["kind"] == "bert"}
     if bert:
-        lines += [
-            "",
-            f"## BERT-large training step (seqlen {bert['eager']['seqlen']}, batch {bert['eager']['batch']})",
-            "",
-        ]
-        lines += ["| impl | step ms | peak GB | speed-up vs eager |", "|---|---|---|---|"]
-        for i in IMPLS:
-            r = bert[i]
-            speed = f"{bert['eager']['step_s'] / r['step_s']:.2f}×" if r["step_s"] and bert["eager"]["step_s"] else ""
+        first = next(iter(bert.values()))
+        lines += ["", f"## BERT-large training step (seqlen {first['seqlen']}, batch {first['batch']})", ""]
+        lines += ["| impl | step ms | peak GB | speed-up vs SDPA |", "|---|---|---|---|"]
+        base = bert.get("sdpa", {}).get("step_s")
+        for i, r in bert.items():
+            speed = f"{base / r['step_s']:.2f}×" if r["step_s"] and base else ""
             lines.append(
                 f"| {i} | {_fmt(r['step_s'] and r['step_s'] * 1e3, '.1f')} | {_fmt(r['peak_gb'], '.1f')} | {speed} |"
             )
@@ -308,7 +346,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("paper_results"))
     ap.add_argument("--smoke", action="store_true", help="tiny models and lengths (checks the script, any machine)")
-    ap.add_argument("--parts", nargs="+", default=["gpt2", "bert", "memory", "longest"])
+    ap.add_argument("--parts", nargs="+", default=["gpt2", "llama", "bert", "memory", "longest"])
+    ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS, help="the attentions to train with")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -330,7 +369,7 @@ def main():
         args.long_seqlens = [2**i for i in range(12, 19)]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    parts = {"gpt2": run_gpt2, "bert": run_bert, "memory": run_memory, "longest": run_longest}
+    parts = {"gpt2": run_gpt2, "llama": run_llama, "bert": run_bert, "memory": run_memory, "longest": run_longest}
     for name in args.parts:
         rows += parts[name](args, device)
         (args.out / "results.json").write_text(json.dumps(rows, indent=1))

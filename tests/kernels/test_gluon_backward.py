@@ -2,7 +2,7 @@
 (one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
 that see no key, key blocks no row sees), packed (varlen) batches, fp16 and bf16, head dims 64 and 128,
 each build the settings or the bench may pick (ring depth, query tiles of 128 rows at head dim 64, dQ by
-TMA reduce-adds or atomic adds), and the portable backward's dispatch to it when the settings ask. Gluon
+TMA reduce-adds or atomic adds), sliding windows, and the portable backward's dispatch to it when the settings ask. Gluon
 kernels do not run in Triton's interpreter: off sm90, or with a Triton whose Gluon the kernels were not
 written for, these tests skip (the builds themselves are checked without a GPU in test_sm90_builds.py)."""
 
@@ -35,14 +35,14 @@ BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(sta
 WIDE_BUILDS = {64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False)]}  # query tiles of 128
 
 
-def _references(q, k, v, dout, causal):
+def _references(q, k, v, dout, causal, window=(-1, -1)):
     """The oracle's gradients (fp64) and plain PyTorch's (the inputs' precision), with the oracle's output
     and LSE (the backward's inputs)."""
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = oracle.attention(qr, kr, vr, causal=causal)
+    ref = oracle.attention(qr, kr, vr, causal=causal, window_size=window)
     ref.out.backward(dout.double())
     lows = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    low = oracle.attention(*lows, causal=causal, precision=None)
+    low = oracle.attention(*lows, causal=causal, window_size=window, precision=None)
     low.out.backward(dout)
     return ref, (qr.grad, kr.grad, vr.grad), tuple(t.grad for t in lows)
 
@@ -91,8 +91,8 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_are_not_eligible():
-    """Dropout, windows, softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads
-    that are not one TMA row: not eligible (the portable backward runs)."""
+    """Dropout, softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads that are
+    not one TMA row: not eligible (the portable backward runs); windows are."""
     from tileattn.kernels.gluon import backward as hopper
 
     q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
@@ -100,13 +100,13 @@ def test_calls_it_cannot_compute_are_not_eligible():
     assert hopper.eligible(q, k, v, dout, p)
     for change in (
         dict(dropout_p=0.1),
-        dict(window_left=16, window_right=0),
         dict(softcap=5.0),
         dict(deterministic=True),
     ):
         assert not hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
     for scale in (0.0, -0.1):  # (masked -inf times the scale)
         assert not hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, scale))
+    assert hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, window_left=16, window_right=0))
     assert not hopper.eligible(q.float(), k.float(), v.float(), dout.float(), p)
     wide = torch.randn(1, 128, 2, 256, device="cuda", dtype=torch.bfloat16)
     assert not hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
@@ -164,6 +164,44 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
     with configs.override(settings):
         out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
         out.backward(dout)
+    assert len(calls) == 1
+    for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
+        check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)
+
+
+WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype
+    (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
+    (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
+    (1, 300, 2000, 2, 1, 128, (-1, 17), torch.bfloat16),  # right side only: key blocks no row sees
+    (1, 513, 513, 2, 2, 64, (64, -1), torch.bfloat16),  # left side only
+    (2, 63, 1025, 2, 2, 128, (0, 0), torch.float16),  # the diagonal alone
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_windows_match_the_oracle(case, monkeypatch):
+    """Sliding windows (bottom-right aligned as flash_attn's): each side alone and both, rows whose window
+    holds no key, key blocks no row sees, query tiles from the first whose last row reaches a block to the
+    last whose first row does; each build, and through the public call."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    batch, seqlen_q, seqlen_k, _, _, headdim, window, dtype = case
+    q, k, v, dout = gluon_case_inputs(case, 4)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, False, window)
+    lse = ref.lse.float().contiguous()
+    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1])
+    assert hopper.eligible(q, k, v, dout, p)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    for build in [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, []):
+        grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
+        for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+            check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
+    calls = []
+    run = hopper.attn_bwd
+    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
     assert len(calls) == 1
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)

@@ -1,7 +1,7 @@
 """The Gluon forward (kernels/gluon/forward.py) on an sm90 GPU against the tests' oracle: odd lengths,
-GQA/MQA, causal with seqlen_q != seqlen_k (rows that see no key), fp16 and bf16, each build the settings
-or the bench may pick (stages, key tiles, persistent grids of a few programs), and the public functions' dispatch to it
-with the portable backward behind it. Gluon kernels do not run in Triton's interpreter: off sm90, or
+GQA/MQA, causal with seqlen_q != seqlen_k (rows that see no key), sliding windows, packed batches, fp16
+and bf16, each build the settings or the bench may pick (stages, key tiles, persistent grids of a few
+programs), and the public functions' dispatch to it with the portable backward behind it. Gluon kernels do not run in Triton's interpreter: off sm90, or
 with a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves
 are checked without a GPU in test_sm90_builds.py)."""
 
@@ -76,15 +76,16 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_run_the_portable_kernels():
-    """Dropout, windows, softcap, a softmax scale of 0 or below, fp32, heads that are not one TMA row: not
-    eligible (the portable forward runs); a packed qkv's q, k and v are."""
+    """Dropout, softcap, a softmax scale of 0 or below, fp32, heads that are not one TMA row: not eligible
+    (the portable forward runs); a packed qkv's q, k and v are, and windows."""
     from tileattn.kernels.gluon import forward as hopper
 
     q, k, v = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 3)
     p = AttnParams(1, 128, 128, 128, 128**-0.5)
     assert hopper.eligible(q, k, v, p)
-    for change in (dict(dropout_p=0.1), dict(window_left=16, window_right=0), dict(softcap=5.0)):
+    for change in (dict(dropout_p=0.1), dict(softcap=5.0)):
         assert not hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, 128**-0.5, **change))
+    assert hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, 128**-0.5, window_left=16, window_right=0))
     for scale in (0.0, -0.1):  # (masked -inf times the scale; the row max of the products is not the scores')
         assert not hopper.eligible(q, k, v, AttnParams(1, 128, 128, 128, scale))
     assert not hopper.eligible(q.float(), k.float(), v.float(), p)
@@ -92,3 +93,86 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
     assert hopper.eligible(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], p)
     padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
     assert not hopper.eligible(padded, k, v, p)
+
+
+VARLEN_CASES = [  # query lengths, key lengths, nheads, nheads_k, headdim, causal, dtype
+    ([37, 0, 1, 130, 300], [5, 9, 0, 200, 300], 4, 2, 128, True, torch.bfloat16),  # empty, one row, no key
+    ([64, 129, 1000], [64, 129, 1000], 4, 1, 64, True, torch.float16),
+    ([113, 1, 257], [1025, 63, 7], 8, 2, 64, False, torch.bfloat16),
+    ([300, 63], [200, 500], 2, 2, 128, False, torch.float16),
+    ([777, 5, 130], [777, 130, 5], 4, 4, 256, True, torch.bfloat16),  # rows before key 0's diagonal
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_packed_batches_match_the_oracle(case, monkeypatch):
+    """Packed (varlen) batches: each sequence's rows start anywhere in the packed tensor, query tiles cross
+    into the next sequence (whose rows they must not write), sequences with no rows or no keys, query
+    blocks past a short sequence's end (the grid covers the longest, and skips those); each build, and
+    through the public call."""
+    from tileattn.kernels.gluon import forward as hopper
+
+    lens_q, lens_k, nheads, nheads_k, headdim, causal, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(len(lens_q) * 1000 + headdim)
+    cu_q, cu_k = ([0, *torch.tensor(lens).cumsum(0).tolist()] for lens in (lens_q, lens_k))
+    q = torch.randn(cu_q[-1], nheads, headdim, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(cu_k[-1], nheads_k, headdim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    ref = oracle.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+    low = oracle.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, precision=None)
+    cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int32, device="cuda") for cu in (cu_q, cu_k))
+    p = AttnParams(
+        len(lens_q), max(lens_q), max(lens_k), headdim, headdim**-0.5, window_right=0 if causal else -1,
+        cu_seqlens_q=cu_q_t, cu_seqlens_k=cu_k_t,
+    )  # fmt: skip
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    assert hopper.eligible(q4, k4, v4, p)
+    for build in BUILDS[headdim]:
+        out, lse = hopper.attn_fwd(q4, k4, v4, p, **build)
+        assert out.shape == q4.shape and lse.shape == (nheads, cu_q[-1])
+        check_close(f"out {build}", out[0], ref.out, low.out)
+        check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
+    calls = []
+    run = hopper.attn_fwd
+    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
+    assert len(calls) == (headdim in configs.HOPPER.fwd_gluon)  # (the head dims the settings give it)
+    check_close("out (public call)", out, ref.out, low.out)
+
+
+WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype
+    (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
+    (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
+    (1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16),  # right side only
+    (1, 513, 513, 2, 2, 128, (64, -1), torch.bfloat16),  # left side only
+    (2, 63, 1025, 2, 2, 64, (0, 0), torch.float16),  # the diagonal alone
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_windows_match_the_oracle(case, monkeypatch):
+    """Sliding windows (bottom-right aligned as flash_attn's): each side alone and both, rows whose window
+    holds no key, key tiles starting at the first row's window; each build, and through the public call
+    (dense, and the same rows as a packed batch)."""
+    from tileattn.kernels.gluon import forward as hopper
+
+    batch, seqlen_q, seqlen_k, _, _, headdim, window, _ = case
+    q, k, v = gluon_case_inputs(case, 3)
+    ref = oracle.attention(q, k, v, window_size=window)
+    low = oracle.attention(q, k, v, window_size=window, precision=None)
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1])
+    assert hopper.eligible(q, k, v, p)
+    for build in BUILDS[headdim]:
+        out, lse = hopper.attn_fwd(q, k, v, p, **build)
+        check_close(f"out {build}", out, ref.out, low.out)
+        check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
+    calls = []
+    run = hopper.attn_fwd
+    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    out = tileattn.flash_attn_func(q, k, v, window_size=window)
+    check_close("out (public call)", out, ref.out, low.out)
+    cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, device="cuda", dtype=torch.int32) for n in (seqlen_q, seqlen_k))
+    packed = tileattn.flash_attn_varlen_func(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, seqlen_q, seqlen_k, window_size=window
+    )
+    check_close("out (packed)", packed.view(q.shape), ref.out, low.out)
+    assert len(calls) == 2 * (headdim in configs.HOPPER.fwd_gluon)

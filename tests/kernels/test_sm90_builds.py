@@ -312,7 +312,13 @@ def test_paired_append_compiles_with_strides_of_two_widths():
 GLUON_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():
-    rows += [compile_report.compile_gluon(d, causal) for d in (128, 256) for causal in (False, True)]
+    rows += [
+        compile_report.compile_gluon(d, causal, varlen)
+        for d in (128, 256)
+        for causal in (False, True)
+        for varlen in (False, True)
+    ]
+    rows.append(compile_report.compile_gluon(128, False, window=(256, 0)))
 """
 
 
@@ -325,7 +331,7 @@ def _assert_warp_specialized(row: dict) -> None:
 
 def test_gluon_forward_builds_as_designed():
     """The Gluon forward (kernels/gluon/forward.py; Triton 3.6's Gluon, else the portable kernels run and
-    there is nothing to build) is warp-specialized as designed at the tables' tiles: two consumer
+    there is nothing to build), dense and packed, causal or with a window, is warp-specialized as designed at the tables' tiles: two consumer
     warpgroups at 240 registers and a loader at 24 (setmaxnreg), one block of twelve warps per SM within
     shared memory, a few scalars spilled at most; its key loop waits for one wgmma group of two (Q·Kᵀ of
     the next tile done, P·V still running)."""
@@ -348,6 +354,7 @@ if gluon.available():
         for causal in (False, True)
         for varlen in (False, True)
     ]
+    rows += [compile_report.compile_gluon_bwd(d, False, window=(256, 0)) for d in (64, 128)]
 """
 
 

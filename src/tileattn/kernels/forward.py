@@ -241,22 +241,24 @@ def attn_fwd(
     total_q)`` varlen."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(q, k, v, p, s)
-    if q.shape[-1] in s.fwd_gluon and not p.is_varlen and q.is_cuda:
+    q4, k4, v4 = (p.as_4d(t) for t in (q, k, v))
+    if q.shape[-1] in s.fwd_gluon and q.is_cuda:
         from tileattn.kernels import gluon
 
         if gluon.available():
             from tileattn.kernels.gluon import forward as hopper
 
-            rows = hopper.eligible_rows(q, k, v, p)
+            rows = hopper.eligible_rows(q4, k4, v4, p)
             if rows is not None:
                 short = p.seqlen_k < s.gluon_short_seqlen_k and q.shape[-1] in s.fwd_gluon_short
                 cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[q.shape[-1]]
                 programs = None if short else hopper.ONE_PER_TILE
-                return hopper.attn_fwd(
-                    q, k, v, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs, rows=rows
+                out, lse = hopper.attn_fwd(
+                    q4, k4, v4, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs, rows=rows
                 )
+                return (out[0] if p.is_varlen else out), lse
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
-    q4, k4, v4, o4 = (p.as_4d(t) for t in (q, k, v, out))
+    o4 = p.as_4d(out)
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     lse = p.new_lse(q4)
     cfg = fwd_config(p, s)

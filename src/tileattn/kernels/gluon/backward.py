@@ -2,7 +2,8 @@
 
 One program per (block of 128 keys, kv head, batch entry) walks every query head of its GQA group and
 every 64-row query tile that can see its keys (causal: from the first tile whose last row reaches the
-block's first key), with dK and dV accumulated in registers across all of them. A program has three
+block's first key; a sliding window's left side: up to the last tile whose first row reaches its last
+key), with dK and dV accumulated in registers across all of them. A program has three
 partitions:
 - a loader warp brings the block's K and V once by TMA, then streams (Q tile, dO tile) pairs, with the
   tile's LSE and Δ (1-D copies from their flat rows; or ``LSE_TMA=False``: the consumers load those
@@ -22,11 +23,11 @@ partitions:
 Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
 cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64 and 128, causal or not,
-GQA/MQA; ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong to the next
-sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past its sequence
-are the next head's or sequence's (or padding): the
-tiles that cross a sequence's end mask those queries and keys (P = 0), so they contribute nothing (the
-dQ reduce-adds add exact zeros to the next entry's rows). Rows that saw no key have LSE +inf: P = 0.
+sliding windows, GQA/MQA; ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
+to the next sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past
+its sequence are the next head's or sequence's (or padding): the tiles that cross a sequence's end mask
+those queries and keys (P = 0), so they contribute nothing (the dQ reduce-adds add exact zeros to the
+next entry's rows). Rows that saw no key have LSE +inf: P = 0.
 
 TMA needs every copy's innermost start to be 16-byte aligned (a copy that starts elsewhere is an
 illegal instruction on the H200, and no check catches it before). The 2-D copies start at multiples of
@@ -54,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import LOG2E, _rows, _tile_layout, plain_attention
+from tileattn.kernels.gluon.forward import LOG2E, _rows, _sequence, _tile_layout, plain_attention
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
@@ -73,28 +74,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """The first query tile that sees a key of the block starting at key ``n_start``: causal, the tile
-    whose last row reaches it (query i sees key j iff j <= i + seqlen_k - seqlen_q), else 0."""
-    if CAUSAL:
-        return gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M
-    else:
-        return 0
-
-
-@gluon.jit
-def _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
-    """Where batch entry b lies in the 2-D row matrices: ``(first query row, seqlen_q, first key row,
-    seqlen_k)``, from cu_seqlens (VARLEN), else entries of the padded lengths one after another."""
-    if VARLEN:
-        q0 = gl.load(CuQ + b)
-        k0 = gl.load(CuK + b)
-        return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
-    else:
-        return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
 
 
 @gluon.jit
@@ -140,22 +119,33 @@ def _varlen_tma_rows_kernel(Lse, Delta, LseRows, DeltaRows, CuQ, total_q, width,
 
 
 @gluon.jit
-def _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """The query tiles ``[first, end)`` that see the key block starting at n_start: none where the block
-    starts past the sequence's keys (a packed batch's grid covers its longest)."""
+def _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, MASK_LEFT: gl.constexpr,
+           MASK_RIGHT: gl.constexpr):  # fmt: skip
+    """The query tiles ``[first, end)`` that see a key of the block of ``2 * KEYS`` keys starting at n_start
+    (query i sees key j iff ``i + shift - window_left <= j <= i + shift + window_right``, the sides
+    MASK_LEFT and MASK_RIGHT bound, shift = seqlen_k - seqlen_q; causal: window_right 0): from the tile
+    whose last row reaches the block's first key, to the one whose first row still reaches its last;
+    none where the block starts past the sequence's keys (a packed batch's grid covers its longest)."""
+    window_left, window_right = window
+    shift = seqlen_k - seqlen_q
+    first = 0
+    if MASK_RIGHT:
+        first = gl.maximum(n_start - shift - window_right, 0) // BLOCK_M
     end = gl.cdiv(seqlen_q, BLOCK_M)
+    if MASK_LEFT:
+        end = gl.minimum(end, gl.cdiv(gl.maximum(n_start + 2 * KEYS - shift + window_left, 0), BLOCK_M))
     if n_start >= seqlen_k:
         end = 0
-    return _first_tile(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL), end
+    return first, end
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
+def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -171,7 +161,7 @@ def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexp
         coord = [kv_row + i * KEYS, h_k * HEAD_DIM]
         tma.async_copy_global_to_shared(k_desc, coord, kv_ready, k_smem.slice(i * KEYS, KEYS))
         tma.async_copy_global_to_shared(v_desc, coord, kv_ready, v_smem.slice(i * KEYS, KEYS))
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
@@ -198,31 +188,38 @@ def _load(args, CAUSAL: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexp
 
 
 @gluon.jit
-def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
-            CAUSAL: gl.constexpr):  # fmt: skip
+def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS: gl.constexpr,
+            BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):  # fmt: skip
     """Raw transposed scores (keys x queries), -inf where a key or a query is past its sequence (the
-    tile's LSE and Δ there are another head's) or (causal) the key is after the query's last key,
-    bottom-right aligned as flash_attn's causal; tiles that need no mask pass."""
+    tile's LSE and Δ there are another head's) or the key is outside the query's window (as ``_tiles``
+    says, bottom-right aligned as flash_attn's); tiles that need no mask pass."""
+    window_left, window_right = window
+    shift = seqlen_k - seqlen_q
     need = (key_start + KEYS > seqlen_k) | (m_start + BLOCK_M > seqlen_q)
-    if CAUSAL:
-        need = need | (key_start + KEYS - 1 > m_start + seqlen_k - seqlen_q)
+    if MASK_RIGHT:  # the tile's first query does not see its last key
+        need = need | (key_start + KEYS - 1 > m_start + shift + window_right)
+    if MASK_LEFT:  # its last query does not see its first key
+        need = need | (key_start < m_start + BLOCK_M - 1 + shift - window_left)
     if need:
         hidden = (keys[:, None] >= seqlen_k) | (cols[None, :] >= seqlen_q)
-        if CAUSAL:
-            hidden = hidden | (keys[:, None] > cols[None, :] + (seqlen_k - seqlen_q))
+        if MASK_RIGHT:
+            hidden = hidden | (keys[:, None] > cols[None, :] + (shift + window_right))
+        if MASK_LEFT:
+            hidden = hidden | (keys[:, None] < cols[None, :] + (shift - window_left))
         s = gl.where(hidden, float("-inf"), s)
     return s
 
 
 @gluon.jit
 def _consume(
-    args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr
-):
+    args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
+    VARLEN: gl.constexpr, WG: gl.constexpr,
+):  # fmt: skip
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -255,7 +252,7 @@ def _consume(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
     mbarrier.wait(kv_ready, 0)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
     for g in range(group):
@@ -279,7 +276,9 @@ def _consume(
             mbarrier.wait(do_ready.index(s), phase)
             dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st,))
-            st = _masked(st, keys, cols, m_start, key_start, seqlen_q, seqlen_k, KEYS, BLOCK_M, CAUSAL)
+            st = _masked(
+                st, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS, BLOCK_M, MASK_LEFT, MASK_RIGHT
+            )
             if LSE_TMA:
                 lse_in = lse_smem.index(s).load(q_cols)
             else:
@@ -335,22 +334,24 @@ def _consume(
 
 
 @gluon.jit
-def _consume_default(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN, 0)
+def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 0)
 
 
 @gluon.jit
-def _consume_worker(args, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
-    _consume(args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN, 1)
+def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+                    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 1)
 
 
 @gluon.jit
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
     stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr,
+    nheads, group, seqlen_q, seqlen_k, window_left, window_right, lse_stride, qk_scale, sm_scale,
+    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -389,12 +390,12 @@ def _bwd_kernel(
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
             kv_ready, q_ready, do_ready, free, ds_ready,
             DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-            nheads, group, seqlen_q, seqlen_k, lse_stride, qk_scale, sm_scale)  # fmt: skip
+            nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_default, (args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN)),
-            (_consume_worker, (args, CAUSAL, DQ_TMA, LSE_TMA, VARLEN)),
-            (_load, (args, CAUSAL, LSE_TMA, VARLEN)),
+            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
         [240, 24],
@@ -402,10 +403,10 @@ def _bwd_kernel(
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon backward computes this call: sm90, plain attention (causal or not; no dropout,
-    window, ALiBi, softcap, FlashMask, FP8), dense or varlen, not ``deterministic``, bf16/fp16, head dim
+    """Whether the Gluon backward computes this call: sm90, plain attention (causal or not, a sliding window
+    or not; no dropout, ALiBi, softcap, FlashMask, FP8), dense or varlen, not ``deterministic``, bf16/fp16, head dim
     64 or 128, q, k, v and dO (4-D: varlen as one batch of packed rows) with TMA-readable rows."""
-    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, varlen=True):
+    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, varlen=True, window=True):
         return False
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return False
@@ -535,10 +536,14 @@ def _launch(
         (
             q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
             cu_q, cu_k, dq_acc.stride(1), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-            nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, lse_stride, p.softmax_scale * LOG2E,
+            nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
+            lse_stride, p.softmax_scale * LOG2E,
             p.softmax_scale,
         ),
-        dict(STAGES=stages, CAUSAL=p.window_right == 0, DQ_TMA=dq_tma, LSE_TMA=lse_tma, VARLEN=p.is_varlen),
+        dict(
+            STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
+            LSE_TMA=lse_tma, VARLEN=p.is_varlen,
+        ),  # fmt: skip
         num_warps=4,
         maxnreg=168,
     )  # fmt: skip

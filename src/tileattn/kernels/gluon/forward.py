@@ -1,7 +1,8 @@
 """The Hopper forward in Gluon: FlashAttention-3's warp-specialized design.
 
 A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each
-(causal: those with the most keys first). A program has three partitions:
+(causal: those with the most keys first), each over the key tiles its rows see (a sliding window's
+start at the first row's first key). A program has three partitions:
 - a loader warp streams each item's Q by TMA, and its K/V tiles through a ``STAGES``-deep ring of
   shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free``
   that both consumers are done with it; ``q_ready``/``q_free`` the same for Q, so the next item's Q
@@ -14,9 +15,11 @@ A persistent grid (one program per SM) walks the work items, 128-row query tiles
   warpgroups' softmaxes fall under each other's matmuls by the warp scheduler (an explicit ping-pong
   through mbarriers measured slower: docs/perf.md).
 
-Only what the portable kernel's plain path does is here: dense (batch, seqlen, nheads, headdim)
-tensors whose rows TMA can read as one 2-D matrix, bf16/fp16, head dims 64, 128 and 256, causal or not,
-GQA/MQA; ``eligible`` says when. Everything else runs the portable kernels (``kernels.forward``).
+Only what the portable kernel's plain path does is here: (batch, seqlen, nheads, headdim) tensors
+whose rows TMA can read as one 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``,
+sequence b's rows from cu_seqlens[b], the grid covering the longest sequence; a tile's rows past its
+sequence are the next one's, which the scores mask and the stores skip), bf16/fp16, head dims 64, 128
+and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Everything else runs the portable kernels (``kernels.forward``).
 Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
 (tests/kernels/test_gluon_forward.py), and their builds without one (test_sm90_builds.py).
 """
@@ -43,73 +46,118 @@ ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
 @gluon.jit
-def _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-          CAUSAL: gl.constexpr):  # fmt: skip
-    """Work item t of the persistent loop: (query block, head, batch entry, key tiles). Causal calls take
-    the blocks with the most keys first (longest-first, for balance); the others keep a head's query
-    blocks together (its K/V stays in L2)."""
-    if CAUSAL:
+def _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """Where batch entry b lies in the 2-D row matrices: ``(first query row, seqlen_q, first key row,
+    seqlen_k)``, from cu_seqlens (VARLEN), else entries of the padded lengths one after another."""
+    if VARLEN:
+        q0 = gl.load(CuQ + b)
+        k0 = gl.load(CuK + b)
+        return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
+    else:
+        return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
+
+
+@gluon.jit
+def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS: gl.constexpr,
+          BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    """Work item t of the persistent loop: ``(query block start, head, batch entry, first query row,
+    seqlen_q, first key row, seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows
+    see (``_scores`` says which keys a row sees). A packed batch's grid covers its longest sequence
+    (``max_q``): the blocks that start past their sequence's rows are empty (the partitions skip them).
+    Causal calls take the blocks with the most keys first (longest-first, for balance); the others keep a
+    head's query blocks together (its K/V stays in L2)."""
+    if MASK_RIGHT and not MASK_LEFT:
         m_block = num_m - 1 - t // (nheads * batch)
         hb = t % (nheads * batch)
     else:
         m_block = t % num_m
         hb = t // num_m
+    b = hb // nheads
+    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
     q_base = m_block * 2 * ROWS
+    shift = seqlen_k - seqlen_q  # (bottom-right alignment: row i's diagonal is key i + shift)
     n_end = seqlen_k
-    if CAUSAL:
-        n_end = gl.minimum(n_end, gl.maximum(q_base + 2 * ROWS + seqlen_k - seqlen_q, 0))
-    return q_base, hb % nheads, hb // nheads, gl.cdiv(n_end, BLOCK_N)
+    if MASK_RIGHT:  # past the last row's last key
+        n_end = gl.minimum(n_end, gl.maximum(q_base + 2 * ROWS + shift + window_right, 0))
+    lo = 0
+    if MASK_LEFT:  # the first row's first key
+        lo = gl.maximum(q_base + shift - window_left, 0) // BLOCK_N
+    return q_base, hb % nheads, b, q0, seqlen_q, k0, seqlen_k, lo, gl.maximum(gl.cdiv(n_end, BLOCK_N) - lo, 0)
 
 
 @gluon.jit
-def _load(args, CAUSAL: gl.constexpr):
+def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
+    """Whether a work item has rows to compute: a packed batch's blocks past their sequence have none (a
+    dense call's always do: there the answer is a constant, and the partitions have no branch)."""
+    live = True
+    if VARLEN:
+        live = q_base < seqlen_q
+    return live
+
+
+@gluon.jit
+def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, seqlen_q, seqlen_k, qk_scale) = args  # fmt: skip
+     Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    num_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    num_m = gl.cdiv(max_q, 2 * ROWS)
     it = 0  # K/V tiles loaded so far: the ring's stage and phase
     done = 0  # work items so far: Q's phase
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
-        q_base, h, b, n_tiles = _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
-        mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        q_row = b * seqlen_q + q_base
-        tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
-        kv_col = (h // group) * HEAD_DIM
-        for j in range(n_tiles):
-            s = it % STAGES
-            phase = (it // STAGES) & 1
-            row = b * seqlen_k + j * BLOCK_N
-            mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_free.index(s), phase ^ 1)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
-            it += 1
-        done += 1
+        q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = _tile(
+            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS, BLOCK_N,
+            MASK_LEFT, MASK_RIGHT, VARLEN,
+        )  # fmt: skip
+        if _live(q_base, seqlen_q, VARLEN):
+            mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            q_row = q0 + q_base
+            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
+            kv_col = (h // group) * HEAD_DIM
+            for j in range(n_tiles):
+                s = it % STAGES
+                phase = (it // STAGES) & 1
+                row = k0 + (lo + j) * BLOCK_N
+                mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+                mbarrier.wait(v_free.index(s), phase ^ 1)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+                it += 1
+            done += 1
 
 
 @gluon.jit
-def _scores(s_acc, j, first_row, rows, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Raw scores of tile j, -inf where a key is past the sequence or (causal) after the row's last key,
-    bottom-right aligned as flash_attn's causal."""
+def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+            MASK_RIGHT: gl.constexpr):  # fmt: skip
+    """Raw scores of key tile j, -inf where a key is past the sequence or outside the row's window (bounds:
+    ``(seqlen_q, seqlen_k, window_left, window_right)``): row i sees key k iff ``i + shift - window_left <= k <= i + shift + window_right`` (the sides MASK_LEFT and
+    MASK_RIGHT bound; causal: window_right 0), bottom-right aligned as flash_attn's (shift = seqlen_k -
+    seqlen_q)."""
+    seqlen_q, seqlen_k, window_left, window_right = bounds
     s = s_acc
+    ROWS: gl.constexpr = s_acc.type.shape[0]
     start = j * BLOCK_N
-    # the tile needs a mask where it crosses the key tail or, causal, the first row's last key
+    shift = seqlen_k - seqlen_q
+    # the tile needs a mask where it crosses the key tail, the first row's last key or the last row's first
     need = start + BLOCK_N > seqlen_k
-    if CAUSAL:
-        need = need | (start + BLOCK_N - 1 > first_row + seqlen_k - seqlen_q)
+    if MASK_RIGHT:
+        need = need | (start + BLOCK_N - 1 > first_row + shift + window_right)
+    if MASK_LEFT:
+        need = need | (start < first_row + ROWS - 1 + shift - window_left)
     if need:
         key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
         hidden = key[None, :] >= seqlen_k
-        if CAUSAL:
-            hidden = hidden | (key[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+        if MASK_RIGHT:
+            hidden = hidden | (key[None, :] > rows[:, None] + (shift + window_right))
+        if MASK_LEFT:
+            hidden = hidden | (key[None, :] < rows[:, None] + (shift - window_left))
         s = gl.where(hidden, float("-inf"), s)
     return s
 
@@ -128,10 +176,10 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consume(args, CAUSAL: gl.constexpr, WG: gl.constexpr):
+def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, seqlen_q, seqlen_k, qk_scale) = args  # fmt: skip
+     Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -148,83 +196,90 @@ def _consume(args, CAUSAL: gl.constexpr, WG: gl.constexpr):
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(WG)
-    num_m = gl.cdiv(seqlen_q, 2 * ROWS)
+    num_m = gl.cdiv(max_q, 2 * ROWS)
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
-        q_base, h, b, n_tiles = _tile(t, num_m, nheads, batch, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
-        first_row = q_base + WG * ROWS  # this warpgroup's first query position
-        rows = first_row + gl.arange(0, ROWS, layout=s_rows)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-        l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, done & 1)
-        # Q·Kᵀ of tile j is issued with P·V of tile j - 1; the softmax of tile j runs while P·V does
-        if n_tiles > 0:
-            cur = it % STAGES
-            mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
-            s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
-            mbarrier.arrive(k_free.index(cur), count=1)
-            mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
-            s = _scores(s_acc, 0, first_row, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            for j in range(1, n_tiles):
-                prev = (it + j - 1) % STAGES
-                cur = (it + j) % STAGES
-                mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+        q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _tile(
+            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS, BLOCK_N,
+            MASK_LEFT, MASK_RIGHT, VARLEN,
+        )  # fmt: skip
+        if _live(q_base, seqlen_q, VARLEN):
+            first_row = q_base + WG * ROWS  # this warpgroup's first query position
+            bounds = (seqlen_q, seqlen_k, window_left, window_right)
+            rows = first_row + gl.arange(0, ROWS, layout=s_rows)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+            l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            mbarrier.wait(q_ready, done & 1)
+            # Q·Kᵀ of tile j is issued with P·V of tile j - 1; the softmax of tile j runs while P·V does
+            if n_tiles > 0:
+                cur = it % STAGES
+                mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
                 s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                s_acc = warpgroup_mma_wait(1, deps=(s_acc,))  # Q·Kᵀ of tile j done, P·V of j - 1 running
+                s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
                 mbarrier.arrive(k_free.index(cur), count=1)
-                mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
-                s = _scores(s_acc, j, first_row, rows, seqlen_q, seqlen_k, BLOCK_N, CAUSAL)
+                mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
+                s = _scores(s_acc, lo, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                for j in range(1, n_tiles):
+                    prev = (it + j - 1) % STAGES
+                    cur = (it + j) % STAGES
+                    mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    s_acc = warpgroup_mma_wait(1, deps=(s_acc,))  # Q·Kᵀ of tile j done, P·V of j - 1 running
+                    mbarrier.arrive(k_free.index(cur), count=1)
+                    mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
+                    s = _scores(s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                    mbarrier.arrive(v_free.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                last = (it + n_tiles - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                mbarrier.arrive(v_free.index(prev), count=1)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            last = (it + n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(v_free.index(last), count=1)
-        else:
-            mbarrier.arrive(q_free, count=1)
-        it += n_tiles
-        done += 1
+                mbarrier.arrive(v_free.index(last), count=1)
+            else:
+                mbarrier.arrive(q_free, count=1)
+            it += n_tiles
+            done += 1
 
-        # A row that saw no key has l == 0: output 0, LSE +inf (the portable kernels' convention)
-        seen = l_i > 0.0
-        l_safe = gl.where(seen, l_i, 1.0)
-        out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * LN2, float("inf"))
-        o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
-        o_ptrs = Out + b.to(gl.int64) * stride_ob + h * stride_oh + o_row.to(gl.int64)[:, None] * stride_om
-        o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_ptrs + o_col[None, :], out.to(dtype), mask=(o_row < seqlen_q)[:, None])
-        lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
-        gl.store(lse_ptr + rows * stride_lse, lse, mask=rows < seqlen_q)
+            # A row that saw no key has l == 0: output 0, LSE +inf (the portable kernels' convention)
+            seen = l_i > 0.0
+            l_safe = gl.where(seen, l_i, 1.0)
+            out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+            lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * LN2, float("inf"))
+            # (packed batches: batch strides 0 and rows from the sequence's first, q0)
+            r0 = q0 if VARLEN else 0
+            o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
+            o_ptrs = Out + b.to(gl.int64) * stride_ob + h * stride_oh + (r0 + o_row).to(gl.int64)[:, None] * stride_om
+            o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_ptrs + o_col[None, :], out.to(dtype), mask=(o_row < seqlen_q)[:, None])
+            lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
+            gl.store(lse_ptr + (r0 + rows).to(gl.int64) * stride_lse, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
-def _consume_default(args, CAUSAL: gl.constexpr):
-    _consume(args, CAUSAL, 0)
+def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, 0)
 
 
 @gluon.jit
-def _consume_worker(args, CAUSAL: gl.constexpr):
-    _consume(args, CAUSAL, 1)
+def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)
 
 
 @gluon.jit
 def _fwd_kernel(
-    q_desc, k_desc, v_desc, Out, Lse,
+    q_desc, k_desc, v_desc, Out, Lse, CuQ, CuK,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-    nheads, group, batch, seqlen_q, seqlen_k, qk_scale,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
+    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -247,10 +302,14 @@ def _fwd_kernel(
         mbarrier.init(v_free.index(i), count=2)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-            Out, Lse, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-            nheads, group, batch, seqlen_q, seqlen_k, qk_scale)  # fmt: skip
+            Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+            nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale)  # fmt: skip
     gl.warp_specialize(
-        [(_consume_default, (args, CAUSAL)), (_consume_worker, (args, CAUSAL)), (_load, (args, CAUSAL))],
+        [
+            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+            (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+        ],
         [4, 1],
         [240, 24],
     )
@@ -284,24 +343,27 @@ def _rows(t4: torch.Tensor) -> torch.Tensor | None:
     return t4.as_strided((b * s, h * d), (st[1], 1))
 
 
-def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False) -> bool:
+def plain_attention(
+    q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False, window: bool = False
+) -> bool:
     """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention, causal
-    or not (no FP8, dropout, softcap, ALiBi, FlashMask or window), dense (or varlen where ``varlen``),
-    bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw products in the
-    exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the row max of the
-    products would not be the scores')."""
+    or not (no FP8, dropout, softcap, ALiBi or FlashMask; a sliding window only where ``window``), dense
+    (or varlen where ``varlen``), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale
+    the raw products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or
+    +inf, and the row max of the products would not be the scores')."""
     if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
         return False
     if (p.is_varlen and not varlen) or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
         return False
-    if p.flashmask is not None or p.window_left >= 0 or p.window_right not in (-1, 0):
+    if p.flashmask is not None or (not window and (p.window_left >= 0 or p.window_right not in (-1, 0))):
         return False
     return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon forward computes this call: sm90, plain dense attention (causal or not; no
-    dropout, window, ALiBi, softcap, FlashMask, FP8), bf16/fp16, head dim 64, 128 or 256, TMA-readable rows."""
+    """Whether the Gluon forward computes this call: sm90, plain attention (causal or not, a sliding window
+    or not; no dropout, ALiBi, softcap, FlashMask, FP8), dense or packed (varlen: the tensors as ``p.as_4d`` views
+    them), bf16/fp16, head dim 64, 128 or 256, TMA-readable rows."""
     return eligible_rows(q4, k4, v4, p) is not None
 
 
@@ -309,7 +371,7 @@ def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
-    if not plain_attention(q4, p, HEAD_DIMS):
+    if not plain_attention(q4, p, HEAD_DIMS, varlen=True, window=True):
         return None
     rows = (_rows(q4), _rows(k4), _rows(v4))
     return None if None in rows else rows
@@ -319,28 +381,32 @@ def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_n: int = 128, stages: int = 2,
     programs: int | None = None, rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out, lse)`` of an ``eligible`` call: out as q, lse fp32 ``(batch, nheads, seqlen_q)``. ``programs``:
-    the grid (default: one program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per
-    work item, each starting where a non-persistent launch would put it). ``rows``: what ``eligible_rows``
-    returned for these tensors (made here if None)."""
-    batch, seqlen_q, nheads, headdim = q4.shape
-    seqlen_k, nheads_k = k4.shape[1], k4.shape[2]
+    """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
+    packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
+    covering ``p.seqlen_q`` rows of each) ``(nheads, total_q)``. ``programs``: the grid (default: one
+    program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per work item, each starting
+    where a non-persistent launch would put it). ``rows``: what ``eligible_rows`` returned for these
+    tensors (made here if None)."""
+    headdim = q4.shape[3]
+    nheads, nheads_k = q4.shape[2], k4.shape[2]
     out = torch.empty_like(q4, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, nheads, seqlen_q), device=q4.device, dtype=torch.float32)
+    lse = p.new_lse(q4)
     q_layout = _tile_layout(WG_ROWS, headdim, q4.dtype)
     kv_layout = _tile_layout(block_n, headdim, q4.dtype)
     q2, k2, v2 = rows if rows is not None else (_rows(q4), _rows(k4), _rows(v4))
     q_desc = TensorDescriptor.from_tensor(q2, [WG_ROWS, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [block_n, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [block_n, headdim], kv_layout)
-    items = cdiv(seqlen_q, 2 * WG_ROWS) * nheads * batch
+    items = cdiv(p.seqlen_q, 2 * WG_ROWS) * nheads * p.batch
     grid = (min(items, programs or _sm_count(q4.device)),)
+    cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse, lse)
     LAUNCHER(
         grid,
-        (q_desc, k_desc, v_desc, out, lse,
-         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
-         nheads, nheads // nheads_k, batch, seqlen_q, seqlen_k, p.softmax_scale * LOG2E),
-        dict(STAGES=stages, CAUSAL=p.window_right == 0),
+        (q_desc, k_desc, v_desc, out, lse, cu_q, cu_k,
+         *p.strides(out), *p.lse_strides(lse), lse.stride(-1),
+         nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
+         p.softmax_scale * LOG2E),
+        dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen),
         num_warps=4, maxnreg=168,
     )  # fmt: skip
     return out, lse
