@@ -178,8 +178,8 @@ class Settings:
     fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     fp8_v_transposed: bool = False
     # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is its two warpgroups' rows), by head
-    # dim: one program per query tile, or (``fwd_gluon_short``) a persistent grid under
-    # ``gluon_short_seqlen_k`` keys; calls it cannot compute, and head dims in neither, run the portable
+    # dim: one program per query tile, or (``fwd_gluon_short``) a persistent grid where a query block sees
+    # fewer than ``gluon_short_seqlen_k`` keys (short sequences, windows bounded on both sides); calls it cannot compute, and head dims in neither, run the portable
     # forward
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_gluon_short: Mapping[int, KernelConfig] = field(default_factory=dict)

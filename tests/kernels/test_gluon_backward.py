@@ -205,3 +205,45 @@ def test_windows_match_the_oracle(case, monkeypatch):
     assert len(calls) == 1
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_head_major_layouts(headdim, monkeypatch):
+    """q, k and dO laid out head by head (``(batch, nheads, seqlen, headdim)`` transposed, as Hugging Face
+    models hand queries and keys after their rotary embedding) beside v in flash_attn's layout: TMA reads
+    each as rows of one head's positions, no copy; the kernels alone and the public call, forward and
+    backward, against the oracle."""
+    from tileattn.kernels.gluon import backward as hopper
+    from tileattn.kernels.gluon import forward as hopper_fwd
+
+    batch, seqlen, nheads, nheads_k, dtype = 2, 300, 8, 2, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(headdim)
+
+    def heads_major(h):
+        return torch.randn(batch, h, seqlen, headdim, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+
+    q, k, dout = heads_major(nheads), heads_major(nheads_k), heads_major(nheads)
+    v = torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
+    assert not q.is_contiguous() and hopper_fwd._rows(q).head_rows == seqlen and hopper_fwd._rows(v).head_rows == 0
+    ref, grads_ref, grads_low = _references(q, k, v, dout, True)
+    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0)
+    assert hopper.eligible(q, k, v, dout, p) and hopper_fwd.eligible(q, k, v, p)
+    low = oracle.attention(q, k, v, causal=True, precision=None)
+    out, lse = hopper_fwd.attn_fwd(q, k, v, p)
+    check_close("out", out, ref.out, low.out)
+    lse_ref = ref.lse.float().contiguous()
+    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    for name, t, r, lo in zip(
+        ("dq", "dk", "dv"), hopper.attn_bwd(dout, q, k, v, lse_ref, delta, p), grads_ref, grads_low
+    ):
+        check_close(name, t, r, lo, floor_scale=scale)
+    calls = []
+    for module, name in ((hopper, "attn_bwd"), (hopper_fwd, "attn_fwd")):
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, run=run, name=name, **kw: calls.append(name) or run(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    tileattn.flash_attn_func(q, k, v, causal=True).backward(dout)
+    assert calls == ["attn_fwd"] * (headdim in configs.HOPPER.fwd_gluon) + ["attn_bwd"]
+    for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
+        check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)

@@ -10,6 +10,9 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+import torch
+
 # The tables are tuned with the H200's Triton, 3.6. Where another Triton allocates registers differently,
 # a property below holds only there (Triton 3.9 spills 16 bytes in head dim 64's window forward).
 TUNED_TRITON = importlib.metadata.version("triton").startswith("3.6.")
@@ -373,3 +376,31 @@ def test_gluon_backward_builds_as_designed():
     for row in rows:
         _assert_warp_specialized(row)
         assert row["tma_reduces"] >= 1 and row["atomics"] == 0, row
+
+
+def test_tma_rows_of_both_layouts():
+    """The Gluon kernels read (batch, seqlen, nheads, headdim) tensors as one 2-D TMA matrix, no copy:
+    flash_attn's layout (a packed qkv's slices too) as rows of positions with the heads side by side,
+    a (batch, nheads, seqlen, headdim) tensor transposed as rows of one head's positions; other strides,
+    and rows whose start is not 16-byte aligned, have none (the portable kernels run)."""
+    from tileattn.kernels import gluon
+
+    if not gluon.available():
+        pytest.skip("the Gluon kernels are written for Triton 3.6's Gluon")
+    from tileattn.kernels.gluon.forward import _rows
+
+    b, s, h, d = 2, 5, 3, 64
+    x = torch.randn(b, s, h, d, dtype=torch.bfloat16)
+    rows = _rows(x)
+    assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (s, 0, d)
+    assert torch.equal(rows.matrix[1 * s + 4, 2 * d : 3 * d], x[1, 4, 2])
+    qkv = torch.randn(b, s, 3, h, d, dtype=torch.bfloat16)
+    rows = _rows(qkv[:, :, 1])
+    assert torch.equal(rows.matrix[1 * s + 4, 2 * d : 3 * d], qkv[1, 4, 1, 2])
+    heads = torch.randn(b, h, s, d, dtype=torch.bfloat16).transpose(1, 2)
+    rows = _rows(heads)
+    assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (h * s, s, 0)
+    assert torch.equal(rows.matrix[1 * h * s + 2 * s + 4], heads[1, 4, 2])
+    assert _rows(x.transpose(0, 1)) is None  # batch entries interleaved
+    assert _rows(torch.randn(b, s, h, d + 4, dtype=torch.bfloat16)[..., :d]) is None  # heads apart
+    assert _rows(torch.randn(b, s, h, 9, dtype=torch.bfloat16)[..., :4]) is None  # rows of 18 bytes

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import LOG2E, _rows, _sequence, _tile_layout, plain_attention
+from tileattn.kernels.gluon.forward import LOG2E, _rows, _sequence, _start, _tile_layout, plain_attention
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
@@ -145,45 +145,52 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_smem.type.shape[0]
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
     q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    q_lay, do_lay, k_lay, v_lay = layouts  # (where each tensor's heads lie in its TMA matrix: TmaRows)
     # the block's K and V, once: each warpgroup's half as its own tile
-    kv_row = k0 + n_start
+    k_row, k_col = _start(b, k0, h_k, k_lay, VARLEN)
+    v_row, v_col = _start(b, k0, h_k, v_lay, VARLEN)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
-        coord = [kv_row + i * KEYS, h_k * HEAD_DIM]
-        tma.async_copy_global_to_shared(k_desc, coord, kv_ready, k_smem.slice(i * KEYS, KEYS))
-        tma.async_copy_global_to_shared(v_desc, coord, kv_ready, v_smem.slice(i * KEYS, KEYS))
+        key = n_start + i * KEYS
+        tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], kv_ready, k_smem.slice(i * KEYS, KEYS))
+        tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], kv_ready, v_smem.slice(i * KEYS, KEYS))
     m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
         lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA)  # (b, h)'s LSE and Δ in their flat rows
+        q_row, q_col = _start(b, q0, h, q_lay, VARLEN)
+        do_row, do_col = _start(b, q0, h, do_lay, VARLEN)
         for m in range(m_lo, num_m):
             s = it % STAGES
-            row = q0 + m * BLOCK_M
+            m_start = m * BLOCK_M
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
             if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as _lse_rows makes it)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
+                tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
                 tma.async_copy_global_to_shared(lse_desc, [lse_row + m * BLOCK_M], q_ready.index(s), lse_smem.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(
+                    do_desc, [do_row + m_start, do_col], do_ready.index(s), do_smem.index(s)
+                )
                 tma.async_copy_global_to_shared(
                     delta_desc, [lse_row + m * BLOCK_M], do_ready.index(s), delta_smem.index(s)
                 )
             else:  # the consumers load the tile's LSE and Δ themselves
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(s), q_smem.index(s))
+                tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], do_ready.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(
+                    do_desc, [do_row + m_start, do_col], do_ready.index(s), do_smem.index(s)
+                )
             it += 1
 
 
@@ -219,7 +226,7 @@ def _consume(
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -350,6 +357,8 @@ def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
     stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     nheads, group, seqlen_q, seqlen_k, window_left, window_right, lse_stride, qk_scale, sm_scale,
+    q_batch_rows, q_head_rows, q_head_cols, do_batch_rows, do_head_rows, do_head_cols,
+    k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
@@ -390,7 +399,9 @@ def _bwd_kernel(
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
             kv_ready, q_ready, do_ready, free, ds_ready,
             DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-            nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale)  # fmt: skip
+            nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale,
+            ((q_batch_rows, q_head_rows, q_head_cols), (do_batch_rows, do_head_rows, do_head_cols),
+             (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)))  # fmt: skip
     gl.warp_specialize(
         [
             (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
@@ -513,11 +524,13 @@ def _launch(
     nheads, nheads_k = q4.shape[2], k4.shape[2]
     q_layout = _tile_layout(block_m, headdim, q4.dtype)
     kv_layout = _tile_layout(WG_KEYS, headdim, q4.dtype)
-    q_desc = TensorDescriptor.from_tensor(_rows(q4), [block_m, headdim], q_layout)
-    do_desc = TensorDescriptor.from_tensor(_rows(do4), [block_m, headdim], q_layout)
-    k_desc = TensorDescriptor.from_tensor(_rows(k4), [WG_KEYS, headdim], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(_rows(v4), [WG_KEYS, headdim], kv_layout)
-    dq_desc = TensorDescriptor.from_tensor(_rows(dq_acc), [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
+    q2, do2, k2, v2 = (_rows(t) for t in (q4, do4, k4, v4))
+    q_desc = TensorDescriptor.from_tensor(q2.matrix, [block_m, headdim], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2.matrix, [WG_KEYS, headdim], kv_layout)
+    dq_rows = dq_acc.view(-1, nheads * headdim)  # (contiguous: flash_attn's layout, as the dQ adds address it)
+    dq_desc = TensorDescriptor.from_tensor(dq_rows, [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
     # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)
     lse_tma = lse_load != "load"
     if p.is_varlen:
@@ -538,7 +551,7 @@ def _launch(
             cu_q, cu_k, dq_acc.stride(1), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
             nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
             lse_stride, p.softmax_scale * LOG2E,
-            p.softmax_scale,
+            p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
         ),
         dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,

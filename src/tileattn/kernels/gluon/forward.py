@@ -27,6 +27,7 @@ Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -55,6 +56,19 @@ def _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
         return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
     else:
         return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
+
+
+@gluon.jit
+def _start(b, seq_start, head, layout, VARLEN: gl.constexpr):
+    """Where head ``head`` of batch entry b starts in a tensor's 2-D TMA matrix (``TmaRows``): ``(row,
+    column)``. ``layout``: the tensor's ``(batch_rows, head_rows, head_cols)``; a packed batch's
+    sequence starts at row ``seq_start`` (cu_seqlens[b])."""
+    batch_rows, head_rows, head_cols = layout
+    if VARLEN:
+        row = seq_start
+    else:
+        row = b * batch_rows
+    return row + head * head_rows, head * head_cols
 
 
 @gluon.jit
@@ -99,9 +113,8 @@ def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
 def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale) = args  # fmt: skip
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     num_m = gl.cdiv(max_q, 2 * ROWS)
@@ -115,20 +128,21 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
         if _live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            q_row = q0 + q_base
-            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [q_row + ROWS, h * HEAD_DIM], q_ready, q_smem.index(1))
-            kv_col = (h // group) * HEAD_DIM
+            q_row, q_col = _start(b, q0, h, q_lay, VARLEN)
+            tma.async_copy_global_to_shared(q_desc, [q_row + q_base, q_col], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [q_row + q_base + ROWS, q_col], q_ready, q_smem.index(1))
+            k_row, k_col = _start(b, k0, h // group, k_lay, VARLEN)
+            v_row, v_col = _start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
                 s = it % STAGES
                 phase = (it // STAGES) & 1
-                row = k0 + (lo + j) * BLOCK_N
+                key = (lo + j) * BLOCK_N
                 mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+                tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], k_ready.index(s), k_smem.index(s))
                 mbarrier.wait(v_free.index(s), phase ^ 1)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+                tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], v_ready.index(s), v_smem.index(s))
                 it += 1
             done += 1
 
@@ -179,7 +193,7 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale) = args  # fmt: skip
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -279,6 +293,8 @@ def _fwd_kernel(
     q_desc, k_desc, v_desc, Out, Lse, CuQ, CuK,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
+    q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
+    v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -303,7 +319,9 @@ def _fwd_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-            nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale)  # fmt: skip
+            nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
+            (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
+            (v_batch_rows, v_head_rows, v_head_cols))  # fmt: skip
     gl.warp_specialize(
         [
             (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
@@ -331,16 +349,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _rows(t4: torch.Tensor) -> torch.Tensor | None:
-    """``(batch, seqlen, nheads, headdim)`` as the 2-D matrix ``(batch * seqlen, nheads * headdim)`` TMA
-    reads, or None where its strides do not allow one (a view, no copy)."""
+class TmaRows(NamedTuple):
+    """A (batch, seqlen, nheads, headdim) tensor as the 2-D matrix TMA reads (a view, no copy) and where
+    its heads lie in it: head h of batch entry b starts at row ``b * batch_rows + h * head_rows`` (a packed
+    batch's sequence: at its cu_seqlens row instead of ``b * batch_rows``), column ``h * head_cols``."""
+
+    matrix: torch.Tensor
+    batch_rows: int
+    head_rows: int
+    head_cols: int
+
+
+def _rows(t4: torch.Tensor) -> TmaRows | None:
+    """``(batch, seqlen, nheads, headdim)`` as a 2-D matrix TMA reads: rows of positions with the heads side
+    by side, ``(batch * seqlen, nheads * headdim)`` (flash_attn's layout, a packed qkv's q, k or v), or rows
+    of one head's positions one head after another, ``(batch * nheads * seqlen, headdim)`` (the layout of
+    a ``(batch, nheads, seqlen, headdim)`` tensor transposed, as Hugging Face models hand queries and keys
+    after their rotary embedding); None where the strides allow neither, or TMA's 16-byte alignment does
+    not hold."""
     b, s, h, d = t4.shape
     st = t4.stride()
-    if st[3] != 1 or st[2] != d or (b > 1 and st[0] != s * st[1]):
+    if st[3] != 1 or (st[1] * t4.element_size()) % 16 or t4.data_ptr() % 16:
         return None
-    if (st[1] * t4.element_size()) % 16 or t4.data_ptr() % 16:
-        return None
-    return t4.as_strided((b * s, h * d), (st[1], 1))
+    if st[2] == d and (b == 1 or st[0] == s * st[1]):
+        return TmaRows(t4.as_strided((b * s, h * d), (st[1], 1)), s, 0, d)
+    if st[1] >= d and st[2] == s * st[1] and (b == 1 or st[0] == h * st[2]):
+        return TmaRows(t4.as_strided((b * h * s, d), (st[1], 1)), h * s, s, 0)
+    return None
 
 
 def plain_attention(
@@ -369,7 +404,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 
 def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[TmaRows, TmaRows, TmaRows] | None:
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
     if not plain_attention(q4, p, HEAD_DIMS, varlen=True, window=True):
         return None
@@ -394,9 +429,9 @@ def attn_fwd(
     q_layout = _tile_layout(WG_ROWS, headdim, q4.dtype)
     kv_layout = _tile_layout(block_n, headdim, q4.dtype)
     q2, k2, v2 = rows if rows is not None else (_rows(q4), _rows(k4), _rows(v4))
-    q_desc = TensorDescriptor.from_tensor(q2, [WG_ROWS, headdim], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k2, [block_n, headdim], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v2, [block_n, headdim], kv_layout)
+    q_desc = TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout)
     items = cdiv(p.seqlen_q, 2 * WG_ROWS) * nheads * p.batch
     grid = (min(items, programs or _sm_count(q4.device)),)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse, lse)
@@ -405,7 +440,7 @@ def attn_fwd(
         (q_desc, k_desc, v_desc, out, lse, cu_q, cu_k,
          *p.strides(out), *p.lse_strides(lse), lse.stride(-1),
          nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
-         p.softmax_scale * LOG2E),
+         p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:]),
         dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen),
         num_warps=4, maxnreg=168,
     )  # fmt: skip
