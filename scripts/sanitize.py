@@ -161,8 +161,9 @@ def gluon_calls() -> None:
     and query lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work
     items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
     walking many items, so the barriers' phases wrap), head dims 128 and 256, and a backward behind it.
-    The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA, dQ by TMA
-    reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
+    Packed batches through the forward alone (both grids), sliding windows and head-major layouts through
+    the public call. The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA,
+    dQ by TMA reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
     from tileattn.kernels import gluon
     from tileattn.params import AttnParams
 
@@ -180,6 +181,34 @@ def gluon_calls() -> None:
         q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
         out = tileattn.flash_attn_func(q, k, v, causal=True)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        # a packed batch (empty sequences, one row, no key; blocks past a short sequence skipped), both grids
+        lens_q, lens_k = [37, 0, 1, 130, 300], [5, 9, 0, 200, 300]
+        cu_q, cu_k = (
+            torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            for lens in (lens_q, lens_k)
+        )
+        q = torch.randn(1, sum(lens_q), 4, d, device=dev, dtype=dt)
+        k, v = (torch.randn(1, sum(lens_k), 2, d, device=dev, dtype=dt) for _ in range(2))
+        for causal in (True, False):
+            p = AttnParams(
+                5, 300, 300, d, d**-0.5, window_right=0 if causal else -1, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+            )
+            for programs in (hopper.ONE_PER_TILE, 3):
+                hopper.attn_fwd(q, k, v, p, block_n=block_n, programs=programs)
+    # sliding windows (each side, both, the diagonal alone) and head-major q, k and dO (Hugging Face's
+    # layout after rotary), forward and backward through the public call (the Gluon kernels at their
+    # head dims)
+    for d in (64, 128, 256):
+        for window in ((100, 50), (-1, 17), (64, -1), (0, 0)):
+            q = torch.randn(2, 300, 4, d, device=dev, dtype=dt, requires_grad=True)
+            k, v = (torch.randn(2, 257, 2, d, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+            out = tileattn.flash_attn_func(q, k, v, window_size=window)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        q = torch.randn(2, 4, 300, d, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, 2, 300, d, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+        v = torch.randn(2, 300, 2, d, device=dev, dtype=dt, requires_grad=True)
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.randn(2, 4, 300, d, device=dev, dtype=dt).transpose(1, 2))
     from tileattn.kernels import backward as portable
     from tileattn.kernels import forward
     from tileattn.kernels.gluon import backward as hopper_bwd
