@@ -262,9 +262,10 @@ def write_report(rows, out: Path) -> str:
             by = {r["impl"]: r for r in lm if r["seqlen"] == seqlen}
             cells = [f"{_fmt(by[i]['tokens_per_s'], ',.0f')} ({_fmt(by[i]['peak_gb'], '.1f')})" for i in impls]
             ratio = ""
-            if by["tileattn"]["tokens_per_s"] and by["sdpa"]["tokens_per_s"]:
+            if by.get("tileattn", {}).get("tokens_per_s") and by.get("sdpa", {}).get("tokens_per_s"):
                 ratio = f"{by['tileattn']['tokens_per_s'] / by['sdpa']['tokens_per_s']:.2f}×"
-            lines.append(f"| {seqlen} × {by['sdpa']['batch']} | " + " | ".join(cells) + f" | {ratio} |")
+            batch = next(iter(by.values()))["batch"]
+            lines.append(f"| {seqlen} × {batch} | " + " | ".join(cells) + f" | {ratio} |")
         lines.append("")
     bert = {r["impl"]: r for r in rows if r["kind"] == "bert"}
     if bert:

@@ -43,6 +43,31 @@ def test_varlen_head_dims(backend, headdim):
     check_attention(f"varlen d{headdim}", out, grads, q, k, v, dout, {"causal": True}, varlen=(cu, cu, 33))
 
 
+def test_padding_after_the_last_sequence_holds_anything(backend):
+    """Rows after cu_seqlens[-1] are padding, as flash_attn allows, and may hold anything (an unwritten
+    buffer): NaN there changes nothing in the sequences' outputs and gradients (kernels that read whole
+    tiles past a sequence's end weigh those rows 0, and 0 · NaN is NaN), and the padding's own output and
+    gradients are 0."""
+    ctx, device = on(backend)
+    lens, pad, d = [33, 70], 21, 128
+    used = sum(lens)
+    q, k, v, dout = (randn(used + pad, 4, d, dtype=torch.float16, device=device) for _ in range(4))
+    cu = _cu(lens, device)
+    with ctx:
+        ref = tileattn.flash_attn_varlen_func(*(t[:used] for t in (q, k, v)), cu, cu, 70, 70, causal=True)
+        grads_ref = torch.autograd.grad(ref, (q, k, v), dout[:used])
+        for t in (q, k, v, dout):
+            t.data[used:] = float("nan")
+        out = tileattn.flash_attn_varlen_func(q, k, v, cu, cu, 70, 70, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    # (the same kernels on the same rows; dQ's fp32 adds may come in another order on the GPU)
+    torch.testing.assert_close(out[:used], ref, rtol=0, atol=0)
+    assert not out[used:].any()
+    for name, g, r in zip("qkv", grads, grads_ref):
+        torch.testing.assert_close(g[:used], r[:used], rtol=1e-2, atol=1e-3, msg=f"d{name}")
+        assert not g[used:].any(), name
+
+
 def test_varlen_dropout_matches_dense_mask(backend):
     """Varlen dropout uses offsets over (max_seqlen_q, max_seqlen_k): S_dmask gives the mask per
     sequence, and the packed result equals the masked reference."""

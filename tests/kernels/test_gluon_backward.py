@@ -172,7 +172,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
 WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype
     (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
     (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
-    (1, 300, 2000, 2, 1, 128, (-1, 17), torch.bfloat16),  # right side only: key blocks no row sees
+    (1, 300, 2000, 2, 1, 128, (-1, 17), torch.bfloat16),  # right side only
     (1, 513, 513, 2, 2, 64, (64, -1), torch.bfloat16),  # left side only
     (2, 63, 1025, 2, 2, 128, (0, 0), torch.float16),  # the diagonal alone
 ]
@@ -181,7 +181,7 @@ WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
 def test_windows_match_the_oracle(case, monkeypatch):
     """Sliding windows (bottom-right aligned as flash_attn's): each side alone and both, rows whose window
-    holds no key, key blocks no row sees, query tiles from the first whose last row reaches a block to the
+    holds no key, key blocks no row sees (the diagonal alone), query tiles from the first whose last row reaches a block to the
     last whose first row does; each build, and through the public call."""
     from tileattn.kernels.gluon import backward as hopper
 

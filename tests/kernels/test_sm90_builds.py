@@ -403,4 +403,6 @@ def test_tma_rows_of_both_layouts():
     assert torch.equal(rows.matrix[1 * h * s + 2 * s + 4], heads[1, 4, 2])
     assert _rows(x.transpose(0, 1)) is None  # batch entries interleaved
     assert _rows(torch.randn(b, s, h, d + 4, dtype=torch.bfloat16)[..., :d]) is None  # heads apart
-    assert _rows(torch.randn(b, s, h, 9, dtype=torch.bfloat16)[..., :4]) is None  # rows of 18 bytes
+    assert _rows(torch.randn(b, s, 1, 4, dtype=torch.bfloat16)) is None  # rows of 8 bytes
+    one = _rows(torch.randn(1, s, h, d, dtype=torch.bfloat16))  # (one batch entry: its stride is free)
+    assert (one.batch_rows, one.head_rows, one.head_cols) == (s, 0, d)

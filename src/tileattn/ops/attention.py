@@ -93,7 +93,12 @@ def _like(t: Tensor, ref: Tensor) -> Tensor:
 def _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[int, int]:
     """The query and key rows the sequences of a packed batch use (``cu_seqlens[-1]``, which may stop
     short of the tensors' first dim: the rest is padding), after checking the cu_seqlens values
-    (``checks.cu_values``, once per unmodified tensor). Dense calls: the whole first dim."""
+    (``checks.cu_values``, once per unmodified tensor). Dense calls: the whole first dim.
+
+    _used_rows: the kernels get the used rows only. The Gluon kernels read whole tiles by TMA, past a
+    sequence's end into the next rows (their scores masked, so they weigh 0), and padding may hold
+    anything: a NaN there would turn those zero weights into NaN (0 · NaN), where TMA's zero fill past
+    the tensor's end cannot."""
     if cu_seqlens_q is None:
         return q.shape[0], k.shape[0]
     lengths_q = checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
@@ -145,9 +150,11 @@ def forward_impl(
         mask_causal,
         descales,
     )
-    if backend.nothing_to_attend(q, k):
+    if backend.nothing_to_attend(q, k) or tokens_k == 0:
         out, lse = torch.zeros_like(q, dtype=_out_dtype(q)), p.new_lse(p.as_4d(q)).fill_(float("inf"))
     else:
+        if tokens_k < k.shape[0]:  # the kernels see the sequences' rows only (_used_rows)
+            k, v = k[:tokens_k], v[:tokens_k]
         with backend.on_device(q):
             out, lse = backend.implementation(q).attn_fwd(q, k, v, p, configs.current(q.device))
     if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key
@@ -218,15 +225,27 @@ def backward_impl(
     )
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    with backend.on_device(q):
-        dq, dk, dv = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if tokens_q < q.shape[0]:  # padding rows
-        dq[tokens_q:] = 0
-    if tokens_k < k.shape[0]:
-        dk[tokens_k:] = 0
-        dv[tokens_k:] = 0
-    return _like(dq, q), _like(dk, k), _like(dv, v)
+    if tokens_q == 0 or tokens_k == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if tokens_q == q.shape[0] and tokens_k == k.shape[0]:
+        with backend.on_device(q):
+            dq, dk, dv = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
+        return _like(dq, q), _like(dk, k), _like(dv, v)
+    # padding rows after the last sequence: the kernels see the sequences' rows only (_used_rows), and the
+    # padding's gradients are 0
+    used_q, used_k = slice(0, tokens_q), slice(0, tokens_k)
+    with backend.on_device(q):
+        grads = backend.implementation(q).attn_bwd(
+            dout[used_q], q[used_q], k[used_k], v[used_k], out[used_q], lse[:, used_q].contiguous(), p,
+            configs.current(q.device),
+        )  # fmt: skip
+    padded = []
+    for g, t, used in zip(grads, (q, k, v), (used_q, used_k, used_k)):
+        full = torch.zeros_like(t)
+        full[used] = g
+        padded.append(full)
+    return tuple(padded)
 
 
 attn_bwd = torch.library.custom_op("tileattn::bwd", backward_impl, mutates_args=())
