@@ -273,9 +273,9 @@ def _warp_specialization(ptx: str) -> dict:
 
 def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
-    with a sliding ``window`` (flash_attn's window_size),
-    ``options`` (block_n, stages; the settings table's entry by default): its resources, and from the PTX
-    the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
+    with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_n, stages; the settings
+    table's entry by default): its resources, and from the PTX the register budgets of its partitions
+    (setmaxnreg) and its wgmma waits."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import AttnParams
@@ -311,10 +311,9 @@ def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tupl
 
 def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
     """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, dense or ``varlen``, causal
-    or with a sliding ``window`` (flash_attn's window_size),
-    ``options`` (block_m, stages, dq_tma; the launcher's defaults, else the settings table's entry): its
-    resources, and from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and
-    its dQ reduce-adds."""
+    or with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_m, stages, dq_tma; the
+    launcher's defaults, else the settings table's entry): its resources, and from the PTX the register
+    budgets of its partitions (setmaxnreg), its wgmma waits and its dQ reduce-adds."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import backward as hopper
     from tileattn.params import AttnParams

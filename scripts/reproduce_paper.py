@@ -142,7 +142,9 @@ def run_gpt2(args, device):
 
 
 def run_llama(args, device):
-    make = lambda seqlen: llama(args.smoke)  # noqa: E731
+    def make(seqlen):
+        return llama(args.smoke)
+
     impls = [i for i in args.impls if i != "eager"]  # (eager attention at 16 heads runs out of memory from 4k)
     return _run_lm("llama", make, 512 if args.smoke else 32000, args, device, impls=impls)
 

@@ -38,6 +38,24 @@ def gluon_case_inputs(case: tuple, count: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
 
 
+# The Gluon kernels' shared test cases (both kernels' head dims; test_gluon_forward.py adds head dim 256).
+# Packed batches: query lengths, key lengths, nheads, nheads_k, headdim, causal, dtype.
+GLUON_VARLEN_CASES = [
+    ([37, 0, 1, 130, 300], [5, 9, 0, 200, 300], 4, 2, 128, True, torch.bfloat16),  # empty, one row, no key
+    ([64, 129, 1000], [64, 129, 1000], 4, 1, 64, True, torch.float16),
+    ([113, 1, 257], [1025, 63, 7], 8, 2, 64, False, torch.bfloat16),
+    ([300, 63], [200, 500], 2, 2, 128, False, torch.float16),
+]
+# Sliding windows: batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype.
+GLUON_WINDOW_CASES = [
+    (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
+    (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
+    (1, 300, 2000, 2, 1, 128, (-1, 17), torch.bfloat16),  # right side only
+    (1, 513, 513, 2, 2, 64, (64, -1), torch.bfloat16),  # left side only
+    (2, 63, 1025, 2, 2, 128, (0, 0), torch.float16),  # the diagonal alone: key blocks no row sees
+]
+
+
 def builds(backend: str, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None):
     """Context in which calls on ``backend`` launch the kernels with these KernelConfig fields changed in
     every table entry of its settings (``configs.with_builds``): the build variants the tables do not

@@ -2,9 +2,10 @@
 (one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
 that see no key, key blocks no row sees), packed (varlen) batches, fp16 and bf16, head dims 64 and 128,
 each build the settings or the bench may pick (ring depth, query tiles of 128 rows at head dim 64, dQ by
-TMA reduce-adds or atomic adds), sliding windows, and the portable backward's dispatch to it when the settings ask. Gluon
-kernels do not run in Triton's interpreter: off sm90, or with a Triton whose Gluon the kernels were not
-written for, these tests skip (the builds themselves are checked without a GPU in test_sm90_builds.py)."""
+TMA reduce-adds or atomic adds), sliding windows, head-major layouts, and the portable backward's dispatch
+to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with a Triton
+whose Gluon the kernels were not written for, these tests skip (the builds themselves are checked without
+a GPU in test_sm90_builds.py)."""
 
 import dataclasses
 
@@ -13,7 +14,7 @@ import torch
 
 import oracle
 import tileattn
-from helpers import gluon_case_inputs, needs_gluon
+from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon
 from tileattn.kernels import configs
 from tileattn.params import AttnParams, KernelConfig
 from tileattn.testing import check_close
@@ -114,15 +115,7 @@ def test_calls_it_cannot_compute_are_not_eligible():
     assert not hopper.eligible(q, k, v, padded, p)
 
 
-VARLEN_CASES = [  # query lengths, key lengths, nheads, nheads_k, headdim, causal, dtype
-    ([37, 0, 1, 130, 300], [5, 9, 0, 200, 300], 4, 2, 128, True, torch.bfloat16),  # empty, one row, no key
-    ([64, 129, 1000], [64, 129, 1000], 4, 1, 64, True, torch.float16),
-    ([113, 1, 257], [1025, 63, 7], 8, 2, 64, False, torch.bfloat16),
-    ([300, 63], [200, 500], 2, 2, 128, False, torch.float16),
-]
-
-
-@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+@pytest.mark.parametrize("case", GLUON_VARLEN_CASES, ids=str)
 def test_packed_batches_match_the_oracle(case, monkeypatch):
     """Packed (varlen) batches: each sequence's rows start anywhere in the packed tensor, tiles cross into
     the next sequence (whose rows they must not change), sequences with no rows or no keys, and key
@@ -169,20 +162,11 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)
 
 
-WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype
-    (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
-    (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
-    (1, 300, 2000, 2, 1, 128, (-1, 17), torch.bfloat16),  # right side only
-    (1, 513, 513, 2, 2, 64, (64, -1), torch.bfloat16),  # left side only
-    (2, 63, 1025, 2, 2, 128, (0, 0), torch.float16),  # the diagonal alone
-]
-
-
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+@pytest.mark.parametrize("case", GLUON_WINDOW_CASES, ids=str)
 def test_windows_match_the_oracle(case, monkeypatch):
     """Sliding windows (bottom-right aligned as flash_attn's): each side alone and both, rows whose window
-    holds no key, key blocks no row sees (the diagonal alone), query tiles from the first whose last row reaches a block to the
-    last whose first row does; each build, and through the public call."""
+    holds no key, key blocks no row sees (the diagonal alone), query tiles from the first whose last row
+    reaches a block to the last whose first row does; each build, and through the public call."""
     from tileattn.kernels.gluon import backward as hopper
 
     batch, seqlen_q, seqlen_k, _, _, headdim, window, dtype = case

@@ -1,16 +1,16 @@
 """The Gluon forward (kernels/gluon/forward.py) on an sm90 GPU against the tests' oracle: odd lengths,
 GQA/MQA, causal with seqlen_q != seqlen_k (rows that see no key), sliding windows, packed batches, fp16
 and bf16, each build the settings or the bench may pick (stages, key tiles, persistent grids of a few
-programs), and the public functions' dispatch to it with the portable backward behind it. Gluon kernels do not run in Triton's interpreter: off sm90, or
-with a Triton whose Gluon the kernels were not written for, these tests skip (the builds themselves
-are checked without a GPU in test_sm90_builds.py)."""
+programs), and the public functions' dispatch to it with the portable backward behind it. Gluon kernels
+do not run in Triton's interpreter: off sm90, or with a Triton whose Gluon the kernels were not written
+for, these tests skip (the builds themselves are checked without a GPU in test_sm90_builds.py)."""
 
 import pytest
 import torch
 
 import oracle
 import tileattn
-from helpers import check_lse, gluon_case_inputs, needs_gluon
+from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, check_lse, gluon_case_inputs, needs_gluon
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
 from tileattn.testing import check_close
@@ -95,11 +95,7 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
     assert not hopper.eligible(padded, k, v, p)
 
 
-VARLEN_CASES = [  # query lengths, key lengths, nheads, nheads_k, headdim, causal, dtype
-    ([37, 0, 1, 130, 300], [5, 9, 0, 200, 300], 4, 2, 128, True, torch.bfloat16),  # empty, one row, no key
-    ([64, 129, 1000], [64, 129, 1000], 4, 1, 64, True, torch.float16),
-    ([113, 1, 257], [1025, 63, 7], 8, 2, 64, False, torch.bfloat16),
-    ([300, 63], [200, 500], 2, 2, 128, False, torch.float16),
+VARLEN_CASES = GLUON_VARLEN_CASES + [
     ([777, 5, 130], [777, 130, 5], 4, 4, 256, True, torch.bfloat16),  # rows before key 0's diagonal
 ]
 
@@ -139,13 +135,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
     check_close("out (public call)", out, ref.out, low.out)
 
 
-WINDOW_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, window_size, dtype
-    (2, 1025, 1025, 4, 2, 128, (256, 0), torch.bfloat16),  # causal sliding window
-    (1, 1000, 700, 4, 4, 64, (100, 50), torch.float16),  # both sides; the first 250 rows see no key
-    (1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16),  # right side only
-    (1, 513, 513, 2, 2, 128, (64, -1), torch.bfloat16),  # left side only
-    (2, 63, 1025, 2, 2, 64, (0, 0), torch.float16),  # the diagonal alone
-]
+WINDOW_CASES = GLUON_WINDOW_CASES + [(1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16)]
 
 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)

@@ -581,10 +581,11 @@ def _gluon_bwd(
     from tileattn.kernels.gluon import backward as hopper
 
     q4, k4, v4, o4, do4 = (p.as_4d(t) for t in (q, k, v, out, dout))
-    if not hopper.eligible(q4, k4, v4, do4, p):
+    rows = hopper.eligible_rows(q4, k4, v4, do4, p)
+    if rows is None:
         return None
     delta = _delta(o4, do4, lse, p, s)
-    dq, dk, dv = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, **hopper.config_options(cfg))
+    dq, dk, dv = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, rows=rows, **hopper.config_options(cfg))
     return (dq[0], dk[0], dv[0]) if p.is_varlen else (dq, dk, dv)
 
 

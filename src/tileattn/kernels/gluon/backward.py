@@ -55,7 +55,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import LOG2E, _rows, _sequence, _start, _tile_layout, plain_attention
+from tileattn.kernels.gluon.forward import (
+    LOG2E,
+    TmaRows,
+    _rows,
+    _sequence,
+    _start,
+    _tile_layout,
+    plain_attention,
+)
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
@@ -176,14 +184,12 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
             if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as _lse_rows makes it)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
-                tma.async_copy_global_to_shared(lse_desc, [lse_row + m * BLOCK_M], q_ready.index(s), lse_smem.index(s))
+                tma.async_copy_global_to_shared(lse_desc, [lse_row + m_start], q_ready.index(s), lse_smem.index(s))
                 mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(
                     do_desc, [do_row + m_start, do_col], do_ready.index(s), do_smem.index(s)
                 )
-                tma.async_copy_global_to_shared(
-                    delta_desc, [lse_row + m * BLOCK_M], do_ready.index(s), delta_smem.index(s)
-                )
+                tma.async_copy_global_to_shared(delta_desc, [lse_row + m_start], do_ready.index(s), delta_smem.index(s))
             else:  # the consumers load the tile's LSE and Δ themselves
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
@@ -414,14 +420,21 @@ def _bwd_kernel(
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon backward computes this call: sm90, plain attention (causal or not, a sliding window
-    or not; no dropout, ALiBi, softcap, FlashMask, FP8), dense or varlen, not ``deterministic``, bf16/fp16, head dim
-    64 or 128, q, k, v and dO (4-D: varlen as one batch of packed rows) with TMA-readable rows."""
-    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, varlen=True, window=True):
-        return False
+    """Whether the Gluon backward computes this call: ``plain_attention`` at head dim 64 or 128, not
+    ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA matrix."""
+    return eligible_rows(q4, k4, v4, do4, p) is not None
+
+
+def eligible_rows(
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams
+) -> tuple[TmaRows, TmaRows, TmaRows, TmaRows] | None:
+    """q, k, v and dO as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
+    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS):
+        return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
-        return False
-    return all(_rows(t) is not None for t in (q4, k4, v4, do4))
+        return None
+    rows = (_rows(q4), _rows(k4), _rows(v4), _rows(do4))
+    return None if None in rows else rows
 
 
 def config_options(cfg: KernelConfig) -> dict:
@@ -432,7 +445,7 @@ def config_options(cfg: KernelConfig) -> dict:
 def attn_bwd(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int = 128, stages: int = 2,
-    dq_tma: bool = True, lse_load: str = "tma",
+    dq_tma: bool = True, lse_load: str = "tma", rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, shaped as q4, k4, v4, in the inputs' dtype.
 
@@ -449,7 +462,7 @@ def attn_bwd(
     ``_varlen_tma_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
-    as ``"tma"``)."""
+    as ``"tma"``). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
     if block_n != 2 * WG_KEYS:
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
     if lse_load not in LSE_LOADS:
@@ -464,7 +477,9 @@ def attn_bwd(
     dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
-    _launch(do4, q4, k4, v4, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
+    if rows is None:
+        rows = (_rows(q4), _rows(k4), _rows(v4), _rows(do4))
+    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
     return dq_acc.to(q4.dtype), dk, dv
 
 
@@ -514,17 +529,17 @@ def _varlen_tma_rows(
 
 
 def _launch(
-    do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, p: AttnParams,
-    block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
+    rows: tuple, lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor,
+    dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
 ) -> None:  # fmt: skip
-    """The kernel alone: adds dQ (softmax_scale applied) into the fp32 ``dq_acc`` (contiguous, shaped as
-    q4, zeroed by the caller) and writes dk, dv (contiguous, shaped as k4)."""
-    headdim = q4.shape[3]
-    nheads, nheads_k = q4.shape[2], k4.shape[2]
-    q_layout = _tile_layout(block_m, headdim, q4.dtype)
-    kv_layout = _tile_layout(WG_KEYS, headdim, q4.dtype)
-    q2, do2, k2, v2 = (_rows(t) for t in (q4, do4, k4, v4))
+    """The kernel alone on q, k, v and dO as ``rows`` (``TmaRows``): adds dQ (softmax_scale applied) into
+    the fp32 ``dq_acc`` (contiguous, shaped as q4, zeroed by the caller) and writes dk, dv (contiguous,
+    shaped as k4)."""
+    q2, k2, v2, do2 = rows
+    nheads, headdim = dq_acc.shape[2], dq_acc.shape[3]
+    nheads_k = dk.shape[2]
+    q_layout = _tile_layout(block_m, headdim, q2.matrix.dtype)
+    kv_layout = _tile_layout(WG_KEYS, headdim, q2.matrix.dtype)
     q_desc = TensorDescriptor.from_tensor(q2.matrix, [block_m, headdim], q_layout)
     do_desc = TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)

@@ -19,8 +19,8 @@ Only what the portable kernel's plain path does is here: (batch, seqlen, nheads,
 whose rows TMA can read as one 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``,
 sequence b's rows from cu_seqlens[b], the grid covering the longest sequence; a tile's rows past its
 sequence are the next one's, which the scores mask and the stores skip), bf16/fp16, head dims 64, 128
-and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Everything else runs the portable kernels (``kernels.forward``).
-Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
+and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Everything else runs the
+portable kernels (``kernels.forward``). Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
 (tests/kernels/test_gluon_forward.py), and their builds without one (test_sm90_builds.py).
 """
 
@@ -151,9 +151,9 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
 def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
             MASK_RIGHT: gl.constexpr):  # fmt: skip
     """Raw scores of key tile j, -inf where a key is past the sequence or outside the row's window (bounds:
-    ``(seqlen_q, seqlen_k, window_left, window_right)``): row i sees key k iff ``i + shift - window_left <= k <= i + shift + window_right`` (the sides MASK_LEFT and
-    MASK_RIGHT bound; causal: window_right 0), bottom-right aligned as flash_attn's (shift = seqlen_k -
-    seqlen_q)."""
+    ``(seqlen_q, seqlen_k, window_left, window_right)``): row i sees key k iff ``i + shift - window_left
+    <= k <= i + shift + window_right`` (the sides MASK_LEFT and MASK_RIGHT bound; causal: window_right 0),
+    bottom-right aligned as flash_attn's (shift = seqlen_k - seqlen_q)."""
     seqlen_q, seqlen_k, window_left, window_right = bounds
     s = s_acc
     ROWS: gl.constexpr = s_acc.type.shape[0]
@@ -378,27 +378,22 @@ def _rows(t4: torch.Tensor) -> TmaRows | None:
     return None
 
 
-def plain_attention(
-    q4: torch.Tensor, p: AttnParams, head_dims: tuple, varlen: bool = False, window: bool = False
-) -> bool:
-    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention, causal
-    or not (no FP8, dropout, softcap, ALiBi or FlashMask; a sliding window only where ``window``), dense
-    (or varlen where ``varlen``), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale
-    the raw products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or
-    +inf, and the row max of the products would not be the scores')."""
+def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple) -> bool:
+    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention (no FP8,
+    dropout, softcap, ALiBi or FlashMask), causal or not, sliding windows, dense or packed (varlen),
+    bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw products in the
+    exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the row max of the
+    products would not be the scores')."""
     if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
         return False
-    if (p.is_varlen and not varlen) or p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None:
-        return False
-    if p.flashmask is not None or (not window and (p.window_left >= 0 or p.window_right not in (-1, 0))):
+    if p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
         return False
     return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon forward computes this call: sm90, plain attention (causal or not, a sliding window
-    or not; no dropout, ALiBi, softcap, FlashMask, FP8), dense or packed (varlen: the tensors as ``p.as_4d`` views
-    them), bf16/fp16, head dim 64, 128 or 256, TMA-readable rows."""
+    """Whether the Gluon forward computes this call: ``plain_attention`` at head dim 64, 128 or 256 (packed
+    batches: the tensors as ``p.as_4d`` views them), q, k and v each one TMA matrix (``_rows``)."""
     return eligible_rows(q4, k4, v4, p) is not None
 
 
@@ -406,7 +401,7 @@ def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[TmaRows, TmaRows, TmaRows] | None:
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
-    if not plain_attention(q4, p, HEAD_DIMS, varlen=True, window=True):
+    if not plain_attention(q4, p, HEAD_DIMS):
         return None
     rows = (_rows(q4), _rows(k4), _rows(v4))
     return None if None in rows else rows
