@@ -309,10 +309,12 @@ def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tupl
     )
 
 
-def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
+def compile_gluon_bwd(
+    headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), dropout: bool = False, **options
+) -> dict:
     """The Gluon backward's build (``kernels.gluon.backward``) for one head dim, dense or ``varlen``, causal
-    or with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_m, stages, dq_tma; the
-    launcher's defaults, else the settings table's entry): its resources, and from the PTX the register
+    or with a sliding ``window`` (flash_attn's window_size), with ``dropout`` or not, with ``options``
+    (block_m, stages, dq_tma; the launcher's defaults, else the settings table's entry): its resources, and from the PTX the register
     budgets of its partitions (setmaxnreg), its wgmma waits and its dQ reduce-adds."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import backward as hopper
@@ -325,12 +327,13 @@ def compile_gluon_bwd(headdim: int, causal: bool, varlen: bool = False, window: 
     if varlen:  # the same rows as one packed batch of two sequences
         q, lse = q.view(1, batch * seqlen, nheads, headdim), lse.transpose(0, 1).reshape(nheads, batch * seqlen)
         cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
-    cfg = configs.HOPPER.bwd_gluon.get(headdim)
+    cfg = (configs.HOPPER.bwd_gluon_dropout if dropout else configs.HOPPER.bwd_gluon).get(headdim)
     if cfg is not None:
         options = dict(hopper.config_options(cfg), **options)
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,
+        dropout_p=0.125 if dropout else 0.0, philox_seed=0x1234,
     )  # fmt: skip
     hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
     name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")

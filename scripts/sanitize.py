@@ -214,7 +214,7 @@ def gluon_calls() -> None:
     from tileattn.kernels.gluon import backward as hopper_bwd
 
     # the Gluon backward alone: ragged tails, rows that see no key, GQA and MQA, seqlen_q not a multiple
-    # of 4 (padded LSE/Δ rows), dQ by TMA reduce-adds and by atomics
+    # of 4 (padded LSE/Δ rows), dQ by TMA reduce-adds and by atomics, dropout
     for d in hopper_bwd.HEAD_DIMS:
         for sq, sk, hk, causal in ((113, 1025, 2, True), (1025, 113, 1, True), (63, 63, 4, False), (1, 7, 2, False)):
             q, do = (torch.randn(2, sq, 4, d, device=dev, dtype=dt) for _ in range(2))
@@ -225,6 +225,10 @@ def gluon_calls() -> None:
             delta = portable._delta(out, do, lse, p, settings)
             for dq_tma in (True, False):
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
+            # dropout: the draws' shared-memory exchange (query tiles of 64 and 128 rows)
+            p.dropout_p, p.philox_seed = 0.125, 0x5EED
+            for block_m in (64, 128):
+                hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, block_m=block_m)
         # a packed batch (its LSE/Δ rows moved to aligned starts), through the public call
         lens_q, lens_k = [37, 0, 1, 130, 300], [5, 9, 0, 200, 300]
         cu_q, cu_k = (

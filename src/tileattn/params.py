@@ -189,6 +189,8 @@ class Settings:
     # num_stages the (Q, dO) ring's depth, dq_atomic 1 for fp32 atomic adds, else TMA reduce-adds. Empty:
     # the portable backward runs
     bwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
+    # the same with dropout (the draws take registers and shared memory)
+    bwd_gluon_dropout: Mapping[int, KernelConfig] = field(default_factory=dict)
     # entries that take precedence over ``bwd_dkdv`` (``kernels.configs.bwd_dkdv_config``)
     bwd_dkdv_causal: Mapping[int, KernelConfig] = field(default_factory=dict)
     bwd_dkdv_varlen: Mapping[int, KernelConfig] = field(default_factory=dict)

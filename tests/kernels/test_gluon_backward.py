@@ -2,8 +2,8 @@
 (one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
 that see no key, key blocks no row sees), packed (varlen) batches, fp16 and bf16, head dims 64 and 128,
 each build the settings or the bench may pick (ring depth, query tiles of 128 rows at head dim 64, dQ by
-TMA reduce-adds or atomic adds), sliding windows, head-major layouts, and the portable backward's dispatch
-to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with a Triton
+TMA reduce-adds or atomic adds), sliding windows, dropout, head-major layouts, and the portable backward's
+dispatch to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with a Triton
 whose Gluon the kernels were not written for, these tests skip (the builds themselves are checked without
 a GPU in test_sm90_builds.py)."""
 
@@ -15,6 +15,7 @@ import torch
 import oracle
 import tileattn
 from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon
+from tileattn import rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams, KernelConfig
 from tileattn.testing import check_close
@@ -36,14 +37,14 @@ BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(sta
 WIDE_BUILDS = {64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False)]}  # query tiles of 128
 
 
-def _references(q, k, v, dout, causal, window=(-1, -1)):
+def _references(q, k, v, dout, causal, window=(-1, -1), **dropout):
     """The oracle's gradients (fp64) and plain PyTorch's (the inputs' precision), with the oracle's output
-    and LSE (the backward's inputs)."""
+    and LSE (the backward's inputs); ``dropout``: the oracle's dropout_p and dropout_mask."""
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = oracle.attention(qr, kr, vr, causal=causal, window_size=window)
+    ref = oracle.attention(qr, kr, vr, causal=causal, window_size=window, **dropout)
     ref.out.backward(dout.double())
     lows = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    low = oracle.attention(*lows, causal=causal, window_size=window, precision=None)
+    low = oracle.attention(*lows, causal=causal, window_size=window, precision=None, **dropout)
     low.out.backward(dout)
     return ref, (qr.grad, kr.grad, vr.grad), tuple(t.grad for t in lows)
 
@@ -91,16 +92,112 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
         check_close(f"d{name}", t.grad, r, lo, floor_scale=scale)
 
 
+DROPOUT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
+    (1, 1, 1, 2, 2, 64, False, torch.bfloat16),
+    (2, 63, 63, 4, 4, 128, True, torch.bfloat16),
+    (1, 113, 1025, 8, 2, 128, True, torch.float16),  # key blocks no row sees
+    (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows that see no key
+    (2, 300, 257, 4, 2, 64, False, torch.float16),
+]
+
+
+def _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k, device="cuda"):
+    """The keep mask the kernels draw (``tileattn.rng``, PyTorch's replica of their Philox mapping)."""
+    b, h, i, j = (
+        torch.arange(n, device=device).view([-1 if d == axis else 1 for d in range(4)])
+        for axis, n in enumerate((batch, nheads, seqlen_q, seqlen_k))
+    )
+    return rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, seqlen_q, seqlen_k), dropout_p)
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
+def test_dropout_matches_the_oracle(case):
+    """Dropout: each warpgroup evaluates its share of the tile's Philox counters and reads the draws of its
+    own elements back from shared memory; the gradients against the oracle given the mask the forward
+    kernels draw, for the settings' build and the others."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    batch, seqlen_q, seqlen_k, nheads, _, headdim, causal, dtype = case
+    q, k, v, dout = gluon_case_inputs(case, 4)
+    dropout_p, seed = rng.quantize_dropout_p(0.17), 0x2545F4914F6CDD1D + seqlen_q
+    keep = _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
+    assert keep.numel() < 1000 or 0.75 < keep.float().mean() < 0.9  # (p = 0.171875)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, causal, dropout_p=dropout_p, dropout_mask=keep)
+    lse = ref.lse.float().contiguous()
+    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    p = AttnParams(
+        batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1, dropout_p=dropout_p,
+        philox_seed=seed,
+    )  # fmt: skip
+    assert hopper.eligible(q, k, v, dout, p)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    config = hopper.config_options(configs.HOPPER.bwd_gluon_dropout[headdim])
+    for build in [config, dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, []):
+        grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
+        for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+            check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_dropout_through_the_public_call(headdim, monkeypatch):
+    """flash_attn_func with dropout: the portable forward draws the mask, the Gluon backward the same one
+    (the gradients against the oracle given the mask S_dmask returns); a packed batch as well."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    calls = []
+    run = hopper.attn_bwd
+    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
+    q, k, v, dout = gluon_case_inputs(case, 4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, _, s_dmask = tileattn.flash_attn_func(q, k, v, dropout_p=0.1, causal=True, return_attn_probs=True)
+    out.backward(dout)
+    assert len(calls) == 1
+    keep = s_dmask >= 0
+    dropout_p = rng.quantize_dropout_p(0.1)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, True, dropout_p=dropout_p, dropout_mask=keep)
+    check_close("out", out, ref.out, oracle.attention(q, k, v, causal=True, precision=None, dropout_p=dropout_p,
+                                                      dropout_mask=keep).out)  # fmt: skip
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
+        check_close(f"d{name}", t.grad, r, lo, floor_scale=scale)
+    # a packed batch: each sequence's counters from its own (b, h) and local rows
+    lens = [37, 300, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(headdim)
+    qp, kp, vp, dp = (
+        torch.randn(sum(lens), h, headdim, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2, 4)
+    )
+    qp, kp, vp = (t.requires_grad_() for t in (qp, kp, vp))
+    outp, _, s_p = tileattn.flash_attn_varlen_func(
+        qp, kp, vp, cu, cu, max(lens), max(lens), dropout_p=0.1, causal=True, return_attn_probs=True
+    )
+    outp.backward(dp)
+    assert len(calls) == 2
+    cu_list = cu.tolist()
+    refs = [t.detach().double().requires_grad_() for t in (qp, kp, vp)]
+    ref = oracle.attention_varlen(*refs, cu_list, cu_list, causal=True, dropout_p=dropout_p, dropout_mask=s_p >= 0)
+    ref.out.backward(dp.double())
+    lows = [t.detach().clone().requires_grad_() for t in (qp, kp, vp)]
+    low = oracle.attention_varlen(
+        *lows, cu_list, cu_list, causal=True, precision=None, dropout_p=dropout_p, dropout_mask=s_p >= 0
+    )
+    low.out.backward(dp)
+    scale = torch.stack([r.grad.abs().max() for r in refs])
+    for name, t, r, lo in zip("qkv", (qp, kp, vp), refs, lows):
+        check_close(f"d{name} (packed)", t.grad, r.grad, lo.grad, floor_scale=scale)
+
+
 def test_calls_it_cannot_compute_are_not_eligible():
-    """Dropout, softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads that are
-    not one TMA row: not eligible (the portable backward runs); windows are."""
+    """Softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads that are not one
+    TMA row: not eligible (the portable backward runs); windows and dropout are."""
     from tileattn.kernels.gluon import backward as hopper
 
     q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
     p = AttnParams(1, 128, 128, 128, 128**-0.5)
     assert hopper.eligible(q, k, v, dout, p)
+    assert hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, dropout_p=0.1, philox_seed=3))
     for change in (
-        dict(dropout_p=0.1),
         dict(softcap=5.0),
         dict(deterministic=True),
     ):

@@ -358,6 +358,7 @@ if gluon.available():
         for varlen in (False, True)
     ]
     rows += [compile_report.compile_gluon_bwd(d, False, window=(256, 0)) for d in (64, 128)]
+    rows += [compile_report.compile_gluon_bwd(d, causal, dropout=True) for d in (64, 128) for causal in (False, True)]
 """
 
 

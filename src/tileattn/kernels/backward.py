@@ -571,7 +571,7 @@ def _gluon_bwd(
     """(dq, dk, dv) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` has the head
     dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
     in order), else None."""
-    cfg = s.bwd_gluon.get(q.shape[-1])
+    cfg = (s.bwd_gluon_dropout if p.dropout_p > 0 else s.bwd_gluon).get(q.shape[-1])
     if cfg is None or p.deterministic or not q.is_cuda or not lse.is_contiguous():
         return None
     from tileattn.kernels import gluon

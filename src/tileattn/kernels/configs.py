@@ -63,6 +63,9 @@ HOPPER = Settings(
     # that fits): 1.13-1.35x the portable backward, level with cuDNN (tiles of 64 ran 0.97-1.28x)
     # (docs/perf.md, "Gluon backward")
     bwd_gluon={64: KernelConfig(128, 128, 4, 2), 128: KernelConfig(64, 128, 4, 3)},
+    # with dropout: query tiles of 64 rows at head dim 64 (128 spill: the draws and the 128-query Sᵀ and dPᵀ
+    # do not fit 240 registers), a ring of 2 at 128 (the draws take the third stage's shared memory)
+    bwd_gluon_dropout={64: KernelConfig(64, 128, 4, 3), 128: KernelConfig(64, 128, 4, 2)},
     bwd_dkdv={
         16: KernelConfig(64, 64, 4, 3),
         32: KernelConfig(64, 64, 4, 3),

@@ -72,6 +72,15 @@ HEAD_DIMS = (64, 128)
 LOG2E_C = gl.constexpr(LOG2E)
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # LSE and Δ tiles
 
+# Dropout (``tileattn.rng``): a warpgroup's Sᵀ tile (64 keys x BLOCK_M queries) draws from counters
+# (query, c), c < 4, whose four words hold the bytes of keys 16k + 8a + 2c + h (word k, byte 2a + h).
+# _COUNTERS: each counter in one thread ([4 c, BLOCK_M queries]); _WORDS: the Sᵀ accumulator's layout
+# (wgmma's, s_layout in _consume) seen as [4 k, 2 a, 4 c, 2 h, BLOCK_M]: the same registers, lanes and
+# warps, so that the draws, reshaped to [64, BLOCK_M], are in s_layout without moving.
+_COUNTERS = gl.BlockedLayout([1, 2], [4, 8], [1, 4], [1, 0])
+_WORDS = gl.BlockedLayout([1, 2, 1, 1, 2], [1, 1, 4, 2, 4], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+_WORD_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
 
 @gl_core.builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -153,7 +162,7 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, rng_smem, rng) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -224,15 +233,50 @@ def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS:
 
 
 @gluon.jit
+def _dropout_words(seed, rng_row, m_start, key_start, row_groups, rng_smem, WG: gl.constexpr):
+    """Writes the Philox words of warpgroup WG's tile (keys ``key_start`` + 64, queries ``m_start`` +
+    BLOCK_M) to its rows of ``rng_smem`` (``[2 * 16, BLOCK_M]`` uint32: row ``16 WG + 4k + c`` holds word k
+    of counter (query, c)). In the transposed tile a counter's 16 bytes lie in all four warps (its keys
+    ``64j + 8i + 2c + h``): evaluating each counter where its bytes are needed would repeat it eight
+    times, integer work comparable to the tile's matmuls; here each thread evaluates its share once
+    (FlashAttention-2's economy, as the forward), and ``_dropout_kept`` reads the words back."""
+    BLOCK_M: gl.constexpr = rng_smem.type.shape[1]
+    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _COUNTERS))[:, None]
+    q = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _COUNTERS))[None, :]
+    counters = rng_row + q.to(gl.int64) * row_groups + (key_start // 64 * 4 + c)  # [4, BLOCK_M]
+    w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # [4 c, BLOCK_M, 2, 2]: word k at [..., k % 2, k // 2]
+    words = gl.permute(words, (3, 2, 0, 1))  # [k // 2, k % 2, c, query] (the registers as they are)
+    gl.thread_barrier()  # every warp of the warpgroup has read the last tile's words
+    rng_smem.reshape([4, 2, 4, BLOCK_M]).slice(2 * WG, 2).store(words)  # (rows 16 WG + 4k + c)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _dropout_kept(rng_smem, drop_threshold, s_layout: gl.constexpr, WG: gl.constexpr):
+    """Which elements of warpgroup WG's Sᵀ tile dropout keeps (``[64, BLOCK_M]`` in ``s_layout``), from the
+    words ``_dropout_words`` wrote: a byte >= ``drop_threshold`` (dropout_p * 256) is kept."""
+    BLOCK_M: gl.constexpr = rng_smem.type.shape[1]
+    # [4 k, 4 c, BLOCK_M]: each thread loads the words of its keys' (k, c), which broadcast over a and h
+    words = rng_smem.reshape([8, 4, BLOCK_M]).slice(4 * WG, 4).load(gl.SliceLayout(1, gl.SliceLayout(3, _WORDS)))
+    a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _WORDS)))))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, _WORDS)))))
+    shift = ((2 * a[None, :, None, None, None] + h[None, None, None, :, None]) * 8).to(gl.uint32)
+    draws = (words[:, None, :, None, :] >> shift) & 0xFF  # [4, 2, 4, 2, BLOCK_M]: key 16k + 8a + 2c + h
+    kept = gl.reshape(draws.to(gl.int32) >= drop_threshold, [64, BLOCK_M])
+    return gl.convert_layout(kept, s_layout, assert_trivial=True)
+
+
+@gluon.jit
 def _consume(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr, WG: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, rng_smem, rng) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -268,9 +312,11 @@ def _consume(
     m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
     mbarrier.wait(kv_ready, 0)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
+    seed, row_groups, rng_rows, drop_threshold, inv_keep = rng  # (dropout: tileattn.rng)
     for g in range(group):
         h = h_k * group + g
         lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
+        rng_row = (b * nheads + h).to(gl.int64) * rng_rows * row_groups  # (b, h)'s first dropout counter
         for m in range(m_lo, num_m):
             s = it % STAGES
             phase = (it // STAGES) & 1
@@ -282,6 +328,8 @@ def _consume(
                 delta_ld = gl.load(Delta + lse_row + m_start + offs, mask=in_seq, other=0.0)
             q = q_smem.index(s)
             do = do_smem.index(s)
+            if DROPOUT:  # (before the products: their accumulators would leave too few registers)
+                _dropout_words(seed, rng_row, m_start, key_start, row_groups, rng_smem, WG)
             # Sᵀ and dPᵀ issued together; the exponent runs while dPᵀ is on the tensor cores
             mbarrier.wait(q_ready.index(s), phase)
             # [KEYS, BLOCK_M] = k @ qᵀ, then [KEYS, BLOCK_M] = v @ dOᵀ
@@ -298,13 +346,20 @@ def _consume(
                 lse_in = gl.convert_layout(lse_ld, q_cols)
             lse2 = lse_in * LOG2E_C  # +inf for rows that saw no key: P = 0
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # [KEYS, BLOCK_M], 0 where hidden
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+            if DROPOUT:  # dV sees the kept weights, rescaled; pt keeps the mask in its sign (pt >= 0)
+                pt = gl.where(_dropout_kept(rng_smem, drop_threshold, s_layout, WG), pt, -pt)
+                p_op = gl.convert_layout((gl.maximum(pt, 0.0) * inv_keep).to(dtype), op_layout)
+            else:
+                p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
             dv = warpgroup_mma(p_op, do, dv, is_async=True)  # [KEYS, HEAD_DIM] += pᵀ @ dO
             if LSE_TMA:
                 delta_in = delta_smem.index(s).load(q_cols)
             else:
                 delta_in = gl.convert_layout(delta_ld, q_cols)
+            if DROPOUT:  # dP through the mask (a dropped weight's gradient is 0; a weight of 0 needs none)
+                dpt = gl.where(pt >= 0.0, dpt * inv_keep, 0.0)
+                pt = gl.abs(pt)
             ds = (pt * (dpt - delta_in[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
             ds_op = gl.convert_layout(ds, op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM] += dsᵀ @ q
@@ -348,25 +403,27 @@ def _consume(
 
 @gluon.jit
 def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 0)
+                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 0)
 
 
 @gluon.jit
 def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 1)
+                    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 1)
 
 
-@gluon.jit
+# a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
+@gluon.jit(do_not_specialize=["philox_seed"])
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
     stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
     nheads, group, seqlen_q, seqlen_k, window_left, window_right, lse_stride, qk_scale, sm_scale,
     q_batch_rows, q_head_rows, q_head_cols, do_batch_rows, do_head_rows, do_head_cols,
     k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
+    philox_seed, row_groups, rng_rows, drop_threshold, inv_keep,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr,
+    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -388,6 +445,10 @@ def _bwd_kernel(
     else:
         lse_smem = ds_smem
         delta_smem = ds_smem
+    if DROPOUT:  # each warpgroup's dropout draws of its tile
+        rng_smem = gl.allocate_shared_memory(gl.uint32, [2 * 16, BLOCK_M], _WORD_SMEM)
+    else:
+        rng_smem = ds_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -407,11 +468,12 @@ def _bwd_kernel(
             DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
             nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale,
             ((q_batch_rows, q_head_rows, q_head_cols), (do_batch_rows, do_head_rows, do_head_cols),
-             (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)))  # fmt: skip
+             (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)),
+            rng_smem, (philox_seed, row_groups, rng_rows, drop_threshold, inv_keep))  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
-            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
+            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
             (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
@@ -429,7 +491,7 @@ def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams
 ) -> tuple[TmaRows, TmaRows, TmaRows, TmaRows] | None:
     """q, k, v and dO as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
-    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS):
+    if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, dropout=True):
         return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return None
@@ -474,6 +536,9 @@ def attn_bwd(
     if lse.shape != lse_shape or delta.shape != lse.shape:
         names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
         raise ValueError(f"lse and delta must be {names} = {lse_shape}")
+    dropout = p.dropout_p > 0
+    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_load != "load", dropout) > SHARED_LIMIT:
+        stages -= 1  # (dropout's draws take the room of a stage at head dim 128)
     dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
@@ -484,6 +549,17 @@ def attn_bwd(
 
 
 LSE_LOADS = ("tma", "load", "tma-unaligned")
+SHARED_LIMIT = 232448 - 1024  # the H200's shared memory per block, less room for the mbarriers and alignment
+
+
+def shared_bytes(block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma: bool, dropout: bool) -> int:
+    """The shared memory of a build, in bytes (without its mbarriers): the (Q, dO) ring, the block's K and
+    V, two dSᵀ buffers, the dQ staging tiles, the ring's LSE and Δ tiles and the dropout draws."""
+    keys = 2 * WG_KEYS
+    total = 2 * stages * block_m * headdim * 2 + 2 * keys * headdim * 2 + 2 * keys * block_m * 2
+    total += 2 * block_m * (headdim // 2) * 4 if dq_tma else 0
+    total += 2 * stages * block_m * 4 if lse_tma else 0
+    return total + (keys * block_m if dropout else 0)
 
 
 def _lse_rows(t: torch.Tensor, block_m: int, aligned: bool) -> tuple[torch.Tensor, int]:
@@ -567,10 +643,11 @@ def _launch(
             nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
             lse_stride, p.softmax_scale * LOG2E,
             p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
+            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, round(p.dropout_p * 256), 1.0 / (1.0 - p.dropout_p),
         ),
         dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
-            LSE_TMA=lse_tma, VARLEN=p.is_varlen,
+            LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0,
         ),  # fmt: skip
         num_warps=4,
         maxnreg=168,

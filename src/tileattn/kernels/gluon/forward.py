@@ -378,15 +378,17 @@ def _rows(t4: torch.Tensor) -> TmaRows | None:
     return None
 
 
-def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple) -> bool:
+def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: bool = False) -> bool:
     """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention (no FP8,
-    dropout, softcap, ALiBi or FlashMask), causal or not, sliding windows, dense or packed (varlen),
-    bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw products in the
-    exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the row max of the
-    products would not be the scores')."""
+    softcap, ALiBi or FlashMask; dropout only where ``dropout``), causal or not, sliding windows, dense or
+    packed (varlen), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw
+    products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the
+    row max of the products would not be the scores')."""
     if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
         return False
-    if p.is_fp8 or p.dropout_p > 0 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
+    if p.is_fp8 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
+        return False
+    if p.dropout_p > 0 and not dropout:
         return False
     return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
 
