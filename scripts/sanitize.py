@@ -225,9 +225,9 @@ def gluon_calls() -> None:
             delta = portable._delta(out, do, lse, p, settings)
             for dq_tma in (True, False):
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
-            # dropout: the draws' shared-memory exchange (query tiles of 64 and 128 rows)
+            # dropout: the draws' shared-memory exchange (query tiles of 64 rows, and of 128 at head dim 64)
             p.dropout_p, p.philox_seed = 0.125, 0x5EED
-            for block_m in (64, 128):
+            for block_m in (64, 128) if d == 64 else (64,):
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, block_m=block_m)
         # a packed batch (its LSE/Δ rows moved to aligned starts), through the public call
         lens_q, lens_k = [37, 0, 1, 130, 300], [5, 9, 0, 200, 300]

@@ -23,7 +23,8 @@ partitions:
 Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
 cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64 and 128, causal or not,
-sliding windows, GQA/MQA; ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
+sliding windows, GQA/MQA, dropout (the mask ``tileattn.rng`` describes, drawn as the forward kernels draw
+it: ``_dropout_words``, ``_dropout_kept``); ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
 to the next sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past
 its sequence are the next head's or sequence's (or padding): the tiles that cross a sequence's end mask
 those queries and keys (P = 0), so they contribute nothing (the dQ reduce-adds add exact zeros to the
@@ -482,8 +483,9 @@ def _bwd_kernel(
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon backward computes this call: ``plain_attention`` at head dim 64 or 128, not
-    ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA matrix."""
+    """Whether the Gluon backward computes this call: ``plain_attention`` at head dim 64 or 128, dropout or
+    not, not ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA
+    matrix."""
     return eligible_rows(q4, k4, v4, do4, p) is not None
 
 
@@ -517,7 +519,8 @@ def attn_bwd(
     total_q)`` (+inf for rows that saw no key); delta: fp32 ``rowsum(dO ∘ O)`` of the same shape
     (``backward._bwd_preprocess``).
     block_m: query rows per tile (64); block_n: keys per program (128: 64 per consumer warpgroup);
-    stages: the (Q, dO) ring's depth; dq_tma: dQ added by TMA reduce-adds (else fp32 atomic adds);
+    stages: the (Q, dO) ring's depth (fewer where shared memory has no room for it: ``shared_bytes``); dq_tma:
+    dQ added by TMA reduce-adds (else fp32 atomic adds);
     lse_load: how a tile's LSE and Δ arrive, one of ``LSE_LOADS``: ``"tma"`` by 1-D TMA copies from rows
     that start 16-byte aligned (zero-padded copies of lse and delta where seqlen_q is not a multiple of 4
     or the rows are shorter than a tile; varlen, rows in which each sequence starts aligned,
@@ -536,9 +539,11 @@ def attn_bwd(
     if lse.shape != lse_shape or delta.shape != lse.shape:
         names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
         raise ValueError(f"lse and delta must be {names} = {lse_shape}")
-    dropout = p.dropout_p > 0
-    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_load != "load", dropout) > SHARED_LIMIT:
+    dropout, lse_tma = p.dropout_p > 0, lse_load != "load"
+    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout) > SHARED_LIMIT:
         stages -= 1  # (dropout's draws take the room of a stage at head dim 128)
+    if shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout) > SHARED_LIMIT:
+        raise ValueError(f"block_m={block_m} at head dim {headdim} needs more shared memory than an SM has")
     dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
