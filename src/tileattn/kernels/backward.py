@@ -568,8 +568,8 @@ def _gluon_bwd(
     p: AttnParams,
     s: Settings,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(dq, dk, dv) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` has the head
-    dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
+    """(dq, dk, dv) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` (with dropout:
+    ``s.bwd_gluon_dropout``) has the head dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
     in order), else None."""
     cfg = (s.bwd_gluon_dropout if p.dropout_p > 0 else s.bwd_gluon).get(q.shape[-1])
     if cfg is None or p.deterministic or not q.is_cuda or not lse.is_contiguous():

@@ -40,6 +40,7 @@ a packed batch's sequences start anywhere, so theirs are copied to aligned start
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -269,6 +270,13 @@ def _dropout_kept(rng_smem, drop_threshold, s_layout: gl.constexpr, WG: gl.const
 
 
 @gluon.jit
+def _kept(signed_p):
+    """Whether dropout keeps the weights ``signed_p`` (P, negated where dropped): the sign bit, so that a
+    dropped weight of 0 (-0.0) counts as dropped and a NaN stays NaN in dV and dS."""
+    return signed_p.to(gl.int32, bitcast=True) >= 0
+
+
+@gluon.jit
 def _consume(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, WG: gl.constexpr,
@@ -347,9 +355,9 @@ def _consume(
                 lse_in = gl.convert_layout(lse_ld, q_cols)
             lse2 = lse_in * LOG2E_C  # +inf for rows that saw no key: P = 0
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # [KEYS, BLOCK_M], 0 where hidden
-            if DROPOUT:  # dV sees the kept weights, rescaled; pt keeps the mask in its sign (pt >= 0)
+            if DROPOUT:  # dV sees the kept weights, rescaled; pt keeps the mask in its sign bit (pt >= +0)
                 pt = gl.where(_dropout_kept(rng_smem, drop_threshold, s_layout, WG), pt, -pt)
-                p_op = gl.convert_layout((gl.maximum(pt, 0.0) * inv_keep).to(dtype), op_layout)
+                p_op = gl.convert_layout((gl.where(_kept(pt), pt, 0.0) * inv_keep).to(dtype), op_layout)
             else:
                 p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
@@ -359,7 +367,7 @@ def _consume(
             else:
                 delta_in = gl.convert_layout(delta_ld, q_cols)
             if DROPOUT:  # dP through the mask (a dropped weight's gradient is 0; a weight of 0 needs none)
-                dpt = gl.where(pt >= 0.0, dpt * inv_keep, 0.0)
+                dpt = gl.where(_kept(pt), dpt * inv_keep, 0.0)
                 pt = gl.abs(pt)
             ds = (pt * (dpt - delta_in[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
             ds_op = gl.convert_layout(ds, op_layout)
@@ -414,8 +422,9 @@ def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_
     _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 1)
 
 
-# a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
-@gluon.jit(do_not_specialize=["philox_seed"])
+# dropout's values must not select builds (a fresh seed per call, seed % 16 == 0; a dropout-free call's
+# row_groups of its key length)
+@gluon.jit(do_not_specialize=["philox_seed", "row_groups", "rng_rows", "drop_threshold"])
 def _bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
     stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
@@ -502,7 +511,7 @@ def eligible_rows(
 
 
 def config_options(cfg: KernelConfig) -> dict:
-    """``attn_bwd``'s build options for a ``Settings.bwd_gluon`` entry."""
+    """``attn_bwd``'s build options for a ``Settings.bwd_gluon`` (or ``bwd_gluon_dropout``) entry."""
     return dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1)
 
 
@@ -648,7 +657,7 @@ def _launch(
             nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
             lse_stride, p.softmax_scale * LOG2E,
             p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
-            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, round(p.dropout_p * 256), 1.0 / (1.0 - p.dropout_p),
+            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, math.ceil(p.dropout_p * 256), 1.0 / (1.0 - p.dropout_p),
         ),
         dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
