@@ -1,7 +1,5 @@
 """Attention dropout (``--dropout``): forward and forward + backward ms of tileattn with dropout, without
-it, and SDPA's FLASH_ATTENTION backend (FlashAttention-2) with the same dropout, on the same inputs; where
-the settings send dropout's backward to the Gluon kernel (sm90), also tileattn with the portable backward
-(``Settings.bwd_gluon_dropout`` empty).
+it, and SDPA's FLASH_ATTENTION backend (FlashAttention-2) with the same dropout, on the same inputs.
 
 The default cases are the papers' setting (16k tokens, hidden 2048): causal at head dims 64 and 128 and
 2k / 8k tokens per sequence, and non-causal head dim 64 at 512 (BERT's shape) and 2k. Ratios are each
@@ -11,13 +9,10 @@ dropout passes the tolerance rule and the dropout call must differ from it and s
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 import tileattn
 from tileattn.bench.backends import Unavailable
-from tileattn.kernels import configs, gluon
 from tileattn.reference import attention_ref
 from tileattn.testing import check_close
 
@@ -56,9 +51,8 @@ def run_dropout(
     device="cuda",
     progress=print,
 ):
-    """Rows of ``kind='dropout'``: per case, ``backend`` one of ``tileattn p=P``, ``tileattn p=P portable
-    bwd`` (where the settings take the Gluon dropout backward), ``tileattn p=0`` and ``sdpa-flash p=P``
-    (CUDA only), with ``fwd_ms``, ``fwd_bwd_ms`` and their ratios to ``tileattn p=P``
+    """Rows of ``kind='dropout'``: per case, ``backend`` one of ``tileattn p=P``, ``tileattn p=0`` and
+    ``sdpa-flash p=P`` (CUDA only), with ``fwd_ms``, ``fwd_bwd_ms`` and their ratios to ``tileattn p=P``
     (``fwd_ratio``, ``fwd_bwd_ratio``). ``time_ms(fn, device)``: median ms of ``fn``."""
     rows = []
     for headdim, seqlen, causal in cases or DROPOUT_CASES:
@@ -72,18 +66,9 @@ def run_dropout(
         variants = {
             f"tileattn p={p:g}": lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(
                 q, k, v, dropout_p=p, causal=c
-            )
+            ),
+            "tileattn p=0": lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(q, k, v, causal=c),
         }
-        settings = configs.current(q.device)
-        if headdim in settings.bwd_gluon_dropout and q.is_cuda and gluon.available():
-            portable = dataclasses.replace(settings, bwd_gluon_dropout={})
-
-            def portable_bwd(q=q, k=k, v=v, c=causal, portable=portable):
-                with configs.override(portable):  # (the backward runs with its forward's settings)
-                    return tileattn.flash_attn_func(q, k, v, dropout_p=p, causal=c)
-
-            variants[f"tileattn p={p:g} portable bwd"] = portable_bwd
-        variants["tileattn p=0"] = lambda q=q, k=k, v=v, c=causal: tileattn.flash_attn_func(q, k, v, causal=c)
         try:
             variants[f"sdpa-flash p={p:g}"] = _sdpa_flash(q, k, v, causal, p)
         except Unavailable as exc:
