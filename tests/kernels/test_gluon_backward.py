@@ -139,6 +139,32 @@ def test_dropout_matches_the_oracle(case):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
 
 
+@pytest.mark.parametrize("case", GLUON_WINDOW_CASES[:2], ids=str)
+def test_dropout_with_windows(case):
+    """Dropout with a sliding window: the query tiles a key block sees start and end inside the
+    sequence, so their counters' rows are not the tiles of a dense call."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    batch, seqlen_q, seqlen_k, nheads, _, headdim, window, dtype = case
+    q, k, v, dout = gluon_case_inputs(case, 4)
+    dropout_p, seed = rng.quantize_dropout_p(0.25), 1234 + seqlen_k
+    keep = _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, False, window, dropout_p=dropout_p, dropout_mask=keep)
+    lse = ref.lse.float().contiguous()
+    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    p = AttnParams(
+        batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1],
+        dropout_p=dropout_p, philox_seed=seed,
+    )  # fmt: skip
+    assert hopper.eligible(q, k, v, dout, p)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    grads = hopper.attn_bwd(
+        dout, q, k, v, lse, delta, p, **hopper.config_options(configs.HOPPER.bwd_gluon_dropout[headdim])
+    )
+    for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+        check_close(name, t, r, lo, floor_scale=scale)
+
+
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_dropout_through_the_public_call(headdim, monkeypatch):
     """flash_attn_func with dropout: the portable forward draws the mask, the Gluon backward the same one
