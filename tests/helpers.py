@@ -19,6 +19,15 @@ from tileattn.api import cpu_backend
 from tileattn.testing import check_close
 
 
+def record_calls(monkeypatch, module, name: str) -> list:
+    """Wraps ``module.name`` for the test: each call still runs it and appends its keyword arguments to the
+    returned list (which build a dispatch picked, and how often)."""
+    calls = []
+    run = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    return calls
+
+
 def needs_gluon(what: str):
     """The skip mark of tests of a Gluon kernel (``kernels.gluon``): they need an sm90 GPU and the Triton
     its Gluon was written for (they do not run in the interpreter)."""

@@ -14,7 +14,7 @@ import torch
 
 import oracle
 import tileattn
-from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon
+from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon, record_calls
 from tileattn import rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams, KernelConfig
@@ -49,6 +49,14 @@ def _references(q, k, v, dout, causal, window=(-1, -1), **dropout):
     return ref, (qr.grad, kr.grad, vr.grad), tuple(t.grad for t in lows)
 
 
+def _lse_delta(ref, dout):
+    """The backward's LSE and Δ = rowsum(dO ∘ O) of a dense call, ``(batch, nheads, seqlen_q)`` fp32, from the
+    oracle's result (its output in dO's precision, as the forward returns it; LSE +inf for rows that see no
+    key)."""
+    delta = (dout.float() * ref.out.to(dout.dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    return ref.lse.float().contiguous(), delta
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_builds_match_the_oracle(case):
     from tileattn.kernels.gluon import backward as hopper
@@ -56,9 +64,7 @@ def test_builds_match_the_oracle(case):
     batch, seqlen_q, seqlen_k, _, _, headdim, causal, dtype = case
     q, k, v, dout = gluon_case_inputs(case, 4)
     ref, grads_ref, grads_low = _references(q, k, v, dout, causal)
-    out = ref.out.to(dtype)
-    lse = ref.lse.float().contiguous()  # +inf for rows that see no key
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # rowsum(dO ∘ O)
+    lse, delta = _lse_delta(ref, dout)
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
     assert hopper.eligible(q, k, v, dout, p)
     # (the rounding floor at the gradients' scale, as tests/helpers.py sets it: one row and one key give
@@ -75,9 +81,7 @@ def test_builds_match_the_oracle(case):
 def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     from tileattn.kernels.gluon import backward as hopper
 
-    calls = []
-    run = hopper.attn_bwd
-    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_bwd")
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -123,8 +127,7 @@ def test_dropout_matches_the_oracle(case):
     keep = _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
     assert keep.numel() < 1000 or 0.75 < keep.float().mean() < 0.9  # (p = 0.171875)
     ref, grads_ref, grads_low = _references(q, k, v, dout, causal, dropout_p=dropout_p, dropout_mask=keep)
-    lse = ref.lse.float().contiguous()
-    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    lse, delta = _lse_delta(ref, dout)
     p = AttnParams(
         batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1, dropout_p=dropout_p,
         philox_seed=seed,
@@ -150,8 +153,7 @@ def test_dropout_with_windows(case):
     dropout_p, seed = rng.quantize_dropout_p(0.25), 1234 + seqlen_k
     keep = _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
     ref, grads_ref, grads_low = _references(q, k, v, dout, False, window, dropout_p=dropout_p, dropout_mask=keep)
-    lse = ref.lse.float().contiguous()
-    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    lse, delta = _lse_delta(ref, dout)
     p = AttnParams(
         batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1],
         dropout_p=dropout_p, philox_seed=seed,
@@ -171,9 +173,7 @@ def test_dropout_through_the_public_call(headdim, monkeypatch):
     (the gradients against the oracle given the mask S_dmask returns); a packed batch as well."""
     from tileattn.kernels.gluon import backward as hopper
 
-    calls = []
-    run = hopper.attn_bwd
-    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_bwd")
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -273,9 +273,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             assert t.shape == (1, *r.shape)
             check_close(f"{name} {build}", t[0], r, lo, floor_scale=scale)
-    calls = []
-    run = hopper.attn_bwd
-    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_bwd")
     settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with configs.override(settings):
@@ -296,8 +294,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
     batch, seqlen_q, seqlen_k, _, _, headdim, window, dtype = case
     q, k, v, dout = gluon_case_inputs(case, 4)
     ref, grads_ref, grads_low = _references(q, k, v, dout, False, window)
-    lse = ref.lse.float().contiguous()
-    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    lse, delta = _lse_delta(ref, dout)
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1])
     assert hopper.eligible(q, k, v, dout, p)
     scale = torch.stack([r.abs().max() for r in grads_ref])
@@ -305,9 +302,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
-    calls = []
-    run = hopper.attn_bwd
-    monkeypatch.setattr(hopper, "attn_bwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_bwd")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
     assert len(calls) == 1
@@ -339,8 +334,7 @@ def test_head_major_layouts(headdim, monkeypatch):
     low = oracle.attention(q, k, v, causal=True, precision=None)
     out, lse = hopper_fwd.attn_fwd(q, k, v, p)
     check_close("out", out, ref.out, low.out)
-    lse_ref = ref.lse.float().contiguous()
-    delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(1, 2).contiguous()
+    lse_ref, delta = _lse_delta(ref, dout)
     scale = torch.stack([r.abs().max() for r in grads_ref])
     for name, t, r, lo in zip(
         ("dq", "dk", "dv"), hopper.attn_bwd(dout, q, k, v, lse_ref, delta, p), grads_ref, grads_low

@@ -10,7 +10,7 @@ import torch
 
 import oracle
 import tileattn
-from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, check_lse, gluon_case_inputs, needs_gluon
+from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, check_lse, gluon_case_inputs, needs_gluon, record_calls
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
 from tileattn.testing import check_close
@@ -55,9 +55,7 @@ def test_builds_match_the_oracle(case):
 def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     from tileattn.kernels.gluon import forward as hopper
 
-    calls = []
-    run = hopper.attn_fwd
-    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_fwd")
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
     out = tileattn.flash_attn_func(q, k, v, causal=True)
@@ -127,9 +125,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         assert out.shape == q4.shape and lse.shape == (nheads, cu_q[-1])
         check_close(f"out {build}", out[0], ref.out, low.out)
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
-    calls = []
-    run = hopper.attn_fwd
-    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_fwd")
     out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
     assert len(calls) == (headdim in configs.HOPPER.fwd_gluon)  # (the head dims the settings give it)
     check_close("out (public call)", out, ref.out, low.out)
@@ -155,9 +151,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
         out, lse = hopper.attn_fwd(q, k, v, p, **build)
         check_close(f"out {build}", out, ref.out, low.out)
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
-    calls = []
-    run = hopper.attn_fwd
-    monkeypatch.setattr(hopper, "attn_fwd", lambda *a, **kw: calls.append(kw) or run(*a, **kw))
+    calls = record_calls(monkeypatch, hopper, "attn_fwd")
     out = tileattn.flash_attn_func(q, k, v, window_size=window)
     check_close("out (public call)", out, ref.out, low.out)
     cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, device="cuda", dtype=torch.int32) for n in (seqlen_q, seqlen_k))
