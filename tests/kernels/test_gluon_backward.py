@@ -318,6 +318,7 @@ def test_head_major_layouts(headdim, monkeypatch):
     backward, against the oracle."""
     from tileattn.kernels.gluon import backward as hopper
     from tileattn.kernels.gluon import forward as hopper_fwd
+    from tileattn.kernels.gluon.common import tma_rows
 
     batch, seqlen, nheads, nheads_k, dtype = 2, 300, 8, 2, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(headdim)
@@ -327,7 +328,7 @@ def test_head_major_layouts(headdim, monkeypatch):
 
     q, k, dout = heads_major(nheads), heads_major(nheads_k), heads_major(nheads)
     v = torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=dtype, generator=g)
-    assert not q.is_contiguous() and hopper_fwd._rows(q).head_rows == seqlen and hopper_fwd._rows(v).head_rows == 0
+    assert not q.is_contiguous() and tma_rows(q).head_rows == seqlen and tma_rows(v).head_rows == 0
     ref, grads_ref, grads_low = _references(q, k, v, dout, True)
     p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0)
     assert hopper.eligible(q, k, v, dout, p) and hopper_fwd.eligible(q, k, v, p)

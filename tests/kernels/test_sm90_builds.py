@@ -388,22 +388,22 @@ def test_tma_rows_of_both_layouts():
 
     if not gluon.available():
         pytest.skip("the Gluon kernels are written for Triton 3.6's Gluon")
-    from tileattn.kernels.gluon.forward import _rows
+    from tileattn.kernels.gluon.common import tma_rows
 
     b, s, h, d = 2, 5, 3, 64
     x = torch.randn(b, s, h, d, dtype=torch.bfloat16)
-    rows = _rows(x)
+    rows = tma_rows(x)
     assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (s, 0, d)
     assert torch.equal(rows.matrix[1 * s + 4, 2 * d : 3 * d], x[1, 4, 2])
     qkv = torch.randn(b, s, 3, h, d, dtype=torch.bfloat16)
-    rows = _rows(qkv[:, :, 1])
+    rows = tma_rows(qkv[:, :, 1])
     assert torch.equal(rows.matrix[1 * s + 4, 2 * d : 3 * d], qkv[1, 4, 1, 2])
     heads = torch.randn(b, h, s, d, dtype=torch.bfloat16).transpose(1, 2)
-    rows = _rows(heads)
+    rows = tma_rows(heads)
     assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (h * s, s, 0)
     assert torch.equal(rows.matrix[1 * h * s + 2 * s + 4], heads[1, 4, 2])
-    assert _rows(x.transpose(0, 1)) is None  # batch entries interleaved
-    assert _rows(torch.randn(b, s, h, d + 4, dtype=torch.bfloat16)[..., :d]) is None  # heads apart
-    assert _rows(torch.randn(b, s, 1, 4, dtype=torch.bfloat16)) is None  # rows of 8 bytes
-    one = _rows(torch.randn(1, s, h, d, dtype=torch.bfloat16))  # (one batch entry: its stride is free)
+    assert tma_rows(x.transpose(0, 1)) is None  # batch entries interleaved
+    assert tma_rows(torch.randn(b, s, h, d + 4, dtype=torch.bfloat16)[..., :d]) is None  # heads apart
+    assert tma_rows(torch.randn(b, s, 1, 4, dtype=torch.bfloat16)) is None  # rows of 8 bytes
+    one = tma_rows(torch.randn(1, s, h, d, dtype=torch.bfloat16))  # (one batch entry: its stride is free)
     assert (one.batch_rows, one.head_rows, one.head_cols) == (s, 0, d)

@@ -24,7 +24,7 @@ Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose row
 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
 cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64 and 128, causal or not,
 sliding windows, GQA/MQA, dropout (the mask ``tileattn.rng`` describes, drawn as the forward kernels draw
-it: ``_dropout_words``, ``_dropout_kept``); ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
+it: ``gluon.dropout``); ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
 to the next sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past
 its sequence are the next head's or sequence's (or padding): the tiles that cross a sequence's end mask
 those queries and keys (P = 0), so they contribute nothing (the dQ reduce-adds add exact zeros to the
@@ -32,9 +32,7 @@ next entry's rows). Rows that saw no key have LSE +inf: P = 0.
 
 TMA needs every copy's innermost start to be 16-byte aligned (a copy that starts elsewhere is an
 illegal instruction on the H200, and no check catches it before). The 2-D copies start at multiples of
-the head dim; a 1-D LSE/Δ copy starts at ``(b * nheads + h) * seqlen_q + m * BLOCK_M``, not aligned
-where seqlen_q is not a multiple of 4, so those rows then come from zero-padded copies (``_lse_rows``);
-a packed batch's sequences start anywhere, so theirs are copied to aligned starts (``_varlen_tma_rows``).
+the head dim; the 1-D LSE/Δ copies come from rows laid out for them (``gluon.rows``).
 """
 
 from __future__ import annotations
@@ -43,8 +41,6 @@ import functools
 import math
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
@@ -57,31 +53,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.forward import (
-    LOG2E,
-    TmaRows,
-    _rows,
-    _sequence,
-    _start,
-    _tile_layout,
-    plain_attention,
-)
+from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, start, tile_layout, tma_rows
+from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
+from tileattn.kernels.gluon.rows import ROW_LAYOUT, dense_rows, packed_rows, row_start
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
 HEAD_DIMS = (64, 128)
 LOG2E_C = gl.constexpr(LOG2E)
-_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)  # LSE and Δ tiles
-
-# Dropout (``tileattn.rng``): a warpgroup's Sᵀ tile (64 keys x BLOCK_M queries) draws from counters
-# (query, c), c < 4, whose four words hold the bytes of keys 16k + 8a + 2c + h (word k, byte 2a + h).
-# _COUNTERS: each counter in one thread ([4 c, BLOCK_M queries]); _WORDS: the Sᵀ accumulator's layout
-# (wgmma's, s_layout in _consume) seen as [4 k, 2 a, 4 c, 2 h, BLOCK_M]: the same registers, lanes and
-# warps, so that the draws, reshaped to [64, BLOCK_M], are in s_layout without moving.
-_COUNTERS = gl.BlockedLayout([1, 2], [4, 8], [1, 4], [1, 0])
-_WORDS = gl.BlockedLayout([1, 2, 1, 1, 2], [1, 1, 4, 2, 4], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-_WORD_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
 
 @gl_core.builtin
@@ -93,48 +73,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _lse_row(b, h, nheads, q0, lse_stride, VARLEN: gl.constexpr, LSE_TMA: gl.constexpr):
-    """Where (b, h)'s LSE and Δ start in their flat rows: ``(batch, nheads, lse_stride)``, or varlen
-    ``(nheads, lse_stride)``, sequence b at cu_seqlens_q[b] (``q0``), or read by TMA at ``_aligned_start``
-    (``_varlen_tma_rows`` lays them out so)."""
-    if VARLEN:
-        if LSE_TMA:
-            return h * lse_stride + _aligned_start(q0, b)
-        else:
-            return h * lse_stride + q0
-    else:
-        return (b * nheads + h) * lse_stride
-
-
-@triton.jit
-def _aligned_start(q0, b):
-    """Where a packed batch's sequence b (first row ``q0`` = cu_seqlens_q[b]) starts in LSE/Δ rows laid out
-    for TMA: the multiple of 4 at or after ``q0 + 3b`` (16-byte aligned; each sequence moved on by at
-    most 3 rows from the last, so none overlaps the next)."""
-    return (q0 + 3 * b + 3) // 4 * 4
-
-
-@triton.jit
-def _varlen_tma_rows_kernel(Lse, Delta, LseRows, DeltaRows, CuQ, total_q, width, BLOCK: tl.constexpr):
-    """Copies sequence b's part of head h's LSE and Δ rows (``(nheads, total_q)``) to ``_aligned_start``
-    in rows of ``width``, writing zeros up to where the next sequence starts (the last: to the rows'
-    end), so that every value a tile may read is finite."""
-    pid, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    batch = tl.num_programs(2)
-    q0 = tl.load(CuQ + b)
-    q1 = tl.load(CuQ + b + 1)
-    start = _aligned_start(q0, b)
-    end = tl.where(b + 1 < batch, _aligned_start(q1, b + 1), width)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    in_seq = offs < q1 - q0
-    src = h.to(tl.int64) * total_q + q0 + offs
-    dst = h.to(tl.int64) * width + start + offs
-    keep = start + offs < end
-    tl.store(LseRows + dst, tl.load(Lse + src, mask=in_seq, other=0.0), mask=keep)
-    tl.store(DeltaRows + dst, tl.load(Delta + src, mask=in_seq, other=0.0), mask=keep)
 
 
 @gluon.jit
@@ -171,11 +109,11 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
-    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     q_lay, do_lay, k_lay, v_lay = layouts  # (where each tensor's heads lie in its TMA matrix: TmaRows)
     # the block's K and V, once: each warpgroup's half as its own tile
-    k_row, k_col = _start(b, k0, h_k, k_lay, VARLEN)
-    v_row, v_col = _start(b, k0, h_k, v_lay, VARLEN)
+    k_row, k_col = start(b, k0, h_k, k_lay, VARLEN)
+    v_row, v_col = start(b, k0, h_k, v_lay, VARLEN)
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for i in gl.static_range(2):
         key = n_start + i * KEYS
@@ -185,14 +123,14 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
-        lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA)  # (b, h)'s LSE and Δ in their flat rows
-        q_row, q_col = _start(b, q0, h, q_lay, VARLEN)
-        do_row, do_col = _start(b, q0, h, do_lay, VARLEN)
+        lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA)  # (b, h)'s LSE and Δ in their flat rows
+        q_row, q_col = start(b, q0, h, q_lay, VARLEN)
+        do_row, do_col = start(b, q0, h, do_lay, VARLEN)
         for m in range(m_lo, num_m):
             s = it % STAGES
             m_start = m * BLOCK_M
             mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
-            if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as _lse_rows makes it)
+            if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as dense_rows makes it)
                 mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
                 tma.async_copy_global_to_shared(lse_desc, [lse_row + m_start], q_ready.index(s), lse_smem.index(s))
@@ -235,48 +173,6 @@ def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS:
 
 
 @gluon.jit
-def _dropout_words(seed, rng_row, m_start, key_start, row_groups, rng_smem, WG: gl.constexpr):
-    """Writes the Philox words of warpgroup WG's tile (keys ``key_start`` + 64, queries ``m_start`` +
-    BLOCK_M) to its rows of ``rng_smem`` (``[2 * 16, BLOCK_M]`` uint32: row ``16 WG + 4k + c`` holds word k
-    of counter (query, c)). In the transposed tile a counter's 16 bytes lie in all four warps (its keys
-    ``64j + 8i + 2c + h``): evaluating each counter where its bytes are needed would repeat it eight
-    times, integer work comparable to the tile's matmuls; here each thread evaluates its share once
-    (FlashAttention-2's economy, as the forward), and ``_dropout_kept`` reads the words back."""
-    BLOCK_M: gl.constexpr = rng_smem.type.shape[1]
-    c = gl.arange(0, 4, layout=gl.SliceLayout(1, _COUNTERS))[:, None]
-    q = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _COUNTERS))[None, :]
-    counters = rng_row + q.to(gl.int64) * row_groups + (key_start // 64 * 4 + c)  # [4, BLOCK_M]
-    w0, w1, w2, w3 = tl.randint4x(seed, counters)
-    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # [4 c, BLOCK_M, 2, 2]: word k at [..., k % 2, k // 2]
-    words = gl.permute(words, (3, 2, 0, 1))  # [k // 2, k % 2, c, query] (the registers as they are)
-    gl.thread_barrier()  # every warp of the warpgroup has read the last tile's words
-    rng_smem.reshape([4, 2, 4, BLOCK_M]).slice(2 * WG, 2).store(words)  # (rows 16 WG + 4k + c)
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _dropout_kept(rng_smem, drop_threshold, s_layout: gl.constexpr, WG: gl.constexpr):
-    """Which elements of warpgroup WG's Sᵀ tile dropout keeps (``[64, BLOCK_M]`` in ``s_layout``), from the
-    words ``_dropout_words`` wrote: a byte >= ``drop_threshold`` (dropout_p * 256) is kept."""
-    BLOCK_M: gl.constexpr = rng_smem.type.shape[1]
-    # [4 k, 4 c, BLOCK_M]: each thread loads the words of its keys' (k, c), which broadcast over a and h
-    words = rng_smem.reshape([8, 4, BLOCK_M]).slice(4 * WG, 4).load(gl.SliceLayout(1, gl.SliceLayout(3, _WORDS)))
-    a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, _WORDS)))))
-    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, _WORDS)))))
-    shift = ((2 * a[None, :, None, None, None] + h[None, None, None, :, None]) * 8).to(gl.uint32)
-    draws = (words[:, None, :, None, :] >> shift) & 0xFF  # [4, 2, 4, 2, BLOCK_M]: key 16k + 8a + 2c + h
-    kept = gl.reshape(draws.to(gl.int32) >= drop_threshold, [64, BLOCK_M])
-    return gl.convert_layout(kept, s_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _kept(signed_p):
-    """Whether dropout keeps the weights ``signed_p`` (P, negated where dropped): the sign bit, so that a
-    dropped weight of 0 (-0.0) counts as dropped and a NaN stays NaN in dV and dS."""
-    return signed_p.to(gl.int32, bitcast=True) >= 0
-
-
-@gluon.jit
 def _consume(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, WG: gl.constexpr,
@@ -308,7 +204,7 @@ def _consume(
     n_start = gl.program_id(0) * 2 * KEYS
     h_k = gl.program_id(1)
     b = gl.program_id(2)
-    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     key_start = n_start + WG * KEYS  # this warpgroup's first key
     keys = key_start + gl.arange(0, KEYS, layout=key_rows)
     k = k_smem.slice(WG * KEYS, KEYS)  # [KEYS, HEAD_DIM]: this warpgroup's keys
@@ -324,7 +220,7 @@ def _consume(
     seed, row_groups, rng_rows, drop_threshold, inv_keep = rng  # (dropout: tileattn.rng)
     for g in range(group):
         h = h_k * group + g
-        lse_row = _lse_row(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
+        lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
         rng_row = (b * nheads + h).to(gl.int64) * rng_rows * row_groups  # (b, h)'s first dropout counter
         for m in range(m_lo, num_m):
             s = it % STAGES
@@ -338,7 +234,7 @@ def _consume(
             q = q_smem.index(s)
             do = do_smem.index(s)
             if DROPOUT:  # (before the products: their accumulators would leave too few registers)
-                _dropout_words(seed, rng_row, m_start, key_start, row_groups, rng_smem, WG)
+                dropout_words(seed, rng_row, m_start, key_start, row_groups, rng_smem, WG)
             # Sᵀ and dPᵀ issued together; the exponent runs while dPᵀ is on the tensor cores
             mbarrier.wait(q_ready.index(s), phase)
             # [KEYS, BLOCK_M] = k @ qᵀ, then [KEYS, BLOCK_M] = v @ dOᵀ
@@ -356,8 +252,8 @@ def _consume(
             lse2 = lse_in * LOG2E_C  # +inf for rows that saw no key: P = 0
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # [KEYS, BLOCK_M], 0 where hidden
             if DROPOUT:  # dV sees the kept weights, rescaled; pt keeps the mask in its sign bit (pt >= +0)
-                pt = gl.where(_dropout_kept(rng_smem, drop_threshold, s_layout, WG), pt, -pt)
-                p_op = gl.convert_layout((gl.where(_kept(pt), pt, 0.0) * inv_keep).to(dtype), op_layout)
+                pt = gl.where(dropout_kept(rng_smem, drop_threshold, s_layout, WG), pt, -pt)
+                p_op = gl.convert_layout((gl.where(kept(pt), pt, 0.0) * inv_keep).to(dtype), op_layout)
             else:
                 p_op = gl.convert_layout(pt.to(dtype), op_layout)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
@@ -367,7 +263,7 @@ def _consume(
             else:
                 delta_in = gl.convert_layout(delta_ld, q_cols)
             if DROPOUT:  # dP through the mask (a dropped weight's gradient is 0; a weight of 0 needs none)
-                dpt = gl.where(_kept(pt), dpt * inv_keep, 0.0)
+                dpt = gl.where(kept(pt), dpt * inv_keep, 0.0)
                 pt = gl.abs(pt)
             ds = (pt * (dpt - delta_in[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
             ds_op = gl.convert_layout(ds, op_layout)
@@ -456,7 +352,7 @@ def _bwd_kernel(
         lse_smem = ds_smem
         delta_smem = ds_smem
     if DROPOUT:  # each warpgroup's dropout draws of its tile
-        rng_smem = gl.allocate_shared_memory(gl.uint32, [2 * 16, BLOCK_M], _WORD_SMEM)
+        rng_smem = gl.allocate_shared_memory(gl.uint32, [2 * 16, BLOCK_M], WORD_SMEM)
     else:
         rng_smem = ds_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -506,7 +402,7 @@ def eligible_rows(
         return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return None
-    rows = (_rows(q4), _rows(k4), _rows(v4), _rows(do4))
+    rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
     return None if None in rows else rows
 
 
@@ -533,7 +429,7 @@ def attn_bwd(
     lse_load: how a tile's LSE and Δ arrive, one of ``LSE_LOADS``: ``"tma"`` by 1-D TMA copies from rows
     that start 16-byte aligned (zero-padded copies of lse and delta where seqlen_q is not a multiple of 4
     or the rows are shorter than a tile; varlen, rows in which each sequence starts aligned,
-    ``_varlen_tma_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
+    ``packed_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
     as ``"tma"``). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
@@ -557,7 +453,7 @@ def attn_bwd(
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
     if rows is None:
-        rows = (_rows(q4), _rows(k4), _rows(v4), _rows(do4))
+        rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
     _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
     return dq_acc.to(q4.dtype), dk, dv
 
@@ -576,48 +472,6 @@ def shared_bytes(block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma:
     return total + (keys * block_m if dropout else 0)
 
 
-def _lse_rows(t: torch.Tensor, block_m: int, aligned: bool) -> tuple[torch.Tensor, int]:
-    """A contiguous ``(batch, nheads, seqlen_q)`` fp32 tensor as flat rows for 1-D TMA copies, and their
-    stride: the tensor itself where its rows start 16-byte aligned (seqlen_q a multiple of 4; TMA faults
-    on a copy that starts elsewhere) and it holds at least a tile, else (``aligned``) a zero-padded copy
-    with rows of whole tiles. The padding is read only by queries past the sequence, which are masked."""
-    batch, nheads, seqlen_q = t.shape
-    if not aligned or (seqlen_q % 4 == 0 and t.numel() >= block_m):
-        return t.view(-1), seqlen_q
-    stride = cdiv(seqlen_q, block_m) * block_m
-    rows = t.new_zeros((batch * nheads, stride))
-    rows[:, :seqlen_q] = t.view(batch * nheads, seqlen_q)
-    return rows.view(-1), stride
-
-
-_VARLEN_ROWS = Launcher(_varlen_tma_rows_kernel)
-
-
-def _varlen_tma_rows(
-    lse: torch.Tensor, delta: torch.Tensor, p: AttnParams, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A packed batch's ``(nheads, total_q)`` LSE and Δ as flat rows for 1-D TMA copies, and their stride:
-    sequence b at ``_aligned_start`` of each row (16-byte aligned), zeros between the sequences (one
-    kernel, no host sync: the starts come from cu_seqlens_q on the device)."""
-    nheads, total_q = lse.shape
-    batch = p.batch
-    # past _aligned_start of a sequence after the last, and at least one tile's copy (block_m: 64 or 128)
-    width = max(cdiv(total_q + 3 * batch + 3, 4) * 4, block_m)
-    lse_rows = torch.empty((nheads, width), device=lse.device, dtype=torch.float32)
-    delta_rows = torch.empty_like(lse_rows)
-    block = 256
-    # what one sequence's programs write, from its start to the next one's (the last: to the rows' end):
-    # its rows and at most 9 of padding, or at most the rows' minimum width
-    span = max(p.seqlen_q + 9, block_m)
-    _VARLEN_ROWS(
-        (cdiv(span, block), nheads, batch),
-        (lse, delta, lse_rows, delta_rows, p.cu_seqlens_q, total_q, width),
-        dict(BLOCK=block),
-        num_warps=4,
-    )
-    return lse_rows.view(-1), delta_rows.view(-1), width
-
-
 def _launch(
     rows: tuple, lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor,
     dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
@@ -628,8 +482,8 @@ def _launch(
     q2, k2, v2, do2 = rows
     nheads, headdim = dq_acc.shape[2], dq_acc.shape[3]
     nheads_k = dk.shape[2]
-    q_layout = _tile_layout(block_m, headdim, q2.matrix.dtype)
-    kv_layout = _tile_layout(WG_KEYS, headdim, q2.matrix.dtype)
+    q_layout = tile_layout(block_m, headdim, q2.matrix.dtype)
+    kv_layout = tile_layout(WG_KEYS, headdim, q2.matrix.dtype)
     q_desc = TensorDescriptor.from_tensor(q2.matrix, [block_m, headdim], q_layout)
     do_desc = TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)
@@ -640,14 +494,14 @@ def _launch(
     lse_tma = lse_load != "load"
     if p.is_varlen:
         if lse_tma:
-            lse_rows, delta_rows, lse_stride = _varlen_tma_rows(lse, delta, p, block_m)
+            lse_rows, delta_rows, lse_stride = packed_rows(lse, delta, p, block_m)
         else:
             lse_rows, delta_rows, lse_stride = lse.view(-1), delta.view(-1), lse.shape[1]
     else:
-        lse_rows, lse_stride = _lse_rows(lse, block_m, aligned=lse_load == "tma")
-        delta_rows, _ = _lse_rows(delta, block_m, aligned=lse_load == "tma")
-    lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], _ROW_LAYOUT)
-    delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], _ROW_LAYOUT)
+        lse_rows, lse_stride = dense_rows(lse, block_m, aligned=lse_load == "tma")
+        delta_rows, _ = dense_rows(delta, block_m, aligned=lse_load == "tma")
+    lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], ROW_LAYOUT)
+    delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], ROW_LAYOUT)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse_rows, lse_rows)
     LAUNCHER(
         (cdiv(p.seqlen_k, 2 * WG_KEYS), nheads_k, p.batch),

@@ -27,7 +27,6 @@ portable kernels (``kernels.forward``). Gluon kernels do not run in Triton's int
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -35,40 +34,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, start, tile_layout, tma_rows
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, cdiv
 
-LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 HEAD_DIMS = (64, 128, 256)
 ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
-
-
-@gluon.jit
-def _sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
-    """Where batch entry b lies in the 2-D row matrices: ``(first query row, seqlen_q, first key row,
-    seqlen_k)``, from cu_seqlens (VARLEN), else entries of the padded lengths one after another."""
-    if VARLEN:
-        q0 = gl.load(CuQ + b)
-        k0 = gl.load(CuK + b)
-        return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
-    else:
-        return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
-
-
-@gluon.jit
-def _start(b, seq_start, head, layout, VARLEN: gl.constexpr):
-    """Where head ``head`` of batch entry b starts in a tensor's 2-D TMA matrix (``TmaRows``): ``(row,
-    column)``. ``layout``: the tensor's ``(batch_rows, head_rows, head_cols)``; a packed batch's
-    sequence starts at row ``seq_start`` (cu_seqlens[b])."""
-    batch_rows, head_rows, head_cols = layout
-    if VARLEN:
-        row = seq_start
-    else:
-        row = b * batch_rows
-    return row + head * head_rows, head * head_cols
 
 
 @gluon.jit
@@ -87,7 +61,7 @@ def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_r
         m_block = t % num_m
         hb = t // num_m
     b = hb // nheads
-    q0, seqlen_q, k0, seqlen_k = _sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
+    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
     q_base = m_block * 2 * ROWS
     shift = seqlen_k - seqlen_q  # (bottom-right alignment: row i's diagonal is key i + shift)
     n_end = seqlen_k
@@ -128,11 +102,11 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
         if _live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
             mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            q_row, q_col = _start(b, q0, h, q_lay, VARLEN)
+            q_row, q_col = start(b, q0, h, q_lay, VARLEN)
             tma.async_copy_global_to_shared(q_desc, [q_row + q_base, q_col], q_ready, q_smem.index(0))
             tma.async_copy_global_to_shared(q_desc, [q_row + q_base + ROWS, q_col], q_ready, q_smem.index(1))
-            k_row, k_col = _start(b, k0, h // group, k_lay, VARLEN)
-            v_row, v_col = _start(b, k0, h // group, v_lay, VARLEN)
+            k_row, k_col = start(b, k0, h // group, k_lay, VARLEN)
+            v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
                 s = it % STAGES
                 phase = (it // STAGES) & 1
@@ -334,68 +308,13 @@ def _fwd_kernel(
 
 
 @functools.cache
-def _tile_layout(rows: int, headdim: int, dtype: torch.dtype):
-    """The shared-memory layout of a ``rows × headdim`` tile (made once: ~6 µs of host time each)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
-@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class TmaRows(NamedTuple):
-    """A (batch, seqlen, nheads, headdim) tensor as the 2-D matrix TMA reads (a view, no copy) and where
-    its heads lie in it: head h of batch entry b starts at row ``b * batch_rows + h * head_rows`` (a packed
-    batch's sequence: at its cu_seqlens row instead of ``b * batch_rows``), column ``h * head_cols``."""
-
-    matrix: torch.Tensor
-    batch_rows: int
-    head_rows: int
-    head_cols: int
-
-
-def _rows(t4: torch.Tensor) -> TmaRows | None:
-    """``(batch, seqlen, nheads, headdim)`` as a 2-D matrix TMA reads: rows of positions with the heads side
-    by side, ``(batch * seqlen, nheads * headdim)`` (flash_attn's layout, a packed qkv's q, k or v), or rows
-    of one head's positions one head after another, ``(batch * nheads * seqlen, headdim)`` (the layout of
-    a ``(batch, nheads, seqlen, headdim)`` tensor transposed, as Hugging Face models hand queries and keys
-    after their rotary embedding); None where the strides allow neither, or TMA's 16-byte alignment does
-    not hold."""
-    b, s, h, d = t4.shape
-    st = t4.stride()
-    if st[3] != 1 or (st[1] * t4.element_size()) % 16 or t4.data_ptr() % 16:
-        return None
-    if st[2] == d and (b == 1 or st[0] == s * st[1]):
-        return TmaRows(t4.as_strided((b * s, h * d), (st[1], 1)), s, 0, d)
-    if st[1] >= d and st[2] == s * st[1] and (b == 1 or st[0] == h * st[2]):
-        return TmaRows(t4.as_strided((b * h * s, d), (st[1], 1)), h * s, s, 0)
-    return None
-
-
-def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: bool = False) -> bool:
-    """What the Gluon kernels (this forward, ``gluon.backward``) compute: on sm90, plain attention (no FP8,
-    softcap, ALiBi or FlashMask; dropout only where ``dropout``), causal or not, sliding windows, dense or
-    packed (varlen), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw
-    products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the
-    row max of the products would not be the scores')."""
-    if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
-        return False
-    if p.is_fp8 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
-        return False
-    if p.dropout_p > 0 and not dropout:
-        return False
-    return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
-
-
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
     """Whether the Gluon forward computes this call: ``plain_attention`` at head dim 64, 128 or 256 (packed
-    batches: the tensors as ``p.as_4d`` views them), q, k and v each one TMA matrix (``_rows``)."""
+    batches: the tensors as ``p.as_4d`` views them), q, k and v each one TMA matrix (``tma_rows``)."""
     return eligible_rows(q4, k4, v4, p) is not None
 
 
@@ -405,7 +324,7 @@ def eligible_rows(
     """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
     if not plain_attention(q4, p, HEAD_DIMS):
         return None
-    rows = (_rows(q4), _rows(k4), _rows(v4))
+    rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
     return None if None in rows else rows
 
 
@@ -423,9 +342,9 @@ def attn_fwd(
     nheads, nheads_k = q4.shape[2], k4.shape[2]
     out = torch.empty_like(q4, memory_format=torch.contiguous_format)
     lse = p.new_lse(q4)
-    q_layout = _tile_layout(WG_ROWS, headdim, q4.dtype)
-    kv_layout = _tile_layout(block_n, headdim, q4.dtype)
-    q2, k2, v2 = rows if rows is not None else (_rows(q4), _rows(k4), _rows(v4))
+    q_layout = tile_layout(WG_ROWS, headdim, q4.dtype)
+    kv_layout = tile_layout(block_n, headdim, q4.dtype)
+    q2, k2, v2 = rows if rows is not None else (tma_rows(q4), tma_rows(k4), tma_rows(v4))
     q_desc = TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout)

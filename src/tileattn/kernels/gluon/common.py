@@ -1,0 +1,97 @@
+"""What the Gluon forward and backward share: which calls they compute (``plain_attention``), q, k, v
+and dO as the 2-D matrices their TMA copies read (``tma_rows``, ``TmaRows``), the shared-memory layout
+of a tile, and where a batch entry's sequence and a head's rows lie in those matrices (``sequence``,
+``start``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from tileattn.params import AttnParams
+
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """Where batch entry b lies in the 2-D row matrices: ``(first query row, seqlen_q, first key row,
+    seqlen_k)``, from cu_seqlens (VARLEN), else entries of the padded lengths one after another."""
+    if VARLEN:
+        q0 = gl.load(CuQ + b)
+        k0 = gl.load(CuK + b)
+        return q0, gl.load(CuQ + b + 1) - q0, k0, gl.load(CuK + b + 1) - k0
+    else:
+        return b * seqlen_q, seqlen_q, b * seqlen_k, seqlen_k
+
+
+@gluon.jit
+def start(b, seq_start, head, layout, VARLEN: gl.constexpr):
+    """Where head ``head`` of batch entry b starts in a tensor's 2-D TMA matrix (``TmaRows``): ``(row,
+    column)``. ``layout``: the tensor's ``(batch_rows, head_rows, head_cols)``; a packed batch's
+    sequence starts at row ``seq_start`` (cu_seqlens[b])."""
+    batch_rows, head_rows, head_cols = layout
+    if VARLEN:
+        row = seq_start
+    else:
+        row = b * batch_rows
+    return row + head * head_rows, head * head_cols
+
+
+@functools.cache
+def tile_layout(rows: int, headdim: int, dtype: torch.dtype):
+    """The shared-memory layout of a ``rows × headdim`` tile (made once: ~6 µs of host time each)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+class TmaRows(NamedTuple):
+    """A (batch, seqlen, nheads, headdim) tensor as the 2-D matrix TMA reads (a view, no copy) and where
+    its heads lie in it: head h of batch entry b starts at row ``b * batch_rows + h * head_rows`` (a packed
+    batch's sequence: at its cu_seqlens row instead of ``b * batch_rows``), column ``h * head_cols``."""
+
+    matrix: torch.Tensor
+    batch_rows: int
+    head_rows: int
+    head_cols: int
+
+
+def tma_rows(t4: torch.Tensor) -> TmaRows | None:
+    """``(batch, seqlen, nheads, headdim)`` as a 2-D matrix TMA reads: rows of positions with the heads side
+    by side, ``(batch * seqlen, nheads * headdim)`` (flash_attn's layout, a packed qkv's q, k or v), or rows
+    of one head's positions one head after another, ``(batch * nheads * seqlen, headdim)`` (the layout of
+    a ``(batch, nheads, seqlen, headdim)`` tensor transposed, as Hugging Face models hand queries and keys
+    after their rotary embedding); None where the strides allow neither, or TMA's 16-byte alignment does
+    not hold."""
+    b, s, h, d = t4.shape
+    st = t4.stride()
+    if st[3] != 1 or (st[1] * t4.element_size()) % 16 or t4.data_ptr() % 16:
+        return None
+    if st[2] == d and (b == 1 or st[0] == s * st[1]):
+        return TmaRows(t4.as_strided((b * s, h * d), (st[1], 1)), s, 0, d)
+    if st[1] >= d and st[2] == s * st[1] and (b == 1 or st[0] == h * st[2]):
+        return TmaRows(t4.as_strided((b * h * s, d), (st[1], 1)), h * s, s, 0)
+    return None
+
+
+def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: bool = False) -> bool:
+    """What the Gluon kernels (``gluon.forward``, ``gluon.backward``) compute: on sm90, plain attention (no
+    FP8, softcap, ALiBi or FlashMask; dropout only where ``dropout``), causal or not, sliding windows, dense
+    or packed (varlen), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw
+    products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the
+    row max of the products would not be the scores')."""
+    if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
+        return False
+    if p.is_fp8 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
+        return False
+    if p.dropout_p > 0 and not dropout:
+        return False
+    return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
