@@ -397,7 +397,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Te
 def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams
 ) -> tuple[TmaRows, TmaRows, TmaRows, TmaRows] | None:
-    """q, k, v and dO as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
+    """q, k, v and dO as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None."""
     if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, dropout=True):
         return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)

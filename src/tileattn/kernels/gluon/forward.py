@@ -321,7 +321,7 @@ def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[TmaRows, TmaRows, TmaRows] | None:
-    """q, k and v as the 2-D matrices TMA reads (``_rows``) where ``eligible`` holds, else None."""
+    """q, k and v as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None."""
     if not plain_attention(q4, p, HEAD_DIMS):
         return None
     rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
