@@ -336,7 +336,7 @@ def compile_gluon_bwd(
         dropout_p=0.125 if dropout else 0.0, philox_seed=0x1234,
     )  # fmt: skip
     hopper.attn_bwd(q, q, q, q, lse, lse, p, **options)
-    name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] == "_bwd_kernel")
+    name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] in ("_bwd_kernel", "_bwd_split_kernel"))
     _LAUNCHES.clear()
     ptx = kernel.asm["ptx"]
     return dict(

@@ -35,6 +35,34 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
 ]
 BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
 WIDE_BUILDS = {64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False)]}  # query tiles of 128
+# head dim 256, the split build (64 keys a program, each warpgroup half the head dim of dK and dV): dQ by
+# atomic adds on a ring of 2, or by TMA reduce-adds (whose staging leaves room for a ring of 1)
+SPLIT_BUILDS = [
+    dict(block_n=64, stages=2, dq_tma=False),
+    dict(block_n=64, stages=1),
+    dict(block_n=64, stages=2, dq_tma=False, lse_load="load"),
+]
+SPLIT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
+    (2, 1, 1, 2, 2, 256, False, torch.bfloat16),
+    (2, 63, 63, 2, 2, 256, True, torch.float16),
+    (1, 113, 1025, 4, 2, 256, True, torch.bfloat16),  # key blocks no row sees
+    (1, 1025, 113, 4, 1, 256, True, torch.bfloat16),  # rows before key 0's diagonal see no key
+    (2, 777, 300, 3, 3, 256, False, torch.float16),
+]
+
+
+def _builds(headdim: int) -> list[dict]:
+    """The builds a test runs at this head dim: the split ones at 256."""
+    if headdim == 256:
+        return SPLIT_BUILDS
+    return [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, [])
+
+
+def _settings(headdim: int):
+    """HOPPER with a Gluon backward entry at this head dim (keys per program: 64 at 256, else 128)."""
+    return dataclasses.replace(
+        configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 64 if headdim == 256 else 128, 4, 2)}
+    )
 
 
 def _references(q, k, v, dout, causal, window=(-1, -1), **dropout):
@@ -77,7 +105,27 @@ def test_builds_match_the_oracle(case):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
 
 
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_builds_match_the_oracle(case):
+    """Head dim 256: each warpgroup computes Sᵀ and dPᵀ of its half of a tile's queries and the dK, dV and
+    dQ of its half of the head dim, from Pᵀ and dSᵀ tiles both halves write."""
+    from tileattn.kernels.gluon import backward as hopper
+
+    batch, seqlen_q, seqlen_k, _, _, headdim, causal, dtype = case
+    q, k, v, dout = gluon_case_inputs(case, 4)
+    ref, grads_ref, grads_low = _references(q, k, v, dout, causal)
+    lse, delta = _lse_delta(ref, dout)
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    assert hopper.eligible(q, k, v, dout, p)
+    scale = torch.stack([r.abs().max() for r in grads_ref])
+    for build in SPLIT_BUILDS:
+        grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
+        for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
+            assert t.dtype == dtype and t.shape == r.shape
+            check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     from tileattn.kernels.gluon import backward as hopper
 
@@ -85,8 +133,7 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
-    with configs.override(settings):
+    with configs.override(_settings(headdim)):
         out = tileattn.flash_attn_func(q, k, v, causal=True)
         out.backward(dout)
     assert len(calls) == 1
@@ -216,8 +263,9 @@ def test_dropout_through_the_public_call(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_are_not_eligible():
-    """Softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256, heads that are not one
-    TMA row: not eligible (the portable backward runs); windows and dropout are."""
+    """Softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256 with dropout, heads that are
+    not one TMA row: not eligible (the portable backward runs); windows and dropout are, and head dim 256
+    without dropout (the split build)."""
     from tileattn.kernels.gluon import backward as hopper
 
     q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
@@ -234,12 +282,21 @@ def test_calls_it_cannot_compute_are_not_eligible():
     assert hopper.eligible(q, k, v, dout, AttnParams(1, 128, 128, 128, 128**-0.5, window_left=16, window_right=0))
     assert not hopper.eligible(q.float(), k.float(), v.float(), dout.float(), p)
     wide = torch.randn(1, 128, 2, 256, device="cuda", dtype=torch.bfloat16)
-    assert not hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
+    assert hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
+    wide_dropout = AttnParams(1, 128, 128, 256, 256**-0.5, dropout_p=0.1, philox_seed=3)
+    assert not hopper.eligible(wide, wide, wide, wide, wide_dropout)
+    with pytest.raises(ValueError, match="dropout"):
+        hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, wide_dropout, block_n=64)
+    narrow = AttnParams(1, 128, 128, 256, 256**-0.5)
+    with pytest.raises(ValueError, match="block_n"):
+        hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, narrow, block_n=128)
     padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
     assert not hopper.eligible(q, k, v, padded, p)
 
 
-@pytest.mark.parametrize("case", GLUON_VARLEN_CASES, ids=str)
+@pytest.mark.parametrize(
+    "case", GLUON_VARLEN_CASES + [([37, 0, 300], [130, 9, 200], 2, 1, 256, True, torch.bfloat16)], ids=str
+)
 def test_packed_batches_match_the_oracle(case, monkeypatch):
     """Packed (varlen) batches: each sequence's rows start anywhere in the packed tensor, tiles cross into
     the next sequence (whose rows they must not change), sequences with no rows or no keys, and key
@@ -268,15 +325,14 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
     assert hopper.eligible(q4, k4, v4, do4, p)
     lse = ref.lse.float().contiguous()  # (nheads, total_q), +inf for rows that see no key
     delta = (dout.float() * ref.out.to(dtype).float()).sum(-1).transpose(0, 1).contiguous()
-    for build in [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, []):
+    for build in _builds(headdim):
         grads = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             assert t.shape == (1, *r.shape)
             check_close(f"{name} {build}", t[0], r, lo, floor_scale=scale)
     calls = record_calls(monkeypatch, hopper, "attn_bwd")
-    settings = dataclasses.replace(configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 128, 4, 2)})
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with configs.override(settings):
+    with configs.override(_settings(headdim)):
         out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
         out.backward(dout)
     assert len(calls) == 1
@@ -284,7 +340,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)
 
 
-@pytest.mark.parametrize("case", GLUON_WINDOW_CASES, ids=str)
+@pytest.mark.parametrize("case", GLUON_WINDOW_CASES + [(1, 700, 1000, 2, 2, 256, (100, 50), torch.bfloat16)], ids=str)
 def test_windows_match_the_oracle(case, monkeypatch):
     """Sliding windows (bottom-right aligned as flash_attn's): each side alone and both, rows whose window
     holds no key, key blocks no row sees (the diagonal alone), query tiles from the first whose last row
@@ -298,13 +354,15 @@ def test_windows_match_the_oracle(case, monkeypatch):
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_left=window[0], window_right=window[1])
     assert hopper.eligible(q, k, v, dout, p)
     scale = torch.stack([r.abs().max() for r in grads_ref])
-    for build in [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, []):
+    for build in _builds(headdim):
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
     calls = record_calls(monkeypatch, hopper, "attn_bwd")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
+    settings = configs.HOPPER if headdim in configs.HOPPER.bwd_gluon else _settings(headdim)  # (the table's build)
+    with configs.override(settings):
+        tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
     assert len(calls) == 1
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)

@@ -20,9 +20,16 @@ partitions:
   shared-memory staging buffer) or fp32 atomic adds. The order of those adds varies run to run: dQ is
   not bitwise reproducible (``deterministic=True`` never comes here).
 
+At head dim 256 one warpgroup's dK and dV of 64 keys would fill all its registers: the split build
+(``_bwd_split_kernel``, ``_consume_split``) gives a program 64 keys, which both warpgroups share, each
+keeping dK and dV of half the head dim. A warpgroup computes Sᵀ and dPᵀ of half the tile's queries, both
+write their Pᵀ and dSᵀ columns into shared [64 keys × BLOCK_M] tiles (``ds_ready``: both halves in;
+``ds_free``: both warpgroups' products have read them), and each takes those tiles as shared-memory A
+operands for its columns of dV and dK, and of dQ (in chunks of ``DQ_CHUNK`` columns). No dropout there.
+
 Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
-cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64 and 128, causal or not,
+cu_seqlens[b], the grid covering the longest sequence), bf16/fp16, head dims 64, 128 and 256, causal or not,
 sliding windows, GQA/MQA, dropout (the mask ``tileattn.rng`` describes, drawn as the forward kernels draw
 it: ``gluon.dropout``); ``eligible`` says when. Rows of that 2-D matrix past a sequence's end belong
 to the next sequence (or are zero-filled by TMA at the end of the tensor), and a tile's LSE and Δ past
@@ -60,7 +67,9 @@ from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+SPLIT_HEAD_DIMS = (256,)  # the split build's (``_bwd_split_kernel``): 64 keys a program, no dropout
+DQ_CHUNK = 64  # the split build's dQ columns per product and reduce-add
 LOG2E_C = gl.constexpr(LOG2E)
 
 
@@ -76,9 +85,9 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, KEYS: gl.constexpr, MASK_LEFT: gl.constexpr,
+def _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
            MASK_RIGHT: gl.constexpr):  # fmt: skip
-    """The query tiles ``[first, end)`` that see a key of the block of ``2 * KEYS`` keys starting at n_start
+    """The query tiles ``[first, end)`` that see a key of the block of ``BLOCK_N`` keys starting at n_start
     (query i sees key j iff ``i + shift - window_left <= j <= i + shift + window_right``, the sides
     MASK_LEFT and MASK_RIGHT bound, shift = seqlen_k - seqlen_q; causal: window_right 0): from the tile
     whose last row reaches the block's first key, to the one whose first row still reaches its last;
@@ -90,7 +99,7 @@ def _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, KEYS: gl.
         first = gl.maximum(n_start - shift - window_right, 0) // BLOCK_M
     end = gl.cdiv(seqlen_q, BLOCK_M)
     if MASK_LEFT:
-        end = gl.minimum(end, gl.cdiv(gl.maximum(n_start + 2 * KEYS - shift + window_left, 0), BLOCK_M))
+        end = gl.minimum(end, gl.cdiv(gl.maximum(n_start + BLOCK_N - shift + window_left, 0), BLOCK_M))
     if n_start >= seqlen_k:
         end = 0
     return first, end
@@ -105,21 +114,22 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.c
      nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, rng_smem, rng) = args  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]  # the program's keys: one or two K tiles
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    n_start = gl.program_id(0) * 2 * KEYS
+    n_start = gl.program_id(0) * BLOCK_N
     h_k = gl.program_id(1)
     b = gl.program_id(2)
     q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     q_lay, do_lay, k_lay, v_lay = layouts  # (where each tensor's heads lie in its TMA matrix: TmaRows)
-    # the block's K and V, once: each warpgroup's half as its own tile
+    # the block's K and V, once: each warpgroup's half as its own tile (or the split build's one tile)
     k_row, k_col = start(b, k0, h_k, k_lay, VARLEN)
     v_row, v_col = start(b, k0, h_k, v_lay, VARLEN)
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for i in gl.static_range(2):
+    mbarrier.expect(kv_ready, (BLOCK_N // KEYS) * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for i in gl.static_range(BLOCK_N // KEYS):
         key = n_start + i * KEYS
         tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], kv_ready, k_smem.slice(i * KEYS, KEYS))
         tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], kv_ready, v_smem.slice(i * KEYS, KEYS))
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
     for g in range(group):
         h = h_k * group + g
@@ -214,7 +224,7 @@ def _consume(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, 2 * KEYS, MASK_LEFT, MASK_RIGHT)
     mbarrier.wait(kv_ready, 0)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
     seed, row_groups, rng_rows, drop_threshold, inv_keep = rng  # (dropout: tileattn.rng)
@@ -318,6 +328,158 @@ def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_
     _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 1)
 
 
+@gluon.jit
+def _split_dq(ds_smem, k_smem, dq_zero, dq_smem, dq_desc, DQacc, q0, m_start, h, seqlen_q, stride_dqm, sm_scale,
+              COL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """The split build's dQ columns ``[COL, COL + DQ_CHUNK)`` of one query tile, ``dS·K[:, cols]`` over the
+    program's keys, scaled and added into the fp32 dQ buffer (a TMA reduce-add from warpgroup WG's
+    staging tile, or atomic adds)."""
+    BLOCK_M: gl.constexpr = ds_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    DQ_CHUNK: gl.constexpr = dq_zero.type.shape[1]
+    dq_layout: gl.constexpr = dq_zero.type.layout
+    # [BLOCK_M, DQ_CHUNK] = ds @ k[:, cols]
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(COL, DQ_CHUNK, dim=1), dq_zero, use_acc=False,
+                       is_async=True)  # fmt: skip
+    dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
+    if DQ_TMA:
+        dq_buf = dq_smem.index(WG)
+        tma.store_wait(0)  # the last reduce-add has read the staging buffer
+        dq_buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [q0 + m_start, h * HEAD_DIM + COL], dq_buf)
+    else:
+        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_cols = h * HEAD_DIM + COL + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
+        dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
+        gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
+
+
+@gluon.jit
+def _consume_split(
+    args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
+    VARLEN: gl.constexpr, WG: gl.constexpr,
+):  # fmt: skip
+    """The split build's consumer (head dim 256, where one warpgroup's dK and dV of 64 keys would take all
+    its registers): both warpgroups own the program's 64 keys, and each keeps dK and dV of half the head
+    dim. Per query tile, warpgroup WG computes Sᵀ and dPᵀ for its half of the queries (K·Qᵀ and V·dOᵀ
+    over the whole head dim), writes its Pᵀ and dSᵀ columns into shared tiles of all 64 x BLOCK_M, and,
+    once both halves are in, adds Pᵀ·dO and dSᵀ·Q into its columns of dV and dK and computes its columns
+    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer."""
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
+     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+     kv_ready, q_ready, do_ready, free, ds_ready,
+     DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, p_smem, ds_free) = args  # fmt: skip
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = BLOCK_M // 2  # the queries of this warpgroup's Sᵀ and dPᵀ
+    D_HALF: gl.constexpr = HEAD_DIM // 2  # this warpgroup's columns of dK, dV and dQ
+    DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
+    )
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_CHUNK, 16]
+    )
+    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs = gl.arange(0, HALF_M, layout=gl.BlockedLayout([1], [32], [4], [0]))  # this half's LSE/Δ (loads)
+    n_start = gl.program_id(0) * KEYS
+    h_k = gl.program_id(1)
+    b = gl.program_id(2)
+    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    keys = n_start + gl.arange(0, KEYS, layout=key_rows)
+    s_zero = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
+    dk = gl.zeros([KEYS, D_HALF], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KEYS, D_HALF], gl.float32, layout=acc_layout)
+    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
+    mbarrier.wait(kv_ready, 0)
+    it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the Pᵀ/dSᵀ tiles' phase
+    for g in range(group):
+        h = h_k * group + g
+        lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
+        for m in range(m_lo, num_m):
+            s = it % STAGES
+            phase = (it // STAGES) & 1
+            m_start = m * BLOCK_M
+            half_start = m_start + WG * HALF_M  # this warpgroup's first query
+            cols = half_start + gl.arange(0, HALF_M, layout=q_cols)
+            if not LSE_TMA:
+                in_seq = half_start + offs < seqlen_q
+                lse_ld = gl.load(Lse + lse_row + half_start + offs, mask=in_seq, other=float("inf"))
+                delta_ld = gl.load(Delta + lse_row + half_start + offs, mask=in_seq, other=0.0)
+            q = q_smem.index(s)
+            do = do_smem.index(s)
+            mbarrier.wait(q_ready.index(s), phase)
+            # [KEYS, HALF_M] = k @ q[half]ᵀ, then [KEYS, HALF_M] = v @ dO[half]ᵀ
+            st = warpgroup_mma(k_smem, q.slice(WG * HALF_M, HALF_M).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            mbarrier.wait(do_ready.index(s), phase)
+            dpt = warpgroup_mma(v_smem, do.slice(WG * HALF_M, HALF_M).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)  # fmt: skip
+            st = warpgroup_mma_wait(1, deps=(st,))
+            st = _masked(
+                st, keys, cols, half_start, n_start, seqlen_q, seqlen_k, window, KEYS, HALF_M, MASK_LEFT, MASK_RIGHT
+            )
+            if LSE_TMA:
+                lse_in = lse_smem.index(s).slice(WG * HALF_M, HALF_M).load(q_cols)
+                delta_in = delta_smem.index(s).slice(WG * HALF_M, HALF_M).load(q_cols)
+            else:
+                lse_in = gl.convert_layout(lse_ld, q_cols)
+                delta_in = gl.convert_layout(delta_ld, q_cols)
+            pt = gl.exp2(st * qk_scale - (lse_in * LOG2E_C)[None, :])  # [KEYS, HALF_M], 0 where hidden
+            dpt = warpgroup_mma_wait(0, deps=(dpt,))
+            ds = pt * (dpt - delta_in[None, :])  # [KEYS, HALF_M] = dSᵀ
+            # both halves into the shared Pᵀ and dSᵀ tiles, once both warpgroups' last products read them
+            mbarrier.wait(ds_free, (it & 1) ^ 1)
+            p_smem.slice(WG * HALF_M, HALF_M, dim=1).store(pt.to(dtype))
+            ds_smem.slice(WG * HALF_M, HALF_M, dim=1).store(ds.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.wait(ds_ready, it & 1)
+            # [KEYS, D_HALF] += pᵀ @ dO[:, cols], then [KEYS, D_HALF] += dsᵀ @ q[:, cols]
+            dv = warpgroup_mma(p_smem, do.slice(WG * D_HALF, D_HALF, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(ds_smem, q.slice(WG * D_HALF, D_HALF, dim=1), dk, is_async=True)
+            for c in gl.static_range(D_HALF // DQ_CHUNK):
+                _split_dq(ds_smem, k_smem, dq_zero, dq_smem, dq_desc, DQacc, q0, m_start, h, seqlen_q, stride_dqm,
+                          sm_scale, WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(ds_free, count=1)  # this warpgroup's products have read Pᵀ and dSᵀ
+            mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
+            it += 1
+    if DQ_TMA:
+        tma.store_wait(0)
+
+    # this warpgroup's columns of dK = dSᵀ·Q · scale and dV = Pᵀ·dO; keys past the sequence are not written
+    d_cols = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, acc_layout))
+    out_rows = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    mask = (out_rows < seqlen_k)[:, None]
+    dk_ptrs = DK + h_k * stride_dkh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dkn
+    gl.store(dk_ptrs + d_cols[None, :], (dk * sm_scale).to(dtype), mask=mask)
+    dv_ptrs = DV + h_k * stride_dvh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dvn
+    gl.store(dv_ptrs + d_cols[None, :], dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def _consume_split_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 0)
+
+
+@gluon.jit
+def _consume_split_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 1)
+
+
 # dropout's values must not select builds (a fresh seed per call, seed % 16 == 0; a dropout-free call's
 # row_groups of its key length)
 @gluon.jit(do_not_specialize=["philox_seed", "row_groups", "rng_rows", "drop_threshold"])
@@ -387,9 +549,79 @@ def _bwd_kernel(
     )
 
 
+@gluon.jit(do_not_specialize=["philox_seed", "row_groups", "rng_rows", "drop_threshold"])
+def _bwd_split_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
+    stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+    nheads, group, seqlen_q, seqlen_k, window_left, window_right, lse_stride, qk_scale, sm_scale,
+    q_batch_rows, q_head_rows, q_head_cols, do_batch_rows, do_head_rows, do_head_cols,
+    k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
+    philox_seed, row_groups, rng_rows, drop_threshold, inv_keep,
+    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
+    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+):  # fmt: skip
+    """``_bwd_kernel``'s split build (``_consume_split``): one program per 64 keys, both consumer
+    warpgroups on those keys, each with half the head dim of dK and dV. No dropout (``DROPOUT`` is
+    False; its arguments are the common signature's)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(not DROPOUT, "the split build takes no dropout")
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], v_desc.layout)
+    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [KEYS, BLOCK_M], pt_layout)  # Pᵀ of the tile, both halves
+    ds_smem = gl.allocate_shared_memory(dtype, [KEYS, BLOCK_M], pt_layout)  # dSᵀ
+    if DQ_TMA:  # each warpgroup's staging buffer for its dQ reduce-adds
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_CHUNK], dq_desc.layout)
+    else:
+        dq_smem = ds_smem
+    if LSE_TMA:  # each stage's LSE and Δ tiles
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    else:
+        lse_smem = ds_smem
+        delta_smem = ds_smem
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=2)  # both warpgroups' halves of Pᵀ and dSᵀ written
+    mbarrier.init(ds_free, count=2)  # both warpgroups' products have read them
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
+            q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+            kv_ready, q_ready, do_ready, free, ds_ready,
+            DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
+            nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale,
+            ((q_batch_rows, q_head_rows, q_head_cols), (do_batch_rows, do_head_rows, do_head_cols),
+             (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)),
+            p_smem, ds_free)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
+        ],
+        [4, 1],
+        [240, 24],
+    )
+
+
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
     """Whether the Gluon backward computes this call: ``plain_attention`` at head dim 64 or 128, dropout or
-    not, not ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA
+    not, or 256 without dropout (the split build), not ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA
     matrix."""
     return eligible_rows(q4, k4, v4, do4, p) is not None
 
@@ -399,6 +631,8 @@ def eligible_rows(
 ) -> tuple[TmaRows, TmaRows, TmaRows, TmaRows] | None:
     """q, k, v and dO as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None."""
     if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, dropout=True):
+        return None
+    if q4.shape[-1] in SPLIT_HEAD_DIMS and p.dropout_p > 0:
         return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return None
@@ -413,7 +647,7 @@ def config_options(cfg: KernelConfig) -> dict:
 
 def attn_bwd(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int = 128, stages: int = 2,
+    delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int | None = None, stages: int = 2,
     dq_tma: bool = True, lse_load: str = "tma", rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, shaped as q4, k4, v4, in the inputs' dtype.
@@ -423,7 +657,9 @@ def attn_bwd(
     lse: the forward's fp32 natural-log LSE, ``(batch, nheads, seqlen_q)`` or varlen ``(nheads,
     total_q)`` (+inf for rows that saw no key); delta: fp32 ``rowsum(dO ∘ O)`` of the same shape
     (``backward._bwd_preprocess``).
-    block_m: query rows per tile (64); block_n: keys per program (128: 64 per consumer warpgroup);
+    block_m: query rows per tile (64); block_n: keys per program (None: the only one each build takes, 128,
+    64 per consumer warpgroup; head dim 256, the split build: 64, both warpgroups on them, each with half
+    the head dim of dK and dV);
     stages: the (Q, dO) ring's depth (fewer where shared memory has no room for it: ``shared_bytes``); dq_tma:
     dQ added by TMA reduce-adds (else fp32 atomic adds);
     lse_load: how a tile's LSE and Δ arrive, one of ``LSE_LOADS``: ``"tma"`` by 1-D TMA copies from rows
@@ -433,11 +669,18 @@ def attn_bwd(
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
     as ``"tma"``). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
-    if block_n != 2 * WG_KEYS:
+    batch, seqlen_q, nheads, headdim = q4.shape
+    split = headdim in SPLIT_HEAD_DIMS
+    if block_n is None:
+        block_n = WG_KEYS if split else 2 * WG_KEYS
+    if split and block_n != WG_KEYS:
+        raise ValueError(f"block_n must be {WG_KEYS} at head dim {headdim} (the split build), got {block_n}")
+    if not split and block_n != 2 * WG_KEYS:
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
+    if split and p.dropout_p > 0:
+        raise ValueError(f"dropout at head dim {headdim} runs the portable backward (eligible)")
     if lse_load not in LSE_LOADS:
         raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
-    batch, seqlen_q, nheads, headdim = q4.shape
     if not (lse.is_contiguous() and delta.is_contiguous()):
         raise ValueError("lse and delta must be contiguous")
     lse_shape = (nheads, seqlen_q) if p.is_varlen else (batch, nheads, seqlen_q)
@@ -464,10 +707,12 @@ SHARED_LIMIT = 232448 - 1024  # the H200's shared memory per block, less room fo
 
 def shared_bytes(block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma: bool, dropout: bool) -> int:
     """The shared memory of a build, in bytes (without its mbarriers): the (Q, dO) ring, the block's K and
-    V, two dSᵀ buffers, the dQ staging tiles, the ring's LSE and Δ tiles and the dropout draws."""
-    keys = 2 * WG_KEYS
+    V, two dSᵀ buffers (the split build: Pᵀ and dSᵀ), the dQ staging tiles, the ring's LSE and Δ tiles and
+    the dropout draws."""
+    split = headdim in SPLIT_HEAD_DIMS
+    keys = WG_KEYS if split else 2 * WG_KEYS
     total = 2 * stages * block_m * headdim * 2 + 2 * keys * headdim * 2 + 2 * keys * block_m * 2
-    total += 2 * block_m * (headdim // 2) * 4 if dq_tma else 0
+    total += 2 * block_m * (DQ_CHUNK if split else headdim // 2) * 4 if dq_tma else 0
     total += 2 * stages * block_m * 4 if lse_tma else 0
     return total + (keys * block_m if dropout else 0)
 
@@ -488,8 +733,10 @@ def _launch(
     do_desc = TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2.matrix, [WG_KEYS, headdim], kv_layout)
+    split = headdim in SPLIT_HEAD_DIMS
+    dq_cols = DQ_CHUNK if split else headdim // 2  # (the columns of one dQ reduce-add)
     dq_rows = dq_acc.view(-1, nheads * headdim)  # (contiguous: flash_attn's layout, as the dQ adds address it)
-    dq_desc = TensorDescriptor.from_tensor(dq_rows, [block_m, headdim // 2], _dq_layout(block_m, headdim // 2))
+    dq_desc = TensorDescriptor.from_tensor(dq_rows, [block_m, dq_cols], _dq_layout(block_m, dq_cols))
     # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)
     lse_tma = lse_load != "load"
     if p.is_varlen:
@@ -503,8 +750,8 @@ def _launch(
     lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], ROW_LAYOUT)
     delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], ROW_LAYOUT)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse_rows, lse_rows)
-    LAUNCHER(
-        (cdiv(p.seqlen_k, 2 * WG_KEYS), nheads_k, p.batch),
+    (SPLIT_LAUNCHER if split else LAUNCHER)(
+        (cdiv(p.seqlen_k, WG_KEYS if split else 2 * WG_KEYS), nheads_k, p.batch),
         (
             q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
             cu_q, cu_k, dq_acc.stride(1), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
@@ -530,3 +777,4 @@ def _dq_layout(rows: int, headdim: int):
 
 
 LAUNCHER = Launcher(_bwd_kernel)  # (kernels.launch: the build chosen once per launch key)
+SPLIT_LAUNCHER = Launcher(_bwd_split_kernel)
