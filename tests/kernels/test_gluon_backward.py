@@ -1,8 +1,8 @@
 """The Gluon backward (kernels/gluon/backward.py) on an sm90 GPU against the tests' oracle: odd lengths
 (one row, tails of a 64-row tile and of a 128-key block), GQA/MQA, causal with seqlen_q != seqlen_k (rows
-that see no key, key blocks no row sees), packed (varlen) batches, fp16 and bf16, head dims 64 and 128,
+that see no key), packed (varlen) batches, fp16 and bf16, head dims 64, 128 and 256,
 each build the settings or the bench may pick (ring depth, query tiles of 128 rows at head dim 64, dQ by
-TMA reduce-adds or atomic adds), sliding windows, dropout, head-major layouts, and the portable backward's
+TMA reduce-adds or atomic adds), sliding windows (key blocks no row sees), dropout, head-major layouts, and the portable backward's
 dispatch to it when the settings ask. Gluon kernels do not run in Triton's interpreter: off sm90, or with a Triton
 whose Gluon the kernels were not written for, these tests skip (the builds themselves are checked without
 a GPU in test_sm90_builds.py)."""
@@ -26,7 +26,7 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 4, 4, 64, False, torch.bfloat16),
     (2, 1, 1, 4, 4, 128, True, torch.float16),
     (2, 63, 63, 4, 4, 128, True, torch.bfloat16),
-    (1, 113, 1025, 8, 2, 128, True, torch.bfloat16),  # key blocks no row sees
+    (1, 113, 1025, 8, 2, 128, True, torch.bfloat16),  # each row sees most keys (the diagonal at the bottom right)
     (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows before key 0's diagonal see no key
     (3, 1025, 1025, 4, 1, 128, False, torch.float16),
     (1, 113, 1025, 2, 1, 64, False, torch.float16),
@@ -41,11 +41,12 @@ SPLIT_BUILDS = [
     dict(block_n=64, stages=2, dq_tma=False),
     dict(block_n=64, stages=1),
     dict(block_n=64, stages=2, dq_tma=False, lse_load="load"),
+    dict(block_n=64, stages=1, lse_load="load"),
 ]
 SPLIT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 2, 2, 256, False, torch.bfloat16),
     (2, 63, 63, 2, 2, 256, True, torch.float16),
-    (1, 113, 1025, 4, 2, 256, True, torch.bfloat16),  # key blocks no row sees
+    (1, 113, 1025, 4, 2, 256, True, torch.bfloat16),  # each row sees most keys
     (1, 1025, 113, 4, 1, 256, True, torch.bfloat16),  # rows before key 0's diagonal see no key
     (2, 777, 300, 3, 3, 256, False, torch.float16),
 ]
@@ -146,7 +147,7 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
 DROPOUT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (1, 1, 1, 2, 2, 64, False, torch.bfloat16),
     (2, 63, 63, 4, 4, 128, True, torch.bfloat16),
-    (1, 113, 1025, 8, 2, 128, True, torch.float16),  # key blocks no row sees
+    (1, 113, 1025, 8, 2, 128, True, torch.float16),  # each row sees most keys
     (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows that see no key
     (2, 300, 257, 4, 2, 64, False, torch.float16),
 ]
@@ -290,6 +291,8 @@ def test_calls_it_cannot_compute_are_not_eligible():
     narrow = AttnParams(1, 128, 128, 256, 256**-0.5)
     with pytest.raises(ValueError, match="block_n"):
         hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, narrow, block_n=128)
+    with pytest.raises(ValueError, match="block_m"):
+        hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, narrow, block_m=128)
     padded = torch.randn(1, 128, 2, 136, device="cuda", dtype=torch.bfloat16)[..., :128]  # heads apart
     assert not hopper.eligible(q, k, v, padded, p)
 

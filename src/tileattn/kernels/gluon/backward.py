@@ -677,6 +677,8 @@ def attn_bwd(
         raise ValueError(f"block_n must be {WG_KEYS} at head dim {headdim} (the split build), got {block_n}")
     if not split and block_n != 2 * WG_KEYS:
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
+    if split and block_m != 64:
+        raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
     if split and p.dropout_p > 0:
         raise ValueError(f"dropout at head dim {headdim} runs the portable backward (eligible)")
     if lse_load not in LSE_LOADS:
