@@ -42,6 +42,8 @@ SPLIT_BUILDS = [
     dict(block_n=64, stages=1),
     dict(block_n=64, stages=2, dq_tma=False, lse_load="load"),
     dict(block_n=64, stages=1, lse_load="load"),
+    dict(block_n=64, stages=2, dq_tma=False, dq_first=True),  # dQ's first chunk before dV and dK
+    dict(block_n=64, stages=1, dq_first=True),
 ]
 SPLIT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 2, 2, 256, False, torch.bfloat16),

@@ -329,28 +329,32 @@ def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_
 
 
 @gluon.jit
-def _split_dq(ds_smem, k_smem, dq_zero, dq_smem, dq_desc, DQacc, q0, m_start, h, seqlen_q, stride_dqm, sm_scale,
-              COL: gl.constexpr, DQ_TMA: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """The split build's dQ columns ``[COL, COL + DQ_CHUNK)`` of one query tile, ``dS·K[:, cols]`` over the
-    program's keys, scaled and added into the fp32 dQ buffer (a TMA reduce-add from warpgroup WG's
-    staging tile, or atomic adds)."""
-    BLOCK_M: gl.constexpr = ds_smem.type.shape[1]
-    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+def _split_dq(ds_smem, k_smem, dq_zero, COL: gl.constexpr):
+    """Issues the split build's dQ columns ``[COL, COL + DQ_CHUNK)`` of one query tile: ``[BLOCK_M, DQ_CHUNK]
+    = dS·K[:, cols]`` over the program's keys (asynchronous; ``_split_dq_add`` takes the result)."""
     DQ_CHUNK: gl.constexpr = dq_zero.type.shape[1]
-    dq_layout: gl.constexpr = dq_zero.type.layout
-    # [BLOCK_M, DQ_CHUNK] = ds @ k[:, cols]
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(COL, DQ_CHUNK, dim=1), dq_zero, use_acc=False,
-                       is_async=True)  # fmt: skip
-    dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
+    return warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(COL, DQ_CHUNK, dim=1), dq_zero, use_acc=False,
+                         is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale, col,
+                  DQ_TMA: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Adds a finished ``_split_dq`` chunk, scaled, into the fp32 dQ buffer at column ``col`` (of all heads'):
+    a TMA reduce-add from warpgroup WG's staging tile, or atomic adds."""
+    BLOCK_M: gl.constexpr = dq.type.shape[0]
+    DQ_CHUNK: gl.constexpr = dq.type.shape[1]
+    dq = dq * sm_scale
     if DQ_TMA:
         dq_buf = dq_smem.index(WG)
         tma.store_wait(0)  # the last reduce-add has read the staging buffer
         dq_buf.store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [q0 + m_start, h * HEAD_DIM + COL], dq_buf)
+        _tma_reduce_add(dq_desc, [q0 + m_start, col], dq_buf)
     else:
+        dq_layout: gl.constexpr = dq.type.layout
         rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dq_cols = h * HEAD_DIM + COL + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
+        dq_cols = col + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
         dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
         gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
 
@@ -358,7 +362,7 @@ def _split_dq(ds_smem, k_smem, dq_zero, dq_smem, dq_desc, DQacc, q0, m_start, h,
 @gluon.jit
 def _consume_split(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr, WG: gl.constexpr,
+    VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     """The split build's consumer (head dim 256, where one warpgroup's dK and dV of 64 keys would take all
     its registers): both warpgroups own the program's 64 keys, and each keeps dK and dV of half the head
@@ -446,11 +450,21 @@ def _consume_split(
             mbarrier.arrive(ds_ready, count=1)
             mbarrier.wait(ds_ready, it & 1)
             # [KEYS, D_HALF] += pᵀ @ dO[:, cols], then [KEYS, D_HALF] += dsᵀ @ q[:, cols]
+            # (DQ_FIRST: dQ's first chunk issued before dV and dK, so that its reduce-add runs under them)
+            if DQ_FIRST:
+                dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF)
             dv = warpgroup_mma(p_smem, do.slice(WG * D_HALF, D_HALF, dim=1), dv, is_async=True)
             dk = warpgroup_mma(ds_smem, q.slice(WG * D_HALF, D_HALF, dim=1), dk, is_async=True)
-            for c in gl.static_range(D_HALF // DQ_CHUNK):
-                _split_dq(ds_smem, k_smem, dq_zero, dq_smem, dq_desc, DQacc, q0, m_start, h, seqlen_q, stride_dqm,
-                          sm_scale, WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
+            if DQ_FIRST:
+                dq = warpgroup_mma_wait(2, deps=(dq,))
+                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
+                              h * HEAD_DIM + WG * D_HALF, DQ_TMA, WG)  # fmt: skip
+            for c in gl.static_range(1 if DQ_FIRST else 0, D_HALF // DQ_CHUNK):
+                # [BLOCK_M, DQ_CHUNK] = ds @ k[:, chunk]
+                dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF + c * DQ_CHUNK)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
+                              h * HEAD_DIM + WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             mbarrier.arrive(ds_free, count=1)  # this warpgroup's products have read Pᵀ and dSᵀ
             mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
@@ -470,14 +484,14 @@ def _consume_split(
 
 @gluon.jit
 def _consume_split_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 0)
+                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 0)
 
 
 @gluon.jit
 def _consume_split_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, 1)
+                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 1)
 
 
 # dropout's values must not select builds (a fresh seed per call, seed % 16 == 0; a dropout-free call's
@@ -558,11 +572,12 @@ def _bwd_split_kernel(
     k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
     philox_seed, row_groups, rng_rows, drop_threshold, inv_keep,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr,
 ):  # fmt: skip
     """``_bwd_kernel``'s split build (``_consume_split``): one program per 64 keys, both consumer
     warpgroups on those keys, each with half the head dim of dK and dV. No dropout (``DROPOUT`` is
-    False; its arguments are the common signature's)."""
+    False; its arguments are the common signature's). ``DQ_FIRST``: each tile's first dQ chunk is issued
+    before dV and dK, its reduce-add running under them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -610,8 +625,8 @@ def _bwd_split_kernel(
             p_smem, ds_free)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
-            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN)),
+            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
+            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
             (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
@@ -648,7 +663,7 @@ def config_options(cfg: KernelConfig) -> dict:
 def attn_bwd(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int | None = None, stages: int = 2,
-    dq_tma: bool = True, lse_load: str = "tma", rows: tuple | None = None,
+    dq_tma: bool = True, lse_load: str = "tma", dq_first: bool = False, rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, shaped as q4, k4, v4, in the inputs' dtype.
 
@@ -668,7 +683,8 @@ def attn_bwd(
     ``packed_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
-    as ``"tma"``). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
+    as ``"tma"``). dq_first: the split build issues each tile's first dQ chunk before dV and dK (its
+    reduce-add under them). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
     batch, seqlen_q, nheads, headdim = q4.shape
     split = headdim in SPLIT_HEAD_DIMS
     if block_n is None:
@@ -679,6 +695,8 @@ def attn_bwd(
         raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
     if split and block_m != 64:
         raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
+    if dq_first and not split:
+        raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
     if split and p.dropout_p > 0:
         raise ValueError(f"dropout at head dim {headdim} runs the portable backward (eligible)")
     if lse_load not in LSE_LOADS:
@@ -699,7 +717,7 @@ def attn_bwd(
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
-    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load)
+    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load, dq_first)
     return dq_acc.to(q4.dtype), dk, dv
 
 
@@ -722,6 +740,7 @@ def shared_bytes(block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma:
 def _launch(
     rows: tuple, lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor,
     dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
+    dq_first: bool = False,
 ) -> None:  # fmt: skip
     """The kernel alone on q, k, v and dO as ``rows`` (``TmaRows``): adds dQ (softmax_scale applied) into
     the fp32 ``dq_acc`` (contiguous, shaped as q4, zeroed by the caller) and writes dk, dv (contiguous,
@@ -764,7 +783,7 @@ def _launch(
         ),
         dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
-            LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0,
+            LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0, **(dict(DQ_FIRST=dq_first) if split else {}),
         ),  # fmt: skip
         num_warps=4,
         maxnreg=168,
