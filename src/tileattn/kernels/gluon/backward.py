@@ -20,12 +20,9 @@ partitions:
   shared-memory staging buffer) or fp32 atomic adds. The order of those adds varies run to run: dQ is
   not bitwise reproducible (``deterministic=True`` never comes here).
 
-At head dim 256 one warpgroup's dK and dV of 64 keys would fill all its registers: the split build
-(``_bwd_split_kernel``, ``_consume_split``) gives a program 64 keys, which both warpgroups share, each
-keeping dK and dV of half the head dim. A warpgroup computes Sᵀ and dPᵀ of half the tile's queries, both
-write their Pᵀ and dSᵀ columns into shared [64 keys × BLOCK_M] tiles (``ds_ready``: both halves in;
-``ds_free``: both warpgroups' products have read them), and each takes those tiles as shared-memory A
-operands for its columns of dV and dK, and of dQ (in chunks of ``DQ_CHUNK`` columns). No dropout there.
+At head dim 256 one warpgroup's dK and dV of 64 keys would fill all its registers: ``attn_bwd`` launches
+the split build there (``gluon.backward_split``; no dropout). The loader partition, the tile ranges and
+the scores' mask are both builds' (``gluon.backward_common``).
 
 Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``, sequence b's rows from
@@ -50,7 +47,6 @@ import math
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language import _core as gl_core
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -60,126 +56,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, start, tile_layout, tma_rows
+from tileattn.kernels.gluon import backward_split
+from tileattn.kernels.gluon.backward_common import LOG2E_C, WG_KEYS, loader, masked_scores, query_tiles, tma_reduce_add
+from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, tile_layout, tma_rows
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import ROW_LAYOUT, dense_rows, packed_rows, row_start
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
-WG_KEYS = 64  # keys per consumer warpgroup (the wgmma M of one warpgroup)
 HEAD_DIMS = (64, 128, 256)
-SPLIT_HEAD_DIMS = (256,)  # the split build's (``_bwd_split_kernel``): 64 keys a program, no dropout
-DQ_CHUNK = 64  # the split build's dQ columns per product and reduce-add
-LOG2E_C = gl.constexpr(LOG2E)
-
-
-@gl_core.builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """``global[coord] += src`` by a TMA bulk reduction from shared memory (cp.reduce.async.bulk.tensor):
-    the op Gluon's builder has but Triton 3.6's ``hopper.tma`` does not export. Complete (its read of
-    ``src`` done) after ``tma.store_wait``."""
-    from triton._C.libtriton import ir
-
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-           MASK_RIGHT: gl.constexpr):  # fmt: skip
-    """The query tiles ``[first, end)`` that see a key of the block of ``BLOCK_N`` keys starting at n_start
-    (query i sees key j iff ``i + shift - window_left <= j <= i + shift + window_right``, the sides
-    MASK_LEFT and MASK_RIGHT bound, shift = seqlen_k - seqlen_q; causal: window_right 0): from the tile
-    whose last row reaches the block's first key, to the one whose first row still reaches its last;
-    none where the block starts past the sequence's keys (a packed batch's grid covers its longest)."""
-    window_left, window_right = window
-    shift = seqlen_k - seqlen_q
-    first = 0
-    if MASK_RIGHT:
-        first = gl.maximum(n_start - shift - window_right, 0) // BLOCK_M
-    end = gl.cdiv(seqlen_q, BLOCK_M)
-    if MASK_LEFT:
-        end = gl.minimum(end, gl.cdiv(gl.maximum(n_start + BLOCK_N - shift + window_left, 0), BLOCK_M))
-    if n_start >= seqlen_k:
-        end = 0
-    return first, end
-
-
-@gluon.jit
-def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, LSE_TMA: gl.constexpr, VARLEN: gl.constexpr):
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
-     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-     kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, rng_smem, rng) = args  # fmt: skip
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[0]  # the program's keys: one or two K tiles
-    STAGES: gl.constexpr = q_smem.type.shape[0]
-    n_start = gl.program_id(0) * BLOCK_N
-    h_k = gl.program_id(1)
-    b = gl.program_id(2)
-    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
-    q_lay, do_lay, k_lay, v_lay = layouts  # (where each tensor's heads lie in its TMA matrix: TmaRows)
-    # the block's K and V, once: each warpgroup's half as its own tile (or the split build's one tile)
-    k_row, k_col = start(b, k0, h_k, k_lay, VARLEN)
-    v_row, v_col = start(b, k0, h_k, v_lay, VARLEN)
-    mbarrier.expect(kv_ready, (BLOCK_N // KEYS) * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for i in gl.static_range(BLOCK_N // KEYS):
-        key = n_start + i * KEYS
-        tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], kv_ready, k_smem.slice(i * KEYS, KEYS))
-        tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], kv_ready, v_smem.slice(i * KEYS, KEYS))
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    it = 0  # (Q, dO) tiles loaded so far: the ring's stage and phase
-    for g in range(group):
-        h = h_k * group + g
-        lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA)  # (b, h)'s LSE and Δ in their flat rows
-        q_row, q_col = start(b, q0, h, q_lay, VARLEN)
-        do_row, do_col = start(b, q0, h, do_lay, VARLEN)
-        for m in range(m_lo, num_m):
-            s = it % STAGES
-            m_start = m * BLOCK_M
-            mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)  # both consumers are done with the stage
-            if LSE_TMA:  # (16-byte-aligned starts where lse_stride is a multiple of 4, as dense_rows makes it)
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
-                tma.async_copy_global_to_shared(lse_desc, [lse_row + m_start], q_ready.index(s), lse_smem.index(s))
-                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    do_desc, [do_row + m_start, do_col], do_ready.index(s), do_smem.index(s)
-                )
-                tma.async_copy_global_to_shared(delta_desc, [lse_row + m_start], do_ready.index(s), delta_smem.index(s))
-            else:  # the consumers load the tile's LSE and Δ themselves
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + m_start, q_col], q_ready.index(s), q_smem.index(s))
-                mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    do_desc, [do_row + m_start, do_col], do_ready.index(s), do_smem.index(s)
-                )
-            it += 1
-
-
-@gluon.jit
-def _masked(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS: gl.constexpr,
-            BLOCK_M: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):  # fmt: skip
-    """Raw transposed scores (keys x queries), -inf where a key or a query is past its sequence (the
-    tile's LSE and Δ there are another head's) or the key is outside the query's window (as ``_tiles``
-    says, bottom-right aligned as flash_attn's); tiles that need no mask pass."""
-    window_left, window_right = window
-    shift = seqlen_k - seqlen_q
-    need = (key_start + KEYS > seqlen_k) | (m_start + BLOCK_M > seqlen_q)
-    if MASK_RIGHT:  # the tile's first query does not see its last key
-        need = need | (key_start + KEYS - 1 > m_start + shift + window_right)
-    if MASK_LEFT:  # its last query does not see its first key
-        need = need | (key_start < m_start + BLOCK_M - 1 + shift - window_left)
-    if need:
-        hidden = (keys[:, None] >= seqlen_k) | (cols[None, :] >= seqlen_q)
-        if MASK_RIGHT:
-            hidden = hidden | (keys[:, None] > cols[None, :] + (shift + window_right))
-        if MASK_LEFT:
-            hidden = hidden | (keys[:, None] < cols[None, :] + (shift - window_left))
-        s = gl.where(hidden, float("-inf"), s)
-    return s
+SPLIT_HEAD_DIMS = backward_split.HEAD_DIMS  # the split build's: 64 keys a program, no dropout
+DQ_CHUNK = backward_split.DQ_CHUNK
 
 
 @gluon.jit
@@ -224,7 +111,7 @@ def _consume(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=acc_layout)
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, 2 * KEYS, MASK_LEFT, MASK_RIGHT)
+    m_lo, num_m = query_tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, 2 * KEYS, MASK_LEFT, MASK_RIGHT)
     mbarrier.wait(kv_ready, 0)
     it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the dS buffer's
     seed, row_groups, rng_rows, drop_threshold, inv_keep = rng  # (dropout: tileattn.rng)
@@ -252,7 +139,7 @@ def _consume(
             mbarrier.wait(do_ready.index(s), phase)
             dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st,))
-            st = _masked(
+            st = masked_scores(
                 st, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window, KEYS, BLOCK_M, MASK_LEFT, MASK_RIGHT
             )
             if LSE_TMA:
@@ -296,7 +183,7 @@ def _consume(
                 tma.store_wait(0)  # the last tile's reduce-add has read the staging buffer
                 dq_buf.store(dq)
                 fence_async_shared()
-                _tma_reduce_add(dq_desc, [q0 + m_start, dq_col], dq_buf)
+                tma_reduce_add(dq_desc, [q0 + m_start, dq_col], dq_buf)
             else:
                 rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
                 dq_cols = dq_col + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
@@ -326,172 +213,6 @@ def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ
 def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):  # fmt: skip
     _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 1)
-
-
-@gluon.jit
-def _split_dq(ds_smem, k_smem, dq_zero, COL: gl.constexpr):
-    """Issues the split build's dQ columns ``[COL, COL + DQ_CHUNK)`` of one query tile: ``[BLOCK_M, DQ_CHUNK]
-    = dS·K[:, cols]`` over the program's keys (asynchronous; ``_split_dq_add`` takes the result)."""
-    DQ_CHUNK: gl.constexpr = dq_zero.type.shape[1]
-    return warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(COL, DQ_CHUNK, dim=1), dq_zero, use_acc=False,
-                         is_async=True)  # fmt: skip
-
-
-@gluon.jit
-def _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale, col,
-                  DQ_TMA: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Adds a finished ``_split_dq`` chunk, scaled, into the fp32 dQ buffer at column ``col`` (of all heads'):
-    a TMA reduce-add from warpgroup WG's staging tile, or atomic adds."""
-    BLOCK_M: gl.constexpr = dq.type.shape[0]
-    DQ_CHUNK: gl.constexpr = dq.type.shape[1]
-    dq = dq * sm_scale
-    if DQ_TMA:
-        dq_buf = dq_smem.index(WG)
-        tma.store_wait(0)  # the last reduce-add has read the staging buffer
-        dq_buf.store(dq)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [q0 + m_start, col], dq_buf)
-    else:
-        dq_layout: gl.constexpr = dq.type.layout
-        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dq_cols = col + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
-        dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
-        gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
-
-
-@gluon.jit
-def _consume_split(
-    args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr, WG: gl.constexpr,
-):  # fmt: skip
-    """The split build's consumer (head dim 256, where one warpgroup's dK and dV of 64 keys would take all
-    its registers): both warpgroups own the program's 64 keys, and each keeps dK and dV of half the head
-    dim. Per query tile, warpgroup WG computes Sᵀ and dPᵀ for its half of the queries (K·Qᵀ and V·dOᵀ
-    over the whole head dim), writes its Pᵀ and dSᵀ columns into shared tiles of all 64 x BLOCK_M, and,
-    once both halves are in, adds Pᵀ·dO and dSᵀ·Q into its columns of dV and dK and computes its columns
-    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer."""
-    (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
-     q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-     kv_ready, q_ready, do_ready, free, ds_ready,
-     DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, p_smem, ds_free) = args  # fmt: skip
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    HALF_M: gl.constexpr = BLOCK_M // 2  # the queries of this warpgroup's Sᵀ and dPᵀ
-    D_HALF: gl.constexpr = HEAD_DIM // 2  # this warpgroup's columns of dK, dV and dQ
-    DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
-    STAGES: gl.constexpr = q_smem.type.shape[0]
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_M, 16]
-    )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HALF, 16]
-    )
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_CHUNK, 16]
-    )
-    key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    offs = gl.arange(0, HALF_M, layout=gl.BlockedLayout([1], [32], [4], [0]))  # this half's LSE/Δ (loads)
-    n_start = gl.program_id(0) * KEYS
-    h_k = gl.program_id(1)
-    b = gl.program_id(2)
-    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
-    keys = n_start + gl.arange(0, KEYS, layout=key_rows)
-    s_zero = gl.zeros([KEYS, HALF_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=dq_layout)
-    dk = gl.zeros([KEYS, D_HALF], gl.float32, layout=acc_layout)
-    dv = gl.zeros([KEYS, D_HALF], gl.float32, layout=acc_layout)
-    m_lo, num_m = _tiles(n_start, seqlen_q, seqlen_k, window, BLOCK_M, KEYS, MASK_LEFT, MASK_RIGHT)
-    mbarrier.wait(kv_ready, 0)
-    it = 0  # (Q, dO) tiles consumed so far: the ring's stage and phase, and the Pᵀ/dSᵀ tiles' phase
-    for g in range(group):
-        h = h_k * group + g
-        lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
-        for m in range(m_lo, num_m):
-            s = it % STAGES
-            phase = (it // STAGES) & 1
-            m_start = m * BLOCK_M
-            half_start = m_start + WG * HALF_M  # this warpgroup's first query
-            cols = half_start + gl.arange(0, HALF_M, layout=q_cols)
-            if not LSE_TMA:
-                in_seq = half_start + offs < seqlen_q
-                lse_ld = gl.load(Lse + lse_row + half_start + offs, mask=in_seq, other=float("inf"))
-                delta_ld = gl.load(Delta + lse_row + half_start + offs, mask=in_seq, other=0.0)
-            q = q_smem.index(s)
-            do = do_smem.index(s)
-            mbarrier.wait(q_ready.index(s), phase)
-            # [KEYS, HALF_M] = k @ q[half]ᵀ, then [KEYS, HALF_M] = v @ dO[half]ᵀ
-            st = warpgroup_mma(k_smem, q.slice(WG * HALF_M, HALF_M).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-            mbarrier.wait(do_ready.index(s), phase)
-            dpt = warpgroup_mma(v_smem, do.slice(WG * HALF_M, HALF_M).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)  # fmt: skip
-            st = warpgroup_mma_wait(1, deps=(st,))
-            st = _masked(
-                st, keys, cols, half_start, n_start, seqlen_q, seqlen_k, window, KEYS, HALF_M, MASK_LEFT, MASK_RIGHT
-            )
-            if LSE_TMA:
-                lse_in = lse_smem.index(s).slice(WG * HALF_M, HALF_M).load(q_cols)
-                delta_in = delta_smem.index(s).slice(WG * HALF_M, HALF_M).load(q_cols)
-            else:
-                lse_in = gl.convert_layout(lse_ld, q_cols)
-                delta_in = gl.convert_layout(delta_ld, q_cols)
-            pt = gl.exp2(st * qk_scale - (lse_in * LOG2E_C)[None, :])  # [KEYS, HALF_M], 0 where hidden
-            dpt = warpgroup_mma_wait(0, deps=(dpt,))
-            ds = pt * (dpt - delta_in[None, :])  # [KEYS, HALF_M] = dSᵀ
-            # both halves into the shared Pᵀ and dSᵀ tiles, once both warpgroups' last products read them
-            mbarrier.wait(ds_free, (it & 1) ^ 1)
-            p_smem.slice(WG * HALF_M, HALF_M, dim=1).store(pt.to(dtype))
-            ds_smem.slice(WG * HALF_M, HALF_M, dim=1).store(ds.to(dtype))
-            fence_async_shared()
-            mbarrier.arrive(ds_ready, count=1)
-            mbarrier.wait(ds_ready, it & 1)
-            # [KEYS, D_HALF] += pᵀ @ dO[:, cols], then [KEYS, D_HALF] += dsᵀ @ q[:, cols]
-            # (DQ_FIRST: dQ's first chunk issued before dV and dK, so that its reduce-add runs under them)
-            if DQ_FIRST:
-                dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF)
-            dv = warpgroup_mma(p_smem, do.slice(WG * D_HALF, D_HALF, dim=1), dv, is_async=True)
-            dk = warpgroup_mma(ds_smem, q.slice(WG * D_HALF, D_HALF, dim=1), dk, is_async=True)
-            if DQ_FIRST:
-                dq = warpgroup_mma_wait(2, deps=(dq,))
-                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
-                              h * HEAD_DIM + WG * D_HALF, DQ_TMA, WG)  # fmt: skip
-            for c in gl.static_range(1 if DQ_FIRST else 0, D_HALF // DQ_CHUNK):
-                # [BLOCK_M, DQ_CHUNK] = ds @ k[:, chunk]
-                dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF + c * DQ_CHUNK)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
-                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
-                              h * HEAD_DIM + WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
-            mbarrier.arrive(ds_free, count=1)  # this warpgroup's products have read Pᵀ and dSᵀ
-            mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
-            it += 1
-    if DQ_TMA:
-        tma.store_wait(0)
-
-    # this warpgroup's columns of dK = dSᵀ·Q · scale and dV = Pᵀ·dO; keys past the sequence are not written
-    d_cols = WG * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, acc_layout))
-    out_rows = n_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-    mask = (out_rows < seqlen_k)[:, None]
-    dk_ptrs = DK + h_k * stride_dkh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dkn
-    gl.store(dk_ptrs + d_cols[None, :], (dk * sm_scale).to(dtype), mask=mask)
-    dv_ptrs = DV + h_k * stride_dvh + (k0 + out_rows).to(gl.int64)[:, None] * stride_dvn
-    gl.store(dv_ptrs + d_cols[None, :], dv.to(dtype), mask=mask)
-
-
-@gluon.jit
-def _consume_split_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 0)
-
-
-@gluon.jit
-def _consume_split_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 1)
 
 
 # dropout's values must not select builds (a fresh seed per call, seed % 16 == 0; a dropout-free call's
@@ -556,78 +277,7 @@ def _bwd_kernel(
         [
             (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
             (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
-            (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
-
-
-@gluon.jit(do_not_specialize=["philox_seed", "row_groups", "rng_rows", "drop_threshold"])
-def _bwd_split_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DQacc, DK, DV, Lse, Delta, CuQ, CuK,
-    stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-    nheads, group, seqlen_q, seqlen_k, window_left, window_right, lse_stride, qk_scale, sm_scale,
-    q_batch_rows, q_head_rows, q_head_cols, do_batch_rows, do_head_rows, do_head_cols,
-    k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
-    philox_seed, row_groups, rng_rows, drop_threshold, inv_keep,
-    STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr,
-):  # fmt: skip
-    """``_bwd_kernel``'s split build (``_consume_split``): one program per 64 keys, both consumer
-    warpgroups on those keys, each with half the head dim of dK and dV. No dropout (``DROPOUT`` is
-    False; its arguments are the common signature's). ``DQ_FIRST``: each tile's first dQ chunk is issued
-    before dV and dK, its reduce-add running under them."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    KEYS: gl.constexpr = k_desc.block_type.shape[0]
-    DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
-    dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(not DROPOUT, "the split build takes no dropout")
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], v_desc.layout)
-    pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [KEYS, BLOCK_M], pt_layout)  # Pᵀ of the tile, both halves
-    ds_smem = gl.allocate_shared_memory(dtype, [KEYS, BLOCK_M], pt_layout)  # dSᵀ
-    if DQ_TMA:  # each warpgroup's staging buffer for its dQ reduce-adds
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_CHUNK], dq_desc.layout)
-    else:
-        dq_smem = ds_smem
-    if LSE_TMA:  # each stage's LSE and Δ tiles
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    else:
-        lse_smem = ds_smem
-        delta_smem = ds_smem
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(ds_ready, count=2)  # both warpgroups' halves of Pᵀ and dSᵀ written
-    mbarrier.init(ds_free, count=2)  # both warpgroups' products have read them
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
-
-    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
-            q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-            kv_ready, q_ready, do_ready, free, ds_ready,
-            DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-            nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale,
-            ((q_batch_rows, q_head_rows, q_head_cols), (do_batch_rows, do_head_rows, do_head_cols),
-             (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)),
-            p_smem, ds_free)  # fmt: skip
-    gl.warp_specialize(
-        [
-            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
-            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
-            (_load, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
+            (loader, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
         [240, 24],
@@ -771,7 +421,7 @@ def _launch(
     lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], ROW_LAYOUT)
     delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], ROW_LAYOUT)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse_rows, lse_rows)
-    (SPLIT_LAUNCHER if split else LAUNCHER)(
+    (backward_split.LAUNCHER if split else LAUNCHER)(
         (cdiv(p.seqlen_k, WG_KEYS if split else 2 * WG_KEYS), nheads_k, p.batch),
         (
             q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
@@ -798,4 +448,3 @@ def _dq_layout(rows: int, headdim: int):
 
 
 LAUNCHER = Launcher(_bwd_kernel)  # (kernels.launch: the build chosen once per launch key)
-SPLIT_LAUNCHER = Launcher(_bwd_split_kernel)
