@@ -152,6 +152,9 @@ DROPOUT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causa
     (1, 113, 1025, 8, 2, 128, True, torch.float16),  # each row sees most keys
     (1, 1025, 113, 8, 2, 64, True, torch.bfloat16),  # rows that see no key
     (2, 300, 257, 4, 2, 64, False, torch.float16),
+    (2, 63, 63, 2, 2, 256, True, torch.bfloat16),  # the split build: each warpgroup's half tile draws
+    (1, 300, 257, 4, 2, 256, False, torch.float16),
+    (1, 1025, 113, 2, 1, 256, True, torch.bfloat16),
 ]
 
 
@@ -184,8 +187,11 @@ def test_dropout_matches_the_oracle(case):
     )  # fmt: skip
     assert hopper.eligible(q, k, v, dout, p)
     scale = torch.stack([r.abs().max() for r in grads_ref])
-    config = hopper.config_options(configs.HOPPER.bwd_gluon_dropout[headdim])
-    builds = [config, dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")] + WIDE_BUILDS.get(headdim, [])
+    if headdim == 256:
+        builds = SPLIT_BUILDS
+    else:
+        config = hopper.config_options(configs.HOPPER.bwd_gluon_dropout[headdim])
+        builds = [config, dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")] + WIDE_BUILDS.get(headdim, [])
     for build in builds:
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
@@ -217,10 +223,19 @@ def test_dropout_with_windows(case):
         check_close(name, t, r, lo, floor_scale=scale)
 
 
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_dropout_through_the_public_call(headdim, monkeypatch):
     """flash_attn_func with dropout: the portable forward draws the mask, the Gluon backward the same one
-    (the gradients against the oracle given the mask S_dmask returns); a packed batch as well."""
+    (the gradients against the oracle given the mask S_dmask returns); a packed batch as well. (Head dim
+    256: the split build, through a settings entry.)"""
+    settings = configs.HOPPER
+    if headdim not in settings.bwd_gluon_dropout:
+        settings = dataclasses.replace(settings, bwd_gluon_dropout={headdim: KernelConfig(64, 64, 4, 2)})
+    with configs.override(settings):
+        _dropout_through_the_public_call(headdim, monkeypatch)
+
+
+def _dropout_through_the_public_call(headdim, monkeypatch):
     from tileattn.kernels.gluon import backward as hopper
 
     calls = record_calls(monkeypatch, hopper, "attn_bwd")
@@ -266,9 +281,8 @@ def test_dropout_through_the_public_call(headdim, monkeypatch):
 
 
 def test_calls_it_cannot_compute_are_not_eligible():
-    """Softcap, deterministic, a softmax scale of 0 or below, fp32, head dim 256 with dropout, heads that are
-    not one TMA row: not eligible (the portable backward runs); windows and dropout are, and head dim 256
-    without dropout (the split build)."""
+    """Softcap, deterministic, a softmax scale of 0 or below, fp32, heads that are not one TMA row: not
+    eligible (the portable backward runs); windows and dropout are, and head dim 256 (the split build)."""
     from tileattn.kernels.gluon import backward as hopper
 
     q, k, v, dout = gluon_case_inputs((1, 128, 128, 2, 2, 128, False, torch.bfloat16), 4)
@@ -286,10 +300,9 @@ def test_calls_it_cannot_compute_are_not_eligible():
     assert not hopper.eligible(q.float(), k.float(), v.float(), dout.float(), p)
     wide = torch.randn(1, 128, 2, 256, device="cuda", dtype=torch.bfloat16)
     assert hopper.eligible(wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5))
-    wide_dropout = AttnParams(1, 128, 128, 256, 256**-0.5, dropout_p=0.1, philox_seed=3)
-    assert not hopper.eligible(wide, wide, wide, wide, wide_dropout)
-    with pytest.raises(ValueError, match="dropout"):
-        hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, wide_dropout, block_n=64)
+    assert hopper.eligible(
+        wide, wide, wide, wide, AttnParams(1, 128, 128, 256, 256**-0.5, dropout_p=0.1, philox_seed=3)
+    )
     narrow = AttnParams(1, 128, 128, 256, 256**-0.5)
     with pytest.raises(ValueError, match="block_n"):
         hopper.attn_bwd(wide, wide, wide, wide, *(torch.zeros(1, 2, 128, device="cuda"),) * 2, narrow, block_n=128)

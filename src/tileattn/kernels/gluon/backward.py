@@ -21,7 +21,7 @@ partitions:
   not bitwise reproducible (``deterministic=True`` never comes here).
 
 At head dim 256 one warpgroup's dK and dV of 64 keys would fill all its registers: ``attn_bwd`` launches
-the split build there (``gluon.backward_split``; no dropout). The loader partition, the tile ranges and
+the split build there (``gluon.backward_split``). The loader partition, the tile ranges and
 the scores' mask are both builds' (``gluon.backward_common``).
 
 Only plain attention is here: (batch, seqlen, nheads, headdim) tensors whose rows TMA can read as one
@@ -65,7 +65,7 @@ from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 HEAD_DIMS = (64, 128, 256)
-SPLIT_HEAD_DIMS = backward_split.HEAD_DIMS  # the split build's: 64 keys a program, no dropout
+SPLIT_HEAD_DIMS = backward_split.HEAD_DIMS  # the split build's: 64 keys a program
 DQ_CHUNK = backward_split.DQ_CHUNK
 
 
@@ -286,7 +286,7 @@ def _bwd_kernel(
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, p: AttnParams) -> bool:
     """Whether the Gluon backward computes this call: ``plain_attention`` at head dim 64 or 128, dropout or
-    not, or 256 without dropout (the split build), not ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA
+    not, or 256 (the split build), not ``deterministic``, q, k, v and dO (4-D: varlen as one batch of packed rows) each one TMA
     matrix."""
     return eligible_rows(q4, k4, v4, do4, p) is not None
 
@@ -296,8 +296,6 @@ def eligible_rows(
 ) -> tuple[TmaRows, TmaRows, TmaRows, TmaRows] | None:
     """q, k, v and dO as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None."""
     if p.deterministic or not plain_attention(q4, p, HEAD_DIMS, dropout=True):
-        return None
-    if q4.shape[-1] in SPLIT_HEAD_DIMS and p.dropout_p > 0:
         return None
     if p.batch > 65535 or k4.shape[2] > 65535:  # (the grid's z and y)
         return None
@@ -347,8 +345,6 @@ def attn_bwd(
         raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
     if dq_first and not split:
         raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
-    if split and p.dropout_p > 0:
-        raise ValueError(f"dropout at head dim {headdim} runs the portable backward (eligible)")
     if lse_load not in LSE_LOADS:
         raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
     if not (lse.is_contiguous() and delta.is_contiguous()):

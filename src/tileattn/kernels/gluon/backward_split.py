@@ -5,7 +5,8 @@ of half the tile's queries, both write their Pᵀ and dSᵀ columns into shared 
 (``ds_ready``: both halves in; ``ds_free``: both warpgroups' products have read them), and each takes
 those tiles as shared-memory A operands for its columns of dV and dK, and of dQ in chunks of
 ``DQ_CHUNK`` columns, each added into the fp32 dQ buffer. The loader, the tile ranges and the mask are
-the other build's (``gluon.backward_common``); ``gluon.backward.attn_bwd`` launches it. No dropout.
+the other build's (``gluon.backward_common``); ``gluon.backward.attn_bwd`` launches it. Dropout draws
+its mask on each warpgroup's half tile (``gluon.dropout``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tileattn.kernels.gluon.backward_common import LOG2E_C, loader, masked_scores, query_tiles, tma_reduce_add
 from tileattn.kernels.gluon.common import sequence
+from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import row_start
 from tileattn.kernels.launch import Launcher
 
@@ -63,19 +65,24 @@ def _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm
 @gluon.jit
 def _consume_split(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr, WG: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     """The split build's consumer (head dim 256, where one warpgroup's dK and dV of 64 keys would take all
     its registers): both warpgroups own the program's 64 keys, and each keeps dK and dV of half the head
     dim. Per query tile, warpgroup WG computes Sᵀ and dPᵀ for its half of the queries (K·Qᵀ and V·dOᵀ
     over the whole head dim), writes its Pᵀ and dSᵀ columns into shared tiles of all 64 x BLOCK_M, and,
     once both halves are in, adds Pᵀ·dO and dSᵀ·Q into its columns of dV and dK and computes its columns
-    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer."""
+    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer. Dropout as the other build
+    draws it (``gluon.dropout``), on each warpgroup's [64 keys × BLOCK_M / 2] tile: the shared Pᵀ holds the
+    kept weights, rescaled."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
      kv_ready, q_ready, do_ready, free, ds_ready,
      DQacc, DK, DV, Lse, Delta, CuQ, CuK, stride_dqm, stride_dkn, stride_dkh, stride_dvn, stride_dvh,
-     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, p_smem, ds_free) = args  # fmt: skip
+     nheads, group, seqlen_q, seqlen_k, window, lse_stride, qk_scale, sm_scale, layouts, pds, dropout) = args  # fmt: skip
+    p_smem, ds_free = pds  # (the loader takes these two as its dropout arguments and ignores them)
+    rng_smem, rng = dropout
+    seed, row_groups, rng_rows, drop_threshold, inv_keep = rng
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
@@ -111,6 +118,7 @@ def _consume_split(
     for g in range(group):
         h = h_k * group + g
         lse_row = row_start(b, h, nheads, q0, lse_stride, VARLEN, LSE_TMA).to(gl.int64)
+        rng_row = (b * nheads + h).to(gl.int64) * rng_rows * row_groups  # (b, h)'s first dropout counter
         for m in range(m_lo, num_m):
             s = it % STAGES
             phase = (it // STAGES) & 1
@@ -123,6 +131,8 @@ def _consume_split(
                 delta_ld = gl.load(Delta + lse_row + half_start + offs, mask=in_seq, other=0.0)
             q = q_smem.index(s)
             do = do_smem.index(s)
+            if DROPOUT:  # (before the products, as the other build)
+                dropout_words(seed, rng_row, half_start, n_start, row_groups, rng_smem, WG)
             mbarrier.wait(q_ready.index(s), phase)
             # [KEYS, HALF_M] = k @ q[half]ᵀ, then [KEYS, HALF_M] = v @ dO[half]ᵀ
             st = warpgroup_mma(k_smem, q.slice(WG * HALF_M, HALF_M).permute((1, 0)), s_zero, use_acc=False,
@@ -141,11 +151,19 @@ def _consume_split(
                 lse_in = gl.convert_layout(lse_ld, q_cols)
                 delta_in = gl.convert_layout(delta_ld, q_cols)
             pt = gl.exp2(st * qk_scale - (lse_in * LOG2E_C)[None, :])  # [KEYS, HALF_M], 0 where hidden
+            if DROPOUT:  # dV sees the kept weights, rescaled; pt keeps the mask in its sign bit (pt >= +0)
+                pt = gl.where(dropout_kept(rng_smem, drop_threshold, s_layout, WG), pt, -pt)
+                p_kept = gl.where(kept(pt), pt, 0.0) * inv_keep
+            else:
+                p_kept = pt
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
+            if DROPOUT:  # dP through the mask (a dropped weight's gradient is 0)
+                dpt = gl.where(kept(pt), dpt * inv_keep, 0.0)
+                pt = gl.abs(pt)
             ds = pt * (dpt - delta_in[None, :])  # [KEYS, HALF_M] = dSᵀ
             # both halves into the shared Pᵀ and dSᵀ tiles, once both warpgroups' last products read them
             mbarrier.wait(ds_free, (it & 1) ^ 1)
-            p_smem.slice(WG * HALF_M, HALF_M, dim=1).store(pt.to(dtype))
+            p_smem.slice(WG * HALF_M, HALF_M, dim=1).store(p_kept.to(dtype))
             ds_smem.slice(WG * HALF_M, HALF_M, dim=1).store(ds.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ds_ready, count=1)
@@ -185,14 +203,16 @@ def _consume_split(
 
 @gluon.jit
 def _consume_split_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 0)
+                           LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+                           DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST, 0)
 
 
 @gluon.jit
 def _consume_split_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DQ_FIRST: gl.constexpr):  # fmt: skip
-    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST, 1)
+                          LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+                          DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume_split(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST, 1)
 
 
 @gluon.jit(do_not_specialize=["philox_seed", "row_groups", "rng_rows", "drop_threshold"])
@@ -207,15 +227,13 @@ def _bwd_split_kernel(
     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr,
 ):  # fmt: skip
     """``_bwd_kernel``'s split build (``_consume_split``): one program per 64 keys, both consumer
-    warpgroups on those keys, each with half the head dim of dK and dV. No dropout (``DROPOUT`` is
-    False; its arguments are the common signature's). ``DQ_FIRST``: each tile's first dQ chunk is issued
-    before dV and dK, its reduce-add running under them."""
+    warpgroups on those keys, each with half the head dim of dK and dV. ``DQ_FIRST``: each tile's first
+    dQ chunk is issued before dV and dK, its reduce-add running under them."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[0]
     DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    gl.static_assert(not DROPOUT, "the split build takes no dropout")
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [KEYS, HEAD_DIM], k_desc.layout)
@@ -233,6 +251,10 @@ def _bwd_split_kernel(
     else:
         lse_smem = ds_smem
         delta_smem = ds_smem
+    if DROPOUT:  # each warpgroup's dropout draws of its half tile
+        rng_smem = gl.allocate_shared_memory(gl.uint32, [2 * 16, BLOCK_M // 2], WORD_SMEM)
+    else:
+        rng_smem = ds_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -254,11 +276,11 @@ def _bwd_split_kernel(
             nheads, group, seqlen_q, seqlen_k, (window_left, window_right), lse_stride, qk_scale, sm_scale,
             ((q_batch_rows, q_head_rows, q_head_cols), (do_batch_rows, do_head_rows, do_head_cols),
              (k_batch_rows, k_head_rows, k_head_cols), (v_batch_rows, v_head_rows, v_head_cols)),
-            p_smem, ds_free)  # fmt: skip
+            (p_smem, ds_free), (rng_smem, (philox_seed, row_groups, rng_rows, drop_threshold, inv_keep)))  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
-            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DQ_FIRST)),
+            (_consume_split_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST)),
+            (_consume_split_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST)),
             (loader, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
