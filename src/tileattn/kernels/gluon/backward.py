@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon import backward_split
-from tileattn.kernels.gluon.backward_common import LOG2E_C, WG_KEYS, loader, masked_scores, query_tiles, tma_reduce_add
+from tileattn.kernels.gluon.backward_common import LOG2E_C, WG_KEYS, add_dq, loader, masked_scores, query_tiles
 from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, tile_layout, tma_rows
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import ROW_LAYOUT, dense_rows, packed_rows, row_start
@@ -177,18 +177,8 @@ def _consume(
             dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(dv, dk, p_op, ds_op))
             mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
             dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
-            dq_col = h * HEAD_DIM + WG * DQ_COLS
-            if DQ_TMA:
-                dq_buf = dq_smem.index(WG)
-                tma.store_wait(0)  # the last tile's reduce-add has read the staging buffer
-                dq_buf.store(dq)
-                fence_async_shared()
-                tma_reduce_add(dq_desc, [q0 + m_start, dq_col], dq_buf)
-            else:
-                rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                dq_cols = dq_col + gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-                dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
-                gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
+            add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, h * HEAD_DIM + WG * DQ_COLS,
+                   DQ_TMA, WG)  # fmt: skip
             it += 1
     if DQ_TMA:
         tma.store_wait(0)

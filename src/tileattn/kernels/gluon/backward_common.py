@@ -8,7 +8,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import _core as gl_core
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from tileattn.kernels.gluon.common import LOG2E, sequence, start
 from tileattn.kernels.gluon.rows import row_start
@@ -124,3 +124,25 @@ def masked_scores(s, keys, cols, m_start, key_start, seqlen_q, seqlen_k, window,
             hidden = hidden | (keys[:, None] < cols[None, :] + (shift - window_left))
         s = gl.where(hidden, float("-inf"), s)
     return s
+
+
+@gluon.jit
+def add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, col, DQ_TMA: gl.constexpr,
+           WG: gl.constexpr):  # fmt: skip
+    """Adds a finished dQ tile (``[BLOCK_M, cols]`` fp32, softmax_scale applied; the query tile at ``m_start``
+    of the sequence whose rows start at ``q0``) into the fp32 dQ buffer at column ``col`` of all heads': a
+    TMA reduce-add from warpgroup WG's staging tile (``DQ_TMA``), or atomic adds on the sequence's rows."""
+    BLOCK_M: gl.constexpr = dq.type.shape[0]
+    COLS: gl.constexpr = dq.type.shape[1]
+    if DQ_TMA:
+        dq_buf = dq_smem.index(WG)
+        tma.store_wait(0)  # the last reduce-add has read the staging buffer
+        dq_buf.store(dq)
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [q0 + m_start, col], dq_buf)
+    else:
+        dq_layout: gl.constexpr = dq.type.layout
+        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_cols = col + gl.arange(0, COLS, layout=gl.SliceLayout(0, dq_layout))
+        dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
+        gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")

@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tileattn.kernels.gluon.backward_common import LOG2E_C, loader, masked_scores, query_tiles, tma_reduce_add
+from tileattn.kernels.gluon.backward_common import LOG2E_C, add_dq, loader, masked_scores, query_tiles
 from tileattn.kernels.gluon.common import sequence
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import row_start
@@ -34,32 +34,10 @@ DQ_CHUNK = 64  # dQ columns per product and reduce-add
 @gluon.jit
 def _split_dq(ds_smem, k_smem, dq_zero, COL: gl.constexpr):
     """Issues the split build's dQ columns ``[COL, COL + DQ_CHUNK)`` of one query tile: ``[BLOCK_M, DQ_CHUNK]
-    = dS·K[:, cols]`` over the program's keys (asynchronous; ``_split_dq_add`` takes the result)."""
+    = dS·K[:, cols]`` over the program's keys (asynchronous; ``add_dq`` adds the result)."""
     DQ_CHUNK: gl.constexpr = dq_zero.type.shape[1]
     return warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(COL, DQ_CHUNK, dim=1), dq_zero, use_acc=False,
                          is_async=True)  # fmt: skip
-
-
-@gluon.jit
-def _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale, col,
-                  DQ_TMA: gl.constexpr, WG: gl.constexpr):  # fmt: skip
-    """Adds a finished ``_split_dq`` chunk, scaled, into the fp32 dQ buffer at column ``col`` (of all heads'):
-    a TMA reduce-add from warpgroup WG's staging tile, or atomic adds."""
-    BLOCK_M: gl.constexpr = dq.type.shape[0]
-    DQ_CHUNK: gl.constexpr = dq.type.shape[1]
-    dq = dq * sm_scale
-    if DQ_TMA:
-        dq_buf = dq_smem.index(WG)
-        tma.store_wait(0)  # the last reduce-add has read the staging buffer
-        dq_buf.store(dq)
-        fence_async_shared()
-        tma_reduce_add(dq_desc, [q0 + m_start, col], dq_buf)
-    else:
-        dq_layout: gl.constexpr = dq.type.layout
-        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dq_cols = col + gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
-        dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
-        gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
 
 
 @gluon.jit
@@ -175,15 +153,15 @@ def _consume_split(
             dv = warpgroup_mma(p_smem, do.slice(WG * D_HALF, D_HALF, dim=1), dv, is_async=True)
             dk = warpgroup_mma(ds_smem, q.slice(WG * D_HALF, D_HALF, dim=1), dk, is_async=True)
             if DQ_FIRST:
-                dq = warpgroup_mma_wait(2, deps=(dq,))
-                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
-                              h * HEAD_DIM + WG * D_HALF, DQ_TMA, WG)  # fmt: skip
+                dq = warpgroup_mma_wait(2, deps=(dq,)) * sm_scale
+                add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, h * HEAD_DIM + WG * D_HALF,
+                       DQ_TMA, WG)  # fmt: skip
             for c in gl.static_range(1 if DQ_FIRST else 0, D_HALF // DQ_CHUNK):
                 # [BLOCK_M, DQ_CHUNK] = ds @ k[:, chunk]
                 dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF + c * DQ_CHUNK)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
-                _split_dq_add(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, sm_scale,
-                              h * HEAD_DIM + WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
+                dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
+                add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm,
+                       h * HEAD_DIM + WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
             dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             mbarrier.arrive(ds_free, count=1)  # this warpgroup's products have read Pᵀ and dSᵀ
             mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
