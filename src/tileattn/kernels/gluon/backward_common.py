@@ -146,3 +146,27 @@ def add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, col, 
         dq_cols = col + gl.arange(0, COLS, layout=gl.SliceLayout(0, dq_layout))
         dq_ptrs = DQacc + (q0 + rows).to(gl.int64)[:, None] * stride_dqm
         gl.atomic_add(dq_ptrs + dq_cols[None, :], dq, mask=(rows < seqlen_q)[:, None], sem="relaxed")
+
+
+@gluon.jit
+def ring(lse_desc, delta_desc, placeholder, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, LSE_TMA: gl.constexpr):
+    """The ``loader``'s ring besides the Q and dO buffers: each stage's LSE and Δ tiles (``LSE_TMA``; else
+    ``placeholder``, unused) and the mbarriers, initialised: ``kv_ready`` (the block's K and V in),
+    ``q_ready``/``do_ready`` (a stage's Q and dO in, each with its LSE or Δ) and ``free`` (both consumer
+    warpgroups are done with a stage)."""
+    if LSE_TMA:
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+    else:
+        lse_smem = placeholder
+        delta_smem = placeholder
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
+    return lse_smem, delta_smem, kv_ready, q_ready, do_ready, free

@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tileattn.kernels.gluon.backward_common import LOG2E_C, add_dq, loader, masked_scores, query_tiles
+from tileattn.kernels.gluon.backward_common import LOG2E_C, add_dq, loader, masked_scores, query_tiles, ring
 from tileattn.kernels.gluon.common import sequence
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import row_start
@@ -223,29 +223,16 @@ def _bwd_split_kernel(
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_CHUNK], dq_desc.layout)
     else:
         dq_smem = ds_smem
-    if LSE_TMA:  # each stage's LSE and Δ tiles
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-    else:
-        lse_smem = ds_smem
-        delta_smem = ds_smem
     if DROPOUT:  # each warpgroup's dropout draws of its half tile
         rng_smem = gl.allocate_shared_memory(gl.uint32, [2 * 16, BLOCK_M // 2], WORD_SMEM)
     else:
         rng_smem = ds_smem
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    lse_smem, delta_smem, kv_ready, q_ready, do_ready, free = ring(lse_desc, delta_desc, ds_smem, STAGES, BLOCK_M,
+                                                                   LSE_TMA)  # fmt: skip
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_ready, count=2)  # both warpgroups' halves of Pᵀ and dSᵀ written
     mbarrier.init(ds_free, count=2)  # both warpgroups' products have read them
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=2)  # one arrival per consumer warpgroup
 
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
             q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
