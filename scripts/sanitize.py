@@ -225,6 +225,8 @@ def gluon_calls() -> None:
             delta = portable._delta(out, do, lse, p, settings)
             for dq_tma in (True, False):
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
+            if d in hopper_bwd.SPLIT_HEAD_DIMS:  # the split build's dQ chunks of 32 on a ring of 2, first chunk early
+                hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, stages=2, dq_chunk=32, dq_first=True)
             # dropout: the draws' shared-memory exchange (query tiles of 64 rows, and of 128 at head dim 64)
             p.dropout_p, p.philox_seed = 0.125, 0x5EED
             for block_m in (64, 128) if d == 64 else (64,):

@@ -363,7 +363,7 @@ if gluon.available():
     rows += [compile_report.compile_gluon_bwd(d, causal, dropout=True) for d in (64, 128) for causal in (False, True)]
     rows += [compile_report.compile_gluon_bwd(256, causal, varlen) for causal in (False, True) for varlen in (False, True)]
     rows += [compile_report.compile_gluon_bwd(256, False, dq_tma=False, stages=2)]
-    rows += [compile_report.compile_gluon_bwd(256, True, dq_first=True)]
+    rows += [compile_report.compile_gluon_bwd(256, True, dq_first=False), compile_report.compile_gluon_bwd(256, True, stages=1, dq_chunk=64)]
     rows += [compile_report.compile_gluon_bwd(256, causal, dropout=True) for causal in (False, True)]
 """
 

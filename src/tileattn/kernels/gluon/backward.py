@@ -66,7 +66,7 @@ from tileattn.params import AttnParams, KernelConfig, cdiv
 
 HEAD_DIMS = (64, 128, 256)
 SPLIT_HEAD_DIMS = backward_split.HEAD_DIMS  # the split build's: 64 keys a program
-DQ_CHUNK = backward_split.DQ_CHUNK
+DQ_CHUNKS = backward_split.DQ_CHUNKS
 
 
 @gluon.jit
@@ -282,13 +282,17 @@ def eligible_rows(
 
 def config_options(cfg: KernelConfig) -> dict:
     """``attn_bwd``'s build options for a ``Settings.bwd_gluon`` (or ``bwd_gluon_dropout``) entry."""
-    return dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1)
+    return dict(
+        block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, dq_tma=cfg.dq_atomic != 1,
+        dq_first=cfg.dq_first, dq_chunk=cfg.dq_chunk,
+    )  # fmt: skip
 
 
 def attn_bwd(
     do4: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, p: AttnParams, *, block_m: int = 64, block_n: int | None = None, stages: int = 2,
-    dq_tma: bool = True, lse_load: str = "tma", dq_first: bool = False, rows: tuple | None = None,
+    dq_tma: bool = True, lse_load: str = "tma", dq_first: bool = False, dq_chunk: int = 64,
+    rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of an ``eligible`` call, contiguous, shaped as q4, k4, v4, in the inputs' dtype.
 
@@ -309,7 +313,8 @@ def attn_bwd(
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
     as ``"tma"``). dq_first: the split build issues each tile's first dQ chunk before dV and dK (its
-    reduce-add under them). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
+    reduce-add under them); dq_chunk: the split build's dQ columns per product and add, one of
+    ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
     batch, seqlen_q, nheads, headdim = q4.shape
     split = headdim in SPLIT_HEAD_DIMS
     if block_n is None:
@@ -322,6 +327,8 @@ def attn_bwd(
         raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
     if dq_first and not split:
         raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
+    if split and dq_chunk not in DQ_CHUNKS:
+        raise ValueError(f"dq_chunk must be one of {DQ_CHUNKS} (the split build), got {dq_chunk}")
     if lse_load not in LSE_LOADS:
         raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
     if not (lse.is_contiguous() and delta.is_contiguous()):
@@ -331,16 +338,17 @@ def attn_bwd(
         names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
         raise ValueError(f"lse and delta must be {names} = {lse_shape}")
     dropout, lse_tma = p.dropout_p > 0, lse_load != "load"
-    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout) > SHARED_LIMIT:
+    dq_cols = dq_chunk if split else headdim // 2  # (the columns of one dQ product and add)
+    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
         stages -= 1  # (dropout's draws take the room of a stage at head dim 128)
-    if shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout) > SHARED_LIMIT:
+    if shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
         raise ValueError(f"block_m={block_m} at head dim {headdim} needs more shared memory than an SM has")
     dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
     dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
     dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
-    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load, dq_first)
+    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load, dq_first, dq_cols)
     return dq_acc.to(q4.dtype), dk, dv
 
 
@@ -348,22 +356,24 @@ LSE_LOADS = ("tma", "load", "tma-unaligned")
 SHARED_LIMIT = 232448 - 1024  # the H200's shared memory per block, less room for the mbarriers and alignment
 
 
-def shared_bytes(block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma: bool, dropout: bool) -> int:
+def shared_bytes(
+    block_m: int, headdim: int, stages: int, dq_tma: bool, lse_tma: bool, dropout: bool, dq_cols: int
+) -> int:
     """The shared memory of a build, in bytes (without its mbarriers): the (Q, dO) ring, the block's K and
-    V, two dSᵀ buffers (the split build: Pᵀ and dSᵀ), the dQ staging tiles, the ring's LSE and Δ tiles and
-    the dropout draws."""
+    V, two dSᵀ buffers (the split build: Pᵀ and dSᵀ), the dQ staging tiles (one per warpgroup, dq_cols
+    wide), the ring's LSE and Δ tiles and the dropout draws."""
     split = headdim in SPLIT_HEAD_DIMS
     keys = WG_KEYS if split else 2 * WG_KEYS
     total = 2 * stages * block_m * headdim * 2 + 2 * keys * headdim * 2 + 2 * keys * block_m * 2
-    total += 2 * block_m * (DQ_CHUNK if split else headdim // 2) * 4 if dq_tma else 0
+    total += 2 * block_m * dq_cols * 4 if dq_tma else 0
     total += 2 * stages * block_m * 4 if lse_tma else 0
     return total + (keys * block_m if dropout else 0)
 
 
 def _launch(
     rows: tuple, lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor,
-    dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str = "tma",
-    dq_first: bool = False,
+    dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str, dq_first: bool,
+    dq_cols: int,
 ) -> None:  # fmt: skip
     """The kernel alone on q, k, v and dO as ``rows`` (``TmaRows``): adds dQ (softmax_scale applied) into
     the fp32 ``dq_acc`` (contiguous, shaped as q4, zeroed by the caller) and writes dk, dv (contiguous,
@@ -378,7 +388,6 @@ def _launch(
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2.matrix, [WG_KEYS, headdim], kv_layout)
     split = headdim in SPLIT_HEAD_DIMS
-    dq_cols = DQ_CHUNK if split else headdim // 2  # (the columns of one dQ reduce-add)
     dq_rows = dq_acc.view(-1, nheads * headdim)  # (contiguous: flash_attn's layout, as the dQ adds address it)
     dq_desc = TensorDescriptor.from_tensor(dq_rows, [block_m, dq_cols], _dq_layout(block_m, dq_cols))
     # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)

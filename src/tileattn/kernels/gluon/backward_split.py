@@ -28,7 +28,7 @@ from tileattn.kernels.gluon.rows import row_start
 from tileattn.kernels.launch import Launcher
 
 HEAD_DIMS = (256,)
-DQ_CHUNK = 64  # dQ columns per product and reduce-add
+DQ_CHUNKS = (32, 64)  # dQ columns per product and reduce-add (``attn_bwd``'s dq_chunk)
 
 
 @gluon.jit
@@ -50,7 +50,9 @@ def _consume_split(
     dim. Per query tile, warpgroup WG computes Sᵀ and dPᵀ for its half of the queries (K·Qᵀ and V·dOᵀ
     over the whole head dim), writes its Pᵀ and dSᵀ columns into shared tiles of all 64 x BLOCK_M, and,
     once both halves are in, adds Pᵀ·dO and dSᵀ·Q into its columns of dV and dK and computes its columns
-    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer. Dropout as the other build
+    of dQ = dS·K in chunks of DQ_CHUNK, each added into the fp32 dQ buffer; the stage's Q and dO go back
+    to the loader as soon as dV and dK have read them, so that the next tile's arrive under this one's
+    remaining dQ chunks (docs/perf.md, "Gluon backward"). Dropout as the other build
     draws it (``gluon.dropout``), on each warpgroup's [64 keys × BLOCK_M / 2] tile: the shared Pᵀ holds the
     kept weights, rescaled."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
@@ -67,6 +69,7 @@ def _consume_split(
     HALF_M: gl.constexpr = BLOCK_M // 2  # the queries of this warpgroup's Sᵀ and dPᵀ
     D_HALF: gl.constexpr = HEAD_DIM // 2  # this warpgroup's columns of dK, dV and dQ
     DQ_CHUNK: gl.constexpr = dq_desc.block_type.shape[1]
+    gl.static_assert(D_HALF // DQ_CHUNK > (1 if DQ_FIRST else 0), "a dQ chunk after dV and dK")
     STAGES: gl.constexpr = q_smem.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -159,12 +162,13 @@ def _consume_split(
             for c in gl.static_range(1 if DQ_FIRST else 0, D_HALF // DQ_CHUNK):
                 # [BLOCK_M, DQ_CHUNK] = ds @ k[:, chunk]
                 dq = _split_dq(ds_smem, k_smem, dq_zero, WG * D_HALF + c * DQ_CHUNK)
+                if c == (1 if DQ_FIRST else 0):  # dV and dK done (the chunk just issued runs on): the stage's
+                    dv, dk = warpgroup_mma_wait(1, deps=(dv, dk))  # Q and dO read for the last time, the
+                    mbarrier.arrive(free.index(s), count=1)  # loader refills it under this tile's dQ
                 dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
                 add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm,
                        h * HEAD_DIM + WG * D_HALF + c * DQ_CHUNK, DQ_TMA, WG)  # fmt: skip
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
             mbarrier.arrive(ds_free, count=1)  # this warpgroup's products have read Pᵀ and dSᵀ
-            mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
             it += 1
     if DQ_TMA:
         tma.store_wait(0)
