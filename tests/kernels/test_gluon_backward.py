@@ -7,8 +7,6 @@ dispatch to it when the settings ask. Gluon kernels do not run in Triton's inter
 whose Gluon the kernels were not written for, these tests skip (the builds themselves are checked without
 a GPU in test_sm90_builds.py)."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ import tileattn
 from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon, record_calls
 from tileattn import rng
 from tileattn.kernels import configs
-from tileattn.params import AttnParams, KernelConfig
+from tileattn.params import AttnParams
 from tileattn.testing import check_close
 
 pytestmark = needs_gluon("the Gluon backward")
@@ -44,6 +42,8 @@ SPLIT_BUILDS = [
     dict(block_n=64, stages=1, lse_load="load"),
     dict(block_n=64, stages=2, dq_tma=False, dq_first=True),  # dQ's first chunk before dV and dK
     dict(block_n=64, stages=1, dq_first=True),
+    dict(block_n=64, stages=2, dq_chunk=32, dq_first=True),  # dQ in chunks of 32 columns: room for 2 stages
+    dict(block_n=64, stages=1, dq_chunk=32),
 ]
 SPLIT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1, 1, 2, 2, 256, False, torch.bfloat16),
@@ -59,13 +59,6 @@ def _builds(headdim: int) -> list[dict]:
     if headdim == 256:
         return SPLIT_BUILDS
     return [dict(stages=2), dict(stages=2, dq_tma=False)] + WIDE_BUILDS.get(headdim, [])
-
-
-def _settings(headdim: int):
-    """HOPPER with a Gluon backward entry at this head dim (keys per program: 64 at 256, else 128)."""
-    return dataclasses.replace(
-        configs.HOPPER, bwd_gluon={headdim: KernelConfig(64, 64 if headdim == 256 else 128, 4, 2)}
-    )
 
 
 def _references(q, k, v, dout, causal, window=(-1, -1), **dropout):
@@ -119,7 +112,7 @@ def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with configs.override(_settings(headdim)):
+    with configs.override(configs.HOPPER):
         out = tileattn.flash_attn_func(q, k, v, causal=True)
         out.backward(dout)
     assert len(calls) == 1
@@ -210,11 +203,8 @@ def test_dropout_with_windows(case):
 def test_dropout_through_the_public_call(headdim, monkeypatch):
     """flash_attn_func with dropout: the portable forward draws the mask, the Gluon backward the same one
     (the gradients against the oracle given the mask S_dmask returns); a packed batch as well. (Head dim
-    256: the split build, through a settings entry.)"""
-    settings = configs.HOPPER
-    if headdim not in settings.bwd_gluon_dropout:
-        settings = dataclasses.replace(settings, bwd_gluon_dropout={headdim: KernelConfig(64, 64, 4, 2)})
-    with configs.override(settings):
+    256: the split build.)"""
+    with configs.override(configs.HOPPER):
         _dropout_through_the_public_call(headdim, monkeypatch)
 
 
@@ -333,7 +323,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
             check_close(f"{name} {build}", t[0], r, lo, floor_scale=scale)
     calls = record_calls(monkeypatch, hopper, "attn_bwd")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with configs.override(_settings(headdim)):
+    with configs.override(configs.HOPPER):
         out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
         out.backward(dout)
     assert len(calls) == 1
@@ -361,8 +351,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
     calls = record_calls(monkeypatch, hopper, "attn_bwd")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    settings = configs.HOPPER if headdim in configs.HOPPER.bwd_gluon else _settings(headdim)  # (the table's build)
-    with configs.override(settings):
+    with configs.override(configs.HOPPER):  # (the table's build)
         tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
     assert len(calls) == 1
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):

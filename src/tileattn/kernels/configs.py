@@ -61,11 +61,23 @@ HOPPER = Settings(
     # it ran 1.37x (4k) and 1.50x (8k causal) the portable backward, level with cuDNN, the ring 3 deep
     # (+5 % at 4k, -3 % at 8k causal against 2); at 64 on query tiles of 128 rows, a ring of 2 (the most
     # that fits): 1.13-1.35x the portable backward, level with cuDNN (tiles of 64 ran 0.97-1.28x)
-    # (docs/perf.md, "Gluon backward")
-    bwd_gluon={64: KernelConfig(128, 128, 4, 2), 128: KernelConfig(64, 128, 4, 3)},
+    # (docs/perf.md, "Gluon backward"). Head dim 256, the split build (64 keys a program, both warpgroups on
+    # them), each tile's first dQ chunk issued before dV and dK: dQ in chunks of 32 columns through a ring of
+    # 2 (1.17-1.47x the portable backward, 0.78-0.88x cuDNN; chunks of 64 leave room for one stage: 2-5 %
+    # slower); with dropout a ring of 1 and chunks of 64 (the draws take the second stage's room; chunks of
+    # 32 on one stage ran 10-12 % slower): 2.0-2.4x the portable backward, 0.77-1.05x cuDNN
+    bwd_gluon={
+        64: KernelConfig(128, 128, 4, 2),
+        128: KernelConfig(64, 128, 4, 3),
+        256: KernelConfig(64, 64, 4, 2, dq_first=True, dq_chunk=32),
+    },
     # with dropout: query tiles of 64 rows at head dim 64 (128 spill: the draws and the 128-query Sᵀ and dPᵀ
     # do not fit 240 registers), a ring of 2 at 128 (the draws take the third stage's shared memory)
-    bwd_gluon_dropout={64: KernelConfig(64, 128, 4, 3), 128: KernelConfig(64, 128, 4, 2)},
+    bwd_gluon_dropout={
+        64: KernelConfig(64, 128, 4, 3),
+        128: KernelConfig(64, 128, 4, 2),
+        256: KernelConfig(64, 64, 4, 1, dq_first=True),
+    },
     bwd_dkdv={
         16: KernelConfig(64, 64, 4, 3),
         32: KernelConfig(64, 64, 4, 3),
