@@ -2,7 +2,8 @@
 it, and SDPA's FLASH_ATTENTION backend (FlashAttention-2) with the same dropout, on the same inputs.
 
 The default cases are the papers' setting (16k tokens, hidden 2048): causal at head dims 64 and 128 and
-2k / 8k tokens per sequence, and non-causal head dim 64 at 512 (BERT's shape) and 2k. Ratios are each
+2k / 8k tokens per sequence, non-causal head dim 64 at 512 (BERT's shape) and 2k, and head dim 256 at 2k
+causal and 4k. Ratios are each
 time over tileattn's with dropout. Dropout outputs cannot meet the reference, so the call without
 dropout passes the tolerance rule and the dropout call must differ from it and stay finite.
 """
@@ -24,6 +25,8 @@ DROPOUT_CASES = [
     (128, 8192, True),
     (64, 512, False),
     (64, 2048, False),
+    (256, 2048, True),
+    (256, 4096, False),
 ]
 
 
