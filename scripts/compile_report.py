@@ -273,7 +273,7 @@ def _warp_specialization(ptx: str) -> dict:
 
 def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
-    with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_n, stages; the settings
+    with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_m, block_n, stages; the settings
     table's entry by default): its resources, and from the PTX the register budgets of its partitions
     (setmaxnreg) and its wgmma waits."""
     from tileattn.kernels import configs
@@ -288,7 +288,7 @@ def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tupl
         cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
     cfg = configs.HOPPER.fwd_gluon.get(headdim)
     if cfg is not None:
-        options = dict(dict(block_n=cfg.block_n, stages=cfg.num_stages), **options)
+        options = dict(dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages), **options)
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,

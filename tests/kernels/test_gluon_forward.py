@@ -28,9 +28,19 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 777, 777, 2, 1, 256, True, torch.bfloat16),
     (1, 63, 1025, 4, 4, 256, False, torch.float16),
 ]
-BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items
-    64: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, programs=7)],
-    128: [dict(block_n=128, stages=2), dict(block_n=128, stages=3, programs=5)],
+BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items; block_m=192:
+    # three consumer warpgroups (FlashAttention-3's head-dim-64 forward)
+    64: [
+        dict(block_n=128, stages=2),
+        dict(block_n=128, stages=3, programs=7),
+        dict(block_m=192, block_n=64, stages=4),
+        dict(block_m=192, block_n=128, stages=3, programs=7),
+    ],
+    128: [
+        dict(block_n=128, stages=2),
+        dict(block_n=128, stages=3, programs=5),
+        dict(block_m=192, block_n=64, stages=3),
+    ],
     256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3)],
 }
 
@@ -49,6 +59,16 @@ def test_builds_match_the_oracle(case):
         out, lse = hopper.attn_fwd(q, k, v, p, **build)
         check_close(f"out {build}", out, ref.out, low.out)
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
+
+
+def test_block_m_is_checked():
+    """A work item is two or three consumer warpgroups of 64 rows: other block_m values are refused."""
+    from tileattn.kernels.gluon import forward as hopper
+
+    case = (1, 64, 64, 2, 2, 64, False, torch.bfloat16)
+    q, k, v = gluon_case_inputs(case, 3)
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=256)
 
 
 @pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))

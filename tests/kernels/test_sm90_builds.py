@@ -322,16 +322,22 @@ if gluon.available():
         for varlen in (False, True)
     ]
     rows.append(compile_report.compile_gluon(128, False, window=(256, 0)))
+    # three consumer warpgroups of 64 rows (192-row items) at head dim 64
+    three = dict(block_m=192, block_n=64, stages=4)
+    rows += [compile_report.compile_gluon(64, causal, **three) for causal in (False, True)]
+    rows += [compile_report.compile_gluon(64, True, True, **three), compile_report.compile_gluon(64, False, window=(256, 0), **three)]
 """
 
 
-def _assert_warp_specialized(row: dict, max_stack: int = 128, dq_first: bool = False) -> None:
-    """A Gluon build as the kernels are designed: one block of twelve warps per SM, a few scalars spilled
-    at most, two consumer warpgroups at 240 registers and a loader at 24, waits for one wgmma group of two
-    (``dq_first``: the split backward's, also for dQ's first chunk of three)."""
-    assert row["stack"] <= max_stack and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
+def _assert_warp_specialized(row: dict, max_stack: int = 128, dq_first: bool = False, consumers: int = 2) -> None:
+    """A Gluon build as the kernels are designed: one block per SM of twelve warps (sixteen with three
+    consumer warpgroups), a few scalars spilled at most, two consumer warpgroups at 240 registers (three at
+    160) and a loader at 24, waits for one wgmma group of two (``dq_first``: the split backward's, also for
+    dQ's first chunk of three)."""
+    warps, regs = (12, 240) if consumers == 2 else (16, 160)
+    assert row["stack"] <= max_stack and row["blocks_per_sm"] == 1 and row["warps"] == warps, row
     waits = [0, 1, 2] if dq_first else [0, 1]
-    assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == waits, row
+    assert {24, regs} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == waits, row
 
 
 def test_gluon_forward_builds_as_designed():
@@ -347,7 +353,9 @@ def test_gluon_forward_builds_as_designed():
         assert rows == []
         return
     for row in rows:
-        _assert_warp_specialized(row)
+        _assert_warp_specialized(row, consumers=row["options"].get("block_m", 128) // 64)
+    three = [row for row in rows if row["options"].get("block_m") == 192]
+    assert len(three) == 4 and all(row["stack"] == 0 for row in three), three
 
 
 GLUON_BWD_CASES = """

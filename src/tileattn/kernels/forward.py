@@ -257,8 +257,9 @@ def attn_fwd(
                 cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[q.shape[-1]]
                 programs = None if short else hopper.ONE_PER_TILE
                 out, lse = hopper.attn_fwd(
-                    q4, k4, v4, p, block_n=cfg.block_n, stages=cfg.num_stages, programs=programs, rows=rows
-                )
+                    q4, k4, v4, p, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+                    programs=programs, rows=rows,
+                )  # fmt: skip
                 return (out[0] if p.is_varlen else out), lse
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
     o4 = p.as_4d(out)

@@ -1,17 +1,19 @@
 """The Hopper forward in Gluon: FlashAttention-3's warp-specialized design.
 
-A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each
+A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each (192
+with three consumers)
 (causal: those with the most keys first), each over the key tiles its rows see (a sliding window's
 start at the first row's first key). A program has three partitions:
 - a loader warp streams each item's Q by TMA, and its K/V tiles through a ``STAGES``-deep ring of
   shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free``
-  that both consumers are done with it; ``q_ready``/``q_free`` the same for Q, so the next item's Q
+  that every consumer is done with it; ``q_ready``/``q_free`` the same for Q, so the next item's Q
   loads while the consumers finish the last one's P·V and write its output);
-- two consumer warpgroups own 64 query rows each (the default partition and one worker). Each runs the
+- two consumer warpgroups own 64 query rows each (the default partition and one worker; ``block_m=192``:
+  three, at 160 registers instead of 240, FlashAttention-3's head-dim-64 build). Each runs the
   online softmax over the same K/V tiles with asynchronous wgmma: Q·Kᵀ from shared memory, P·V with P
   in registers (the accumulator layout of S is the A-operand layout of P·V, so P never leaves
   registers). A warpgroup issues Q·Kᵀ of tile j together with P·V of tile j - 1 and runs the softmax of
-  tile j while P·V is still on the tensor cores (FlashAttention-3's intra-warpgroup pipelining); the two
+  tile j while P·V is still on the tensor cores (FlashAttention-3's intra-warpgroup pipelining); the
   warpgroups' softmaxes fall under each other's matmuls by the warp scheduler (an explicit ping-pong
   through mbarriers measured slower: docs/perf.md).
 
@@ -41,12 +43,13 @@ from tileattn.params import AttnParams, cdiv
 LN2 = gl.constexpr(0.6931471805599453)
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
+BLOCK_MS = (128, 192)  # a work item's query rows: two or three consumer warpgroups
 HEAD_DIMS = (64, 128, 256)
 ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
 @gluon.jit
-def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS: gl.constexpr,
+def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM: gl.constexpr,
           BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
     """Work item t of the persistent loop: ``(query block start, head, batch entry, first query row,
     seqlen_q, first key row, seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows
@@ -62,11 +65,11 @@ def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_r
         hb = t // num_m
     b = hb // nheads
     q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
-    q_base = m_block * 2 * ROWS
+    q_base = m_block * ITEM
     shift = seqlen_k - seqlen_q  # (bottom-right alignment: row i's diagonal is key i + shift)
     n_end = seqlen_k
     if MASK_RIGHT:  # past the last row's last key
-        n_end = gl.minimum(n_end, gl.maximum(q_base + 2 * ROWS + shift + window_right, 0))
+        n_end = gl.minimum(n_end, gl.maximum(q_base + ITEM + shift + window_right, 0))
     lo = 0
     if MASK_LEFT:  # the first row's first key
         lo = gl.maximum(q_base + shift - window_left, 0) // BLOCK_N
@@ -91,20 +94,22 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    num_m = gl.cdiv(max_q, 2 * ROWS)
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0]
+    ITEM: gl.constexpr = CONSUMERS * ROWS  # a work item's query rows
+    num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles loaded so far: the ring's stage and phase
     done = 0  # work items so far: Q's phase
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = _tile(
-            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS, BLOCK_N,
+            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if _live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
             q_row, q_col = start(b, q0, h, q_lay, VARLEN)
-            tma.async_copy_global_to_shared(q_desc, [q_row + q_base, q_col], q_ready, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [q_row + q_base + ROWS, q_col], q_ready, q_smem.index(1))
+            for wg in gl.static_range(CONSUMERS):  # each consumer warpgroup's ROWS rows
+                tma.async_copy_global_to_shared(q_desc, [q_row + q_base + wg * ROWS, q_col], q_ready, q_smem.index(wg))
             k_row, k_col = start(b, k0, h // group, k_lay, VARLEN)
             v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
@@ -172,6 +177,7 @@ def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    ITEM: gl.constexpr = q_smem.type.shape[0] * ROWS  # a work item's query rows
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -184,12 +190,12 @@ def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(WG)
-    num_m = gl.cdiv(max_q, 2 * ROWS)
+    num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _tile(
-            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ROWS, BLOCK_N,
+            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if _live(q_base, seqlen_q, VARLEN):
@@ -258,8 +264,8 @@ def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VA
 
 
 @gluon.jit
-def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)
+def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, WG)
 
 
 @gluon.jit
@@ -270,11 +276,12 @@ def _fwd_kernel(
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -284,27 +291,39 @@ def _fwd_kernel(
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_free, count=2)  # one arrival per consumer warpgroup, as the stages' free barriers
+    mbarrier.init(q_free, count=CONSUMERS)  # one arrival per consumer warpgroup, as the stages' free barriers
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_free.index(i), count=2)
-        mbarrier.init(v_free.index(i), count=2)
+        mbarrier.init(k_free.index(i), count=CONSUMERS)
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
             nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
             (v_batch_rows, v_head_rows, v_head_cols))  # fmt: skip
-    gl.warp_specialize(
-        [
-            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
-            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
-            (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
+    if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
+        gl.warp_specialize(
+            [
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 2)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+            ],
+            [4, 4, 1],
+            [160, 160, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
 
 
 @functools.cache
@@ -329,15 +348,19 @@ def eligible_rows(
 
 
 def attn_fwd(
-    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_n: int = 128, stages: int = 2,
-    programs: int | None = None, rows: tuple | None = None,
+    q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
+    stages: int = 2, programs: int | None = None, rows: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
     covering ``p.seqlen_q`` rows of each) ``(nheads, total_q)``. ``programs``: the grid (default: one
     program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per work item, each starting
-    where a non-persistent launch would put it). ``rows``: what ``eligible_rows`` returned for these
-    tensors (made here if None)."""
+    where a non-persistent launch would put it). ``block_m``: a work item's query rows, ``WG_ROWS`` per
+    consumer warpgroup: 128 (two warpgroups at 240 registers) or 192 (three at 160, FlashAttention-3's
+    head-dim-64 build). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None)."""
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS} (consumer warpgroups of {WG_ROWS} rows), got {block_m}")
+    consumers = block_m // WG_ROWS
     headdim = q4.shape[3]
     nheads, nheads_k = q4.shape[2], k4.shape[2]
     out = torch.empty_like(q4, memory_format=torch.contiguous_format)
@@ -348,7 +371,7 @@ def attn_fwd(
     q_desc = TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout)
-    items = cdiv(p.seqlen_q, 2 * WG_ROWS) * nheads * p.batch
+    items = cdiv(p.seqlen_q, block_m) * nheads * p.batch
     grid = (min(items, programs or _sm_count(q4.device)),)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse, lse)
     LAUNCHER(
@@ -357,8 +380,9 @@ def attn_fwd(
          *p.strides(out), *p.lse_strides(lse), lse.stride(-1),
          nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
          p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:]),
-        dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen),
-        num_warps=4, maxnreg=168,
+        dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
+             CONSUMERS=consumers),
+        num_warps=4, maxnreg=168 if consumers == 2 else 128,  # (the register file over 12 or 16 warps)
     )  # fmt: skip
     return out, lse
 
