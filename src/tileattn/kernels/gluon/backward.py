@@ -314,7 +314,8 @@ def attn_bwd(
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
     as ``"tma"``). dq_first: the split build issues each tile's first dQ chunk before dV and dK (its
     reduce-add under them); dq_chunk: the split build's dQ columns per product and add, one of
-    ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
+    ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what
+    ``eligible_rows`` returned for these tensors (made here if None)."""
     batch, seqlen_q, nheads, headdim = q4.shape
     split = headdim in SPLIT_HEAD_DIMS
     if block_n is None:

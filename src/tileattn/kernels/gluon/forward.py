@@ -1,9 +1,8 @@
 """The Hopper forward in Gluon: FlashAttention-3's warp-specialized design.
 
 A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each (192
-with three consumers)
-(causal: those with the most keys first), each over the key tiles its rows see (a sliding window's
-start at the first row's first key). A program has three partitions:
+rows with three consumers; causal: those with the most keys first), each over the key tiles its rows see
+(a sliding window's start at the first row's first key). A program has three partitions:
 - a loader warp streams each item's Q by TMA, and its K/V tiles through a ``STAGES``-deep ring of
   shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free``
   that every consumer is done with it; ``q_ready``/``q_free`` the same for Q, so the next item's Q
@@ -105,7 +104,7 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if _live(q_base, seqlen_q, VARLEN):
-            mbarrier.wait(q_free, (done & 1) ^ 1)  # both consumers issued their last Q·Kᵀ of the last item
+            mbarrier.wait(q_free, (done & 1) ^ 1)  # every consumer issued its last Q·Kᵀ of the last item
             mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
             q_row, q_col = start(b, q0, h, q_lay, VARLEN)
             for wg in gl.static_range(CONSUMERS):  # each consumer warpgroup's ROWS rows
@@ -116,7 +115,7 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
                 s = it % STAGES
                 phase = (it // STAGES) & 1
                 key = (lo + j) * BLOCK_N
-                mbarrier.wait(k_free.index(s), phase ^ 1)  # both consumers are done with the stage's last K
+                mbarrier.wait(k_free.index(s), phase ^ 1)  # every consumer is done with the stage's last K
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], k_ready.index(s), k_smem.index(s))
                 mbarrier.wait(v_free.index(s), phase ^ 1)
