@@ -33,9 +33,9 @@ def backend(request):
 
 @pytest.fixture
 def big_gpu_memory(tmp_path_factory):
-    """For tests that hold tens of GiB on the GPU (tensors past 2**31 elements): one at a time across
-    pytest-xdist's workers, which share the GPU (several at once can run it out of memory), and their memory
-    handed back to the device afterwards. Without a GPU, nothing."""
+    """For tests that hold tens of GiB on the GPU (tensors past 2**31 elements, fp64 references at scale):
+    one at a time across pytest-xdist's workers, which share the GPU (several at once can run it out of
+    memory), and their memory handed back to the device afterwards. Without a GPU, nothing."""
     if not HAS_CUDA:
         yield
         return

@@ -181,9 +181,10 @@ class Settings:
     # copy (key-major rows, as FP8 tensor-core B operands want) rather than V itself
     fwd_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     fp8_v_transposed: bool = False
-    # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is its two warpgroups' rows), by head
-    # dim: one program per query tile, or (``fwd_gluon_short``) a persistent grid where a query block sees
-    # fewer than ``gluon_short_seqlen_k`` keys (short sequences, windows bounded on both sides); calls it cannot compute, and head dims in neither, run the portable
+    # the Gluon forward on sm90 (``kernels.gluon.forward``; block_m is a work item's rows, two or three
+    # consumer warpgroups of 64), by head dim: one program per query tile, or (``fwd_gluon_short``) a
+    # persistent grid where a query block sees fewer than ``gluon_short_seqlen_k`` keys (short sequences,
+    # windows bounded on both sides); calls it cannot compute, and head dims in neither, run the portable
     # forward
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_gluon_short: Mapping[int, KernelConfig] = field(default_factory=dict)

@@ -250,9 +250,9 @@ def attn_fwd(
 
             rows = hopper.eligible_rows(q4, k4, v4, p)
             if rows is not None:
-                keys = p.seqlen_k  # the keys a query block (two warpgroups' rows) sees at most
+                keys = p.seqlen_k  # the keys a query block (a long-loop work item's rows) sees at most
                 if p.window_left >= 0 and p.window_right >= 0:
-                    keys = min(keys, p.window_left + p.window_right + 2 * hopper.WG_ROWS)
+                    keys = min(keys, p.window_left + p.window_right + s.fwd_gluon[q.shape[-1]].block_m)
                 short = keys < s.gluon_short_seqlen_k and q.shape[-1] in s.fwd_gluon_short
                 cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[q.shape[-1]]
                 programs = None if short else hopper.ONE_PER_TILE
