@@ -271,11 +271,13 @@ def test_host_on_the_cpu_path():
     )
     assert [(r["case"], r["backend"]) for r in rows] == [
         ("training", "tileattn fwd"),
-        ("training", "tileattn fwd+bwd"),
-        ("training", "tileattn fwd+bwd p=0.1"),
         ("training", "sdpa fwd"),
+        ("training", "tileattn varlen fwd"),
+        ("training", "tileattn fwd p=0.1"),
+        ("training", "tileattn fwd+bwd"),
         ("training", "sdpa fwd+bwd"),
-        ("training", "sdpa fwd+bwd p=0.1"),
+        ("training", "tileattn varlen fwd+bwd"),
+        ("training", "tileattn fwd+bwd p=0.1"),
         ("decode", "tileattn"),
         ("decode", "tileattn, new cache_seqlens"),
         ("decode", "tileattn paged16"),
@@ -283,6 +285,10 @@ def test_host_on_the_cpu_path():
         ("decode", "sdpa"),
     ]
     assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)
+    # each tileattn training call over SDPA's of its kind (no dropout SDPA off CUDA: no ratio there)
+    ratios = {r["backend"]: r.get("ratio") for r in rows if r["case"] == "training"}
+    assert ratios["tileattn fwd"] > 0 and ratios["tileattn varlen fwd+bwd"] > 0
+    assert ratios["tileattn fwd+bwd p=0.1"] is None
     assert "tileattn paged16" in format_host(rows)
 
 

@@ -13,7 +13,8 @@ table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``)
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
-``--sinks`` (attention sinks against the same calls without),
+``--sinks`` (attention sinks against the same calls without), ``--e2e`` (training steps of Hugging Face models
+against SDPA),
 ``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
 decoding beside GQA decoding), ``--cp`` (context parallelism across the host's GPUs: scaling against one
 GPU, exactness, the longest sequence), ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
@@ -433,6 +434,12 @@ def parse_args(argv=None):
     )
     ap.add_argument("--dropout-p", type=float, default=0.1, help="the dropout probability of --dropout")
     ap.add_argument(
+        "--e2e",
+        action="store_true",
+        help="training steps of Hugging Face models (BERT-large full/padded/packed, GPT-2, a Llama-style GQA model): "
+        "real tokens/s on tileattn against SDPA",
+    )
+    ap.add_argument(
         "--sinks",
         action="store_true",
         help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B)",
@@ -567,6 +574,13 @@ def main(argv=None) -> int:
         rows = run_dropout(time_ms, args.dropout_p, cases, args.tokens, args.hidden, dtype=dtype, device=device)
         append_results(args.out, rows)
         print(format_dropout(rows))
+        return 0
+    if args.e2e:
+        from tileattn.bench.e2e import format_e2e, run_e2e
+
+        rows = run_e2e(device, small=device != "cuda")
+        append_results(args.out, rows)
+        print(format_e2e(rows))
         return 0
     if args.sinks:
         from tileattn.bench.sinks import format_sinks, run_sinks
