@@ -36,6 +36,7 @@ from tileattn.ops import attention
 from tileattn.params import AttnParams
 
 __all__ = [
+    "USE_TRITON_ROCM",
     "_flash_attn_backward",
     "_flash_attn_forward",
     "_flash_attn_varlen_backward",
@@ -51,6 +52,10 @@ __all__ = [
     "maybe_contiguous",
     "round_multiple",
 ]
+
+# flash_attn's switch to its ROCm Triton backend (FLASH_ATTENTION_TRITON_AMD_ENABLE), which newer flash_attn tests
+# import to skip CUDA-extension cases; tileattn has no such backend
+USE_TRITON_ROCM = False
 
 
 def maybe_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
