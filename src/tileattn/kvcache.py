@@ -344,7 +344,7 @@ def _check_call(
         )
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
-    checks.check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3])
+    checks.check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3], ("q", "k_cache", "v_cache"))
     if has_new:
         seqlen_new = k.shape[1]
         expected = (batch, seqlen_new, nheads_k, headdim)
