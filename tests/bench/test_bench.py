@@ -313,10 +313,11 @@ def test_dropout_on_the_cpu_path(tmp_path):
     assert main(["--decode-ab", "--device", "cpu"]) == 1 and main(["--host", "--device", "cpu"]) == 1
 
 
-def test_cp_on_cpu_processes(tmp_path):
+def test_cp_on_cpu_processes(tmp_path, capfd):
     """--cp on CPU processes (the default without GPUs, ``--device cpu`` with them): 2 gloo processes, every
     scheme timed against the single-process anchor and matching the single-process output exactly enough
-    (fp32: far below a bf16 ulp)."""
+    (fp32: far below a bf16 ulp), a line as each is timed, and the table saying what CPU efficiencies
+    measure."""
     from tileattn.bench.__main__ import main
 
     out = tmp_path / "r.jsonl"
@@ -326,6 +327,30 @@ def test_cp_on_cpu_processes(tmp_path):
         (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses", "gather-kv")
     ]
     assert all(r["world"] == 2 and r["ms"] > 0 and r["ulps"] < 0.01 for r in rows)
+    assert all(r["threads"] >= 1 and 0 < r["share"] and r["spread"] >= 0 and "noisy" in r for r in rows)
+    text = capfd.readouterr().out  # (the ranks' lines come from the spawned processes)
+    assert "On CPU the 2 ranks are processes" in text
+    assert all(f"cp {r['scheme']} {r['seqlen']} tokens: " in text for r in rows)
+
+
+def test_cp_noise_on_a_busy_machine():
+    """flag_noise marks CPU rows whose repeats spread or whose ranks starved beside other work (not GPU
+    rows, not a starved run on an otherwise idle machine); the note then says they measure the load."""
+    from tileattn.bench.context import cpu_note, flag_noise, format_context
+
+    def row(device="cpu", spread=0.02, share=0.95):
+        return dict(case="cp", scheme="zigzag", world=2, seqlen=512, anchor_ms=10.0, ms=12.0, efficiency=1.7,
+                    ulps=0.0, device=device, threads=1, spread=spread, share=share)  # fmt: skip
+
+    steady, spread, starved, gpu = row(), row(spread=0.3), row(share=0.3), row("cuda", share=0.3)
+    flag_noise([steady, spread, starved, gpu], load=0.1)
+    assert (steady["noisy"], spread["noisy"], starved["noisy"], "noisy" in gpu) == (False, True, False, False)
+    flag_noise([starved], load=3.0)
+    assert starved["noisy"]
+    assert "Rows marked noisy" not in cpu_note([steady]) and "not how GPUs scale" in cpu_note([steady])
+    note = cpu_note([steady, starved])
+    assert "measure the machine's load" in note and "30% of their time" in note
+    assert "1.70 noisy" in format_context([steady, starved]) and cpu_note([gpu]) is None
 
 
 def test_bench_uses_the_public_api_only():
