@@ -87,6 +87,22 @@ def test_mla_matches_reference(backend, case, causal):
     assert torch.equal(kv, before)
 
 
+@pytest.mark.parametrize("needs_grad", ["q", "k_cache"])
+def test_mla_runs_forward_with_grad_and_refuses_backward(backend, needs_grad):
+    """flash_mla_with_kvcache has no backward: with inputs that require grad the forward runs and matches
+    the oracle, and a backward that reaches it raises (not a gradient on one path and none on another)."""
+    dtype = {"cuda": torch.bfloat16, "torch": torch.float32, "interpret": torch.float16}[backend]
+    ctx, device = on(backend)
+    q, kv, table, lengths = _case(device, dtype, 2, 2, 16, [40, 7], 16)
+    (q if needs_grad == "q" else kv).requires_grad_(True)
+    with ctx:
+        out, lse = mla.flash_mla_with_kvcache(q, kv, table, lengths, 512, causal=True)
+    _check("inputs that require grad", q.detach(), kv.detach(), table, lengths, 512, True, out.detach(), lse.detach())
+    for output in (out, lse):
+        with pytest.raises(NotImplementedError, match="flash_mla_with_kvcache has no backward"):
+            output.sum().backward()
+
+
 @pytest.mark.parametrize(
     "d, head_dim_v, nheads_k, scale",
     [(576, 512, 2, None), (192, 128, 1, 0.3), (256, 256, 1, None), (320, 256, 4, -0.05), (112, 64, 1, None)],
