@@ -367,9 +367,10 @@ def grid_defaults(device: str, quick: bool) -> dict:
 
 
 def _default(option: str) -> str:
-    gpu, cpu = GRID_DEFAULTS["cuda"][option], GRID_DEFAULTS["cpu"][option]
-    show = lambda x: " ".join(map(str, x)) if isinstance(x, list) else str(x)  # noqa: E731
-    return f"default: {show(gpu)}" if gpu == cpu else f"default: {show(gpu)} on a GPU, {show(cpu)} on CPU"
+    """The help's words for a grid setting's default on each device."""
+    words = [GRID_DEFAULTS[device][option] for device in ("cuda", "cpu")]
+    gpu, cpu = (" ".join(map(str, w)) if isinstance(w, list) else str(w) for w in words)
+    return f"default: {gpu}" if gpu == cpu else f"default: {gpu} on a GPU, {cpu} on CPU"
 
 
 def parse_args(argv=None):
