@@ -46,26 +46,30 @@ class _NoBackward(torch.autograd.Function):
 
 
 def forward_only(message: str, names: tuple[str, ...]):
-    """Decorates a function without a backward: when grad mode is on and an argument in ``names`` requires
-    grad, it runs as under ``torch.no_grad()`` and its outputs raise ``NotImplementedError(message)`` if
-    and when a backward reaches them."""
+    """Decorates a function without a backward: when grad mode is on and an argument in ``names`` (or a
+    tensor value of a dict argument in ``names``) requires grad, it runs as under ``torch.no_grad()`` and its
+    outputs raise ``NotImplementedError(message)`` if and when a backward reaches them."""
 
     def decorate(fn):
         params = list(inspect.signature(fn).parameters)
         places = [(params.index(name), name) for name in names]
+
+        def needing_grad(given) -> list[Tensor]:
+            tensors = (t for value in given for t in (value.values() if isinstance(value, dict) else (value,)))
+            return [t for t in tensors if isinstance(t, Tensor) and t.requires_grad]
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
             if torch.is_grad_enabled():  # (a plain loop: this runs on every decode step's host path)
                 n = len(args)
                 for i, name in places:
-                    if getattr(args[i] if i < n else kwargs.get(name), "requires_grad", False):
+                    value = args[i] if i < n else kwargs.get(name)
+                    if getattr(value, "requires_grad", False) or (isinstance(value, dict) and needing_grad([value])):
                         return tied(args, kwargs, n)
             return fn(*args, **kwargs)
 
         def tied(args, kwargs, n):
-            given = (args[i] if i < n else kwargs.get(name) for i, name in places)
-            inputs = [t for t in given if isinstance(t, Tensor) and t.requires_grad]
+            inputs = needing_grad(args[i] if i < n else kwargs.get(name) for i, name in places)
             with torch.no_grad():
                 result = fn(*args, **kwargs)
             outs = result if isinstance(result, tuple) else (result,)
@@ -80,7 +84,7 @@ def forward_only(message: str, names: tuple[str, ...]):
 @forward_only(
     "flash_attn_with_kvcache has no backward (it is for inference, as in flash_attn): call it under "
     "torch.no_grad() or torch.inference_mode(), or train with flash_attn_func / flash_attn_varlen_func",
-    ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "alibi_slopes"),
+    ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "alibi_slopes", "learnable_sink", "s_aux"),
 )
 def flash_attn_with_kvcache(
     q: torch.Tensor,
@@ -460,7 +464,7 @@ class _Call(NamedTuple):
     "flash_attn_varlen_func with block_table (paged prefill) has no backward through the pages, as in "
     "flash_attn 2.8.3, whose varlen backward takes no block_table: differentiate a call with k and v packed "
     "by cu_seqlens_k instead, or run the paged call under torch.no_grad()",
-    ("q", "k", "v"),
+    ("q", "k", "v", "p_options"),
 )
 def paged_varlen_fwd(
     q: Tensor,

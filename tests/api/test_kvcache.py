@@ -134,7 +134,7 @@ def test_paged_varlen_prefill(backend, page, causal):
     check_close("paged varlen", out, ref, lowp)
 
 
-@pytest.mark.parametrize("needs_grad", ["q", "kv"])
+@pytest.mark.parametrize("needs_grad", ["q", "kv", "sink"])
 def test_paged_varlen_runs_forward_with_grad_and_refuses_backward(backend, needs_grad):
     """Inputs that require grad (as flash_attn's tests pass them): the forward runs as under no_grad and
     matches the oracle; a backward that reaches the paged call raises, naming block_table, while other
@@ -148,14 +148,16 @@ def test_paged_varlen_runs_forward_with_grad_and_refuses_backward(backend, needs
     cu_q = torch.tensor([0, 5, 7], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 9, 29], dtype=torch.int32, device=device)
     k, v = (torch.cat([dense_view(t, table, 3 * page)[b, :n] for b, n in enumerate(lk)]) for t in (kp, vp))
-    ref = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True)
-    lowp = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True, precision=None)
-    for t in (q,) if needs_grad == "q" else (kp, vp):
+    sink = torch.randn(4, device=device) if needs_grad == "sink" else None
+    ref = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True, sink=sink)
+    lowp = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True, sink=sink, precision=None)
+    for t in {"q": (q,), "kv": (kp, vp), "sink": (sink,)}[needs_grad]:
         t.requires_grad_(True)
     with ctx:
         out, lse, _ = tileattn.flash_attn_varlen_func(
-            q, kp, vp, cu_q, cu_k, 5, max(lk), causal=True, block_table=table, return_attn_probs=True
-        )
+            q, kp, vp, cu_q, cu_k, 5, max(lk), causal=True, block_table=table, return_attn_probs=True,
+            learnable_sink=sink,
+        )  # fmt: skip
     assert out.requires_grad and lse.requires_grad
     check_close("paged varlen, inputs that require grad", out.detach(), ref.out, lowp.out)
     for output in (out, lse):
@@ -166,17 +168,19 @@ def test_paged_varlen_runs_forward_with_grad_and_refuses_backward(backend, needs
         assert torch.equal(q.grad, torch.full_like(q, 2))
 
 
-@pytest.mark.parametrize("needs_grad", ["q", "new", "cache"])
+@pytest.mark.parametrize("needs_grad", ["q", "new", "cache", "sink"])
 def test_kvcache_runs_forward_with_grad_and_refuses_backward(backend, needs_grad):
     """flash_attn_with_kvcache has no backward: with inputs that require grad the append and the forward
     run and match the reference, and a backward that reaches the call raises (not a gradient that misses
     the cache's part of the scores, nor none at all), on every path."""
     ctx, device = on(backend)
     q, kc, vc, args = _inputs(2, 2, {"causal": True, "rotary": "neox"}, None, device)
+    if needs_grad == "sink":
+        args["learnable_sink"] = torch.randn(q.shape[2], device=device)
     ref = kvcache_ref(q, kc, vc, **_ref_args(args))
     lowp = kvcache_ref(q, kc, vc, precision=None, **_ref_args(args))
-    grads = {"q": (q,), "new": (args["k"], args["v"]), "cache": (kc, vc)}[needs_grad]
-    for t in grads:
+    grads = {"q": (q,), "new": (args["k"], args["v"]), "cache": (kc, vc), "sink": (args.get("learnable_sink"),)}
+    for t in grads[needs_grad]:
         t.requires_grad_(True)
     with ctx:
         out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **args)
