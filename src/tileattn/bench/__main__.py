@@ -500,7 +500,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--sinks",
         action="store_true",
-        help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B)",
+        help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B; "
+        "default: off)",
     )
     ap.add_argument(
         "--host",
@@ -655,7 +656,7 @@ def main(argv=None) -> int:
         from tileattn.bench.sinks import format_sinks, run_sinks
 
         cases = None
-        if args.headdim != [64, 128, 256] or args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] or args.quick:
+        if "headdim" in args.given or "seqlen" in args.given or args.quick:
             cases = [(d, s, c) for d in args.headdim for s in args.seqlen for c in causals]
         rows = run_sinks(time_ms, args.tokens, args.hidden, cases, dtype=dtype, device=device)
         append_results(args.out, rows)
