@@ -252,6 +252,8 @@ def _flash_attn_varlen_forward(
             alibi_slopes=alibi_slopes,
             deterministic=False,
             return_attn_probs=False,
+            learnable_sink=None,  # (flash_attn's internal forward takes no sinks)
+            s_aux=None,
         )
         out, lse = api.paged_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options)
         return out, lse, attention.no_probs(out), _no_rng_state()
