@@ -533,7 +533,8 @@ flash_attn_varlen_func.__doc__ = (
     + """        block_table: int32 ``(batch, max_pages)``: paged prefill. k and v are then page pools
             ``(num_pages, page_block_size, nheads_k, headdim)`` and sequence b's keys are the first
             ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages. Forward only, as in
-            flash_attn 2.8.3 (whose varlen backward takes no block_table); no dropout. The entries
+            flash_attn 2.8.3 (whose varlen backward takes no block_table): inputs may require grad, and a
+            backward that reaches the call raises NotImplementedError; no dropout. The entries
             covering a sequence's keys must be pages of the pool: for CUDA tensors the kernel checks
             them, and the next call on the device raises a bad one (``flash_attn_with_kvcache`` says
             how; ``tileattn.check_errors()``), for CPU tensors they are read on the host first.
