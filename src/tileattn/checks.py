@@ -314,6 +314,22 @@ def cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max
     )
 
 
+def cu_tokens(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[int, int]:
+    """``cu_values`` of a packed call's two cu_seqlens at once (one lookup for both), as the query and key
+    rows their sequences use: ``(cu_seqlens_q[-1], cu_seqlens_k[-1])``."""
+
+    def check() -> tuple[int, int]:
+        lengths_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q)
+        lengths_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)
+        return sum(lengths_q), sum(lengths_k)
+
+    args = ("cu_tokens", total_q, total_k, max_seqlen_q, max_seqlen_k)
+    return checked_once((cu_seqlens_q, cu_seqlens_k), args, check)
+
+
 def cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:
     values = cu.tolist()
     if values[0] != 0:

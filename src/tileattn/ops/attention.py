@@ -108,9 +108,7 @@ def _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tup
     the tensor's end cannot."""
     if cu_seqlens_q is None:
         return q.shape[0], k.shape[0]
-    lengths_q = checks.cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-    lengths_k = checks.cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    return sum(lengths_q), sum(lengths_k)
+    return checks.cu_tokens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
 
 
 def forward_impl(
@@ -468,7 +466,8 @@ class Call:
         rng_state = torch.tensor([p.philox_seed, 0], dtype=torch.int64)
         return out, lse, attn_probs(q, k, rng_state, p) if p.dropout_p > 0 else no_probs(q)
 
-    def forward(self, q, k, v, p: AttnParams) -> tuple[Tensor, Tensor]:
+    def forward(self, q, k, v, p: AttnParams, settings: Settings | None = None) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` under ``settings`` (None: the current ones)."""
         if not self.planned:
             out, lse, rng_state = forward_impl(q, k, v, *op_options(p))
             p.philox_seed = int(rng_state[0])  # (the seed it drew, which the backward regenerates the mask from)
@@ -478,8 +477,8 @@ class Call:
             return torch.zeros_like(q, dtype=_out_dtype(q)), _no_keys_lse(p, q)
         if tokens_k < k.shape[0]:  # the kernels see the sequences' rows only (_used_rows)
             k, v = k[:tokens_k], v[:tokens_k]
-        device = q.device
-        settings = configs.current(device)
+        if settings is None:
+            settings = configs.current(q.device)
         impl = backend.implementation(q)
         with backend.on_device(q):
             if impl is cpu or (not p.is_varlen and p.batch > settings.grid_z_batch):
@@ -545,9 +544,10 @@ class PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, call: Call, p: AttnParams):
-        out, lse = call.forward(q, k, v, p)
+        settings = configs.current(q.device)
+        out, lse = call.forward(q, k, v, p, settings)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.p, ctx.settings = call, p, configs.current(q.device)
+        ctx.call, ctx.p, ctx.settings = call, p, settings
         ctx.mark_non_differentiable(lse)
         return out, lse
 
