@@ -183,3 +183,24 @@ def test_planned_launches_pass_the_launcher_what_its_python_wrapper_would(monkey
             assert calls[-2] == calls[-1]
         else:
             assert fn is run and head == (7, ("meta",), None, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the launchers' C entry points run on the GPU")
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_planned_launches_without_verification(headdim, monkeypatch):
+    """The planned calls' launches as they run outside the tests (``TILEATTN_VERIFY_LAUNCH`` unset): a Gluon
+    build's descriptors taken apart by ``launch._descriptor_launch`` and the others by the bound build; the
+    first call binds, the later ones launch directly. Every call's output and gradients against the oracle."""
+    from helpers import check_attention
+
+    import tileattn
+    from tileattn.kernels import launch
+
+    monkeypatch.setattr(launch, "VERIFY", False)
+    monkeypatch.setattr(tileattn.api, "calls", {})  # (new calls: their plans bind with VERIFY off)
+    q, k, v = (torch.randn(2, 300, 4, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    dout = torch.randn_like(q)
+    for _ in range(3):
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        check_attention(f"hd{headdim}", out, grads, q, k, v, dout, {"causal": True})

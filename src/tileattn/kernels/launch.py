@@ -264,15 +264,52 @@ class Launch:
     the build that call bound (``Bound``), valid because a plan is only reused for calls whose arguments
     have the same dtypes, alignments and values (its key)."""
 
-    __slots__ = ("launcher", "grid", "fixed", "constexprs", "options", "bound")
+    __slots__ = ("launcher", "grid", "fixed", "constexprs", "options", "bound", "direct")
 
     def __init__(self, launcher: Launcher, grid: tuple, fixed: tuple, constexprs: dict, **options):
         self.launcher, self.grid, self.fixed = launcher, grid, fixed
         self.constexprs, self.options = constexprs, options
         self.bound = None
+        self.direct = None
 
     def __call__(self, tensors: tuple, tail: tuple = ()) -> None:
-        if self.bound is not None:
+        if self.direct is not None and not _hooks_set(self.launcher.fn):
+            self.direct(tensors, tail)
+        elif self.bound is not None:
             self.bound(tensors + self.fixed + tail)
         else:
             self.bound = self.launcher.bind(self.grid, tensors + self.fixed + tail, self.constexprs, **self.options)
+            if self.bound is not None and not VERIFY:
+                self.direct = _descriptor_launch(self.bound, len(tensors), len(self.fixed), self.fixed)
+
+
+def _descriptor_launch(bound: Bound, heads: int, fixed_len: int, fixed: tuple):
+    """A launch of ``bound``'s build with the fixed arguments as they are, for a Gluon build whose leading
+    arguments hold host-side TMA descriptors: Triton 3.6's launcher takes each descriptor apart (its
+    tensor map, shape and strides) in a Python loop over every argument on every launch; here only the
+    leading arguments are looked at, the others passed through. None where that launcher is not found
+    (another Triton, no descriptors, a descriptor past the leading arguments, scratch memory)."""
+    launch = bound._launch
+    code = getattr(launch, "__code__", None)
+    if code is None or getattr(launch, "__name__", "") != "inner" or bound._scratch:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
+    c_launch, indices, metas = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+    expand = getattr(__import__(launch.__module__, fromlist=["make_tensordesc_arg"]), "make_tensordesc_arg", None)
+    if c_launch is None or indices is None or expand is None or not metas or any(i >= heads for i in indices):
+        return None
+    meta = dict(zip(sorted(indices), metas))
+    descs = tuple(meta.get(i) for i in range(heads))
+    grid, head, tail_c = bound.grid, bound._head, bound.tail
+    device, stream = bound._stream
+
+    def direct(tensors: tuple, tail: tuple) -> None:
+        args = []
+        for a, m in zip(tensors, descs):
+            if m is None:
+                args.append(a)
+            else:
+                args.extend(expand(a, m))
+        c_launch(*grid, stream(device()), *head, *args, *fixed, *tail, *tail_c)
+
+    return direct

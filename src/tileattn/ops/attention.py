@@ -497,7 +497,8 @@ class Call:
         return _like(out, q), lse
 
     def backward(self, dout, q, k, v, out, lse, p: AttnParams, settings: Settings):
-        """``(dq, dk, dv, dsink)`` of a forward this call ran with ``p`` under ``settings``."""
+        """``(dq, dk, dv, dsink)`` of a forward this call ran with ``p`` under ``settings`` (dsink None without
+        sinks)."""
         if not self.planned:
             with configs.override(settings):
                 return backward_impl(dout, q, k, v, out, lse, torch.tensor([p.philox_seed, 0]), *op_options(p)[:-1])
@@ -505,7 +506,8 @@ class Call:
             dout = dout.contiguous()
         tokens_q, tokens_k = _tokens(q, k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k)
         if tokens_q == 0 or tokens_k == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _no_dsink(p.learnable_sink)
+            dsink = _no_dsink(p.learnable_sink) if p.learnable_sink is not None else None
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
         whole = tokens_q == q.shape[0] and tokens_k == k.shape[0]
         if not whole:  # padding rows after the last sequence: the kernels see the sequences' rows only
             rows_q, rows_k = slice(0, tokens_q), slice(0, tokens_k)
@@ -525,7 +527,7 @@ class Call:
                     plan = remember(self.bwd_plans, key, kernels.plan_bwd(*args, p, settings), 8)
                 grads = plan.run(*args, p)
         dq, dk, dv, dsink = grads
-        if dsink is None:
+        if dsink is None and p.learnable_sink is not None:
             dsink = _no_dsink(p.learnable_sink)
         if whole:
             return _like(dq, q), _like(dk, k), _like(dv, v), dsink
