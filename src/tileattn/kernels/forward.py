@@ -207,19 +207,21 @@ def _attn_fwd(
                 USE_TMA, WARP_SPEC, IS_FP8, V_T, VT_TMA, INTERPRET,
             )  # fmt: skip
 
+    alpha = 1.0  # (the accumulator's rescale for a sink, folded into the normalisation below)
     if HAS_SINK:  # the head's sink joins the denominator (FP8: at p's 2**P_LOG2 scale)
         m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h, P_LOG2 if IS_FP8 else 0)
-        acc = acc * alpha[:, None]
     # A row that saw no key (nor a sink) has l_i == 0: its output is 0 and its LSE +inf, so that the
     # backward pass's exp(s - lse) is 0 for it (the flash_attn convention).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if IS_FP8:  # (p and l carry 2**P_LOG2, which acc / l cancels)
-        acc = acc * (v_descale * keep_scale / l_safe)[:, None]
+        acc = acc * (alpha * v_descale * keep_scale / l_safe)[:, None]
         lse = tl.where(seen, (m_i + tl.log2(l_safe) - P_LOG2) * common.LN2, float("inf"))
     else:
         if HAS_DROPOUT:
-            acc = acc * (keep_scale / l_safe)[:, None]
+            acc = acc * (alpha * keep_scale / l_safe)[:, None]
+        elif HAS_SINK:
+            acc = acc * (alpha / l_safe)[:, None]
         else:
             acc = acc / l_safe[:, None]
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * common.LN2, float("inf"))

@@ -387,13 +387,15 @@ def _attn_fwd_kvcache(
             DEFER_SCALE, UNIT, KV_FP8, WIDEN,
         )  # fmt: skip
 
+    alpha = 1.0  # (the accumulator's rescale for a sink, folded into the normalisation below)
     if HAS_SINK and not SPLIT:  # (with splits the combine adds the sinks, once)
         m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h)
-        acc = acc * alpha[:, None]
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if KV_FP8:
-        acc = acc * (v_descale / l_safe)[:, None]
+        acc = acc * (alpha * v_descale / l_safe)[:, None]
+    elif HAS_SINK and not SPLIT:
+        acc = acc * (alpha / l_safe)[:, None]
     else:
         acc = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * common.LN2  # (natural log)

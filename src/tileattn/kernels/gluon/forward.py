@@ -256,12 +256,14 @@ def _consume(
                 m_new = gl.maximum(m_i, sink)
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha + gl.exp2(sink - m_new)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 m_i = m_new
             # A row that saw no key (nor a sink) has l == 0: output 0, LSE +inf (the portable kernels' convention)
             seen = l_i > 0.0
             l_safe = gl.where(seen, l_i, 1.0)
-            out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+            if HAS_SINK:  # (the accumulator's rescale to the sink's max, folded into the normalisation)
+                out = acc * gl.convert_layout(alpha / l_safe, o_rows)[:, None]
+            else:
+                out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
             lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
             # (packed batches: batch strides 0 and rows from the sequence's first, q0)
             r0 = q0 if VARLEN else 0
