@@ -379,7 +379,6 @@ def test_masks_become_flashmasks(rows_per_block, monkeypatch):
     """Visibility masks with at most two runs of hidden rows per key column become the FlashMask that
     hides exactly them, whatever the blocks of rows they are read in; a third run is refused."""
     import oracle
-
     from tileattn.integrations import transformers as hf
 
     g = torch.Generator().manual_seed(0)
@@ -399,6 +398,39 @@ def test_masks_become_flashmasks(rows_per_block, monkeypatch):
     blocks = (three[:, :, s : s + rows_per_block] for s in range(0, seqlen_q, rows_per_block))
     with pytest.raises(hf.Unsupported, match="more than two runs"):
         hf._column_runs(blocks, three.shape, torch.device("cpu"))
+
+
+def test_static_cache_decode_step_compiles_in_one_graph():
+    """The decode step with a static cache and a left-padded batch traces as one graph
+    (``torch.compile(fullgraph=True)``; the eager backend, as inductor's C++ build is slow on CPU): no host
+    read, no data-dependent shape (flash_attn_with_kvcache with cache_seqlens and cache_leftpad). Its
+    logits match an eager forward over the same tokens."""
+    from transformers import StaticCache
+
+    cfg = _decoder_configs()["llama-gqa"]
+    ids = torch.randint(3, 97, (2, 6), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    model = _model(cfg, "tileattn", torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=10)
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        token = model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1:].argmax(-1)
+        seq, scores = torch.cat([ids, token], 1), []
+        for _ in range(2):
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            logits = step(token, attention_mask=mask, position_ids=positions[:, -1:] + 1, cache=cache).logits
+            positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+            scores.append(logits[:, -1])
+            token = logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, token], 1)
+    scores = torch.stack(scores, 1)
+    refs = {}
+    for dtype in (REF_DTYPE, torch.float32):
+        eager = _model(cfg, "eager", dtype)
+        refs[dtype] = eager(seq[:, :-1], attention_mask=mask, position_ids=positions).logits[:, -2:]
+    check_close("compiled decode steps", scores, refs[REF_DTYPE], refs[torch.float32])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -345,7 +345,10 @@ def _column_runs(blocks, shape, device) -> torch.Tensor:
         row0 += rows
     # a run still open at the last row ends at seq_q (already the default)
     s1, e1, s2, e2 = first
-    _require(~too_many, "the attention mask hides more than two runs of query rows in some key column, which a FlashMask cannot hold")
+    _require(
+        ~too_many,
+        "the attention mask hides more than two runs of query rows in some key column, which a FlashMask cannot hold",
+    )
     empty_upper = torch.zeros_like(s1)
     upper = (torch.where(s1 < e1, s1, empty_upper), torch.where(s1 < e1, e1, empty_upper))
     lower = (torch.where(s2 < e2, s2, seq_q), torch.where(s2 < e2, e2, seq_q))
@@ -388,7 +391,12 @@ def _mask_4d_flashmask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> 
     is a bias, refused."""
     batch, seq_q, nheads = q.shape[0], q.shape[1], q.shape[2]
     seq_k = k.shape[1]
-    if mask.shape[2] != seq_q or mask.shape[3] < seq_k or mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, nheads):
+    if (
+        mask.shape[2] != seq_q
+        or mask.shape[3] < seq_k
+        or mask.shape[0] not in (1, batch)
+        or mask.shape[1] not in (1, nheads)
+    ):
         raise Unsupported(
             f"tileattn: a 4-D attention mask must be (batch or 1, heads or 1, seq_q, seq_k) = "
             f"({batch}, {nheads}, {seq_q}, {seq_k}); got {tuple(mask.shape)}"
@@ -492,7 +500,11 @@ def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | No
         leftpad = None
         if m.causal:
             end = m.q_offset + m.q_length - m.kv_offset
-            end = end.to(device=device, dtype=torch.int32) if isinstance(end, torch.Tensor) else torch.tensor(end, dtype=torch.int32, device=device)
+            end = (
+                end.to(device=device, dtype=torch.int32)
+                if isinstance(end, torch.Tensor)
+                else torch.tensor(end, dtype=torch.int32, device=device)
+            )
             seqlens = end.reshape(1).expand(batch)
         else:
             seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
@@ -545,8 +557,8 @@ def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
     if kwargs.get("startend_row_indices") is not None:
         if m.general or m.padding is not None or not (m.aligned or not m.causal):
             raise Unsupported(
-                "tileattn: startend_row_indices (a FlashMask) with a padding mask, a cache or another mask: hide padded "
-                "keys in the FlashMask and pass attention_mask=None"
+                "tileattn: startend_row_indices (a FlashMask) with a padding mask, a cache or another mask: hide "
+                "padded keys in the FlashMask and pass attention_mask=None"
             )
         if options["softcap"]:
             raise Unsupported("tileattn: softcap is not supported with a FlashMask (startend_row_indices)")
