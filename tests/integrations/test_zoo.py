@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pathlib
 
 import pytest
 import torch
@@ -275,3 +276,24 @@ GRID_BY_DEFAULT = {
 def test_scenario(family, scenario):
     """Every other scenario: of every family with TILEATTN_ZOO=all, of GRID_BY_DEFAULT's otherwise."""
     _run(family, scenario)
+
+
+@pytest.mark.parametrize("name", ["mistral", "modernbert", "gemma2"])
+def test_padding_between_tokens_with_a_sliding_window(name):
+    """Padding between a row's tokens under a sliding window (causal: Mistral; bidirectional: ModernBERT's
+    local layers): varlen would close the hole and move keys into the window, so the mask runs as a
+    FlashMask and matches eager; with a softcap (Gemma 2), which a FlashMask does not take, it is refused."""
+    family = next(f for f in zoo.FAMILIES if f.name == name)
+    inputs, _ = padded_inputs(family)
+    inputs["attention_mask"][0, 5:7] = 0
+    if name == "gemma2":
+        with pytest.raises(Unsupported, match="softcap"):
+            zoo.build(family, IMPL)(**inputs)
+        return
+    check_against_eager(family, inputs, inputs["attention_mask"].bool(), label="hole")
+
+
+def test_docs_table_is_the_zoo():
+    """docs/huggingface.md's table of families is zoo.py's, status and reasons included."""
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "huggingface.md").read_text()
+    assert zoo.table() in docs, "docs/huggingface.md: paste the output of python tests/integrations/zoo.py"

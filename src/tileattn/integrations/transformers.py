@@ -474,14 +474,15 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options, sink):
     return flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).view(q.shape)
 
 
-def _padded(q, k, v, padding, causal, options, sink):
-    """Padded rows as varlen: the keys of each row are its unpadded slots; the queries are the last
-    ``q_len`` slots (causal self-attention), or every query row (bidirectional, cross-attention: the
+def _padded(q, k, v, padding, last_slots, options, sink):
+    """Padded rows as varlen: the keys of each row are its unpadded slots; the queries are the row's last
+    ``q_len`` slots, unpadded alike (``last_slots``: self-attention where the mask depends on positions,
+    causal or windowed), or every query row (bidirectional without a window, cross-attention: the
     queries are not the keys)."""
     batch, q_len = q.shape[:2]
     k_flat, k_idx, cu_k, max_k, _ = unpad_input(k, padding)
     v_flat = v.reshape(-1, *v.shape[2:])[k_idx]
-    if causal:
+    if last_slots:
         q_flat, q_idx, cu_q, max_q, _ = unpad_input(q, padding[:, -q_len:])
     else:
         q_flat, q_idx = q.reshape(-1, *q.shape[2:]), None
@@ -489,6 +490,19 @@ def _padded(q, k, v, padding, causal, options, sink):
     options = _with_sink(flash_attn_varlen_func, options, sink, "flash_attn_varlen_func")
     out = flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, max_q, max_k, **options)
     return out.view(batch, q_len, *out.shape[1:]) if q_idx is None else pad_input(out, q_idx, batch, q_len)
+
+
+def _key_runs(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(first, end, one_run)`` of each row's key slots (``m.padding`` set): the first and one past the
+    last slot holding a token, and whether the tokens are one run of slots (no padding between them)."""
+    if "key_runs" not in m.derived:
+        p, kv = m.padding, m.kv_length
+        first = (p.cumsum(-1) == 0).sum(-1).to(torch.int32)
+        end = kv - (p.flip(-1).cumsum(-1) == 0).sum(-1).to(torch.int32)
+        slot = torch.arange(kv, device=device)
+        one_run = (p == ((slot >= first[:, None]) & (slot < end[:, None]))).all()
+        m.derived["key_runs"] = (first, end, one_run)
+    return m.derived["key_runs"]
 
 
 def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -500,24 +514,18 @@ def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | No
         leftpad = None
         if m.causal:
             end = m.q_offset + m.q_length - m.kv_offset
-            end = (
-                end.to(device=device, dtype=torch.int32)
-                if isinstance(end, torch.Tensor)
-                else torch.tensor(end, dtype=torch.int32, device=device)
-            )
+            if isinstance(end, torch.Tensor):
+                end = end.to(device=device, dtype=torch.int32)
+            else:
+                end = torch.tensor(end, dtype=torch.int32, device=device)
             seqlens = end.reshape(1).expand(batch)
         else:
             seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
         if m.padding is not None:
-            p = m.padding
-            leftpad = (p.cumsum(-1) == 0).sum(-1).to(torch.int32)
-            trailing = (p.flip(-1).cumsum(-1) == 0).sum(-1).to(torch.int32)
-            high = kv - trailing
-            slot = torch.arange(kv, device=device)
-            run = (slot >= leftpad[:, None]) & (slot < high[:, None])
+            leftpad, high, one_run = _key_runs(m, device)
             # (causal: slots after the row's last token hold padding, seen only by padded queries)
             _require(
-                (p == run).all(),
+                one_run,
                 "a padding mask with holes (padding between tokens) on this path (a static cache or "
                 "torch.compile): pad on the left",
             )
@@ -570,11 +578,15 @@ def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
     if not m.general:
         options = {**options, "causal": m.causal, "window_size": m.window_size()}
-        if m.padding is None and (m.aligned or not m.causal):
+        windowed = m.window is not None
+        # the mask depends on where queries and keys sit (causal, windows): the last query must be the last key
+        placed = m.aligned or not (m.causal or windowed)
+        if m.padding is None and placed:
             return flash_attn_func(q, k, v, **_with_sink(flash_attn_func, options, sink, "flash_attn_func"))
-        if not compiling and (m.aligned or not m.causal):
-            return _padded(q, k, v, m.padding, m.causal, options, sink)
-        if not needs_grad and options["dropout_p"] == 0.0:
+        # (unpadding closes holes between tokens, which would move keys into a window)
+        if not compiling and placed and (not windowed or bool(_key_runs(m, device)[2])):
+            return _padded(q, k, v, m.padding, m.causal or windowed, options, sink)
+        if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed):
             seqlens, leftpad = _key_range(m, device)
             kv_options = {n: options[n] for n in ("softmax_scale", "causal", "window_size", "softcap")}
             kv_options = _with_sink(flash_attn_with_kvcache, kv_options, sink, "flash_attn_with_kvcache")
@@ -657,7 +669,12 @@ def _attend_other(module, q, k, v, attention_mask, options, sink, sliding_window
         options = _with_sink(flashmask_attention, options, sink, "flashmask_attention")
         return flashmask_attention(q, k, v, kwargs["startend_row_indices"], **options)
     if attention_mask is not None:
-        return _padded(q, k, v, attention_mask.to(torch.bool), causal, options, sink)
+        padding = attention_mask.to(torch.bool)
+        windowed = "window_size" in options
+        runs = padding[:, 0].int() + (padding[:, 1:] & ~padding[:, :-1]).sum(-1)  # runs of tokens per row
+        if windowed and bool((runs > 1).any()):
+            raise Unsupported("tileattn: a 2-D padding mask with holes (padding between tokens) and a sliding window")
+        return _padded(q, k, v, padding, causal or windowed, options, sink)
     if kwargs.get("cu_seq_lens_q") is not None:
         cu_q, cu_k = (kwargs[n].to(torch.int32) for n in ("cu_seq_lens_q", "cu_seq_lens_k"))
         return _varlen(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), options, sink)
