@@ -433,6 +433,29 @@ def test_static_cache_decode_step_compiles_in_one_graph():
     check_close("compiled decode steps", scores, refs[REF_DTYPE], refs[torch.float32])
 
 
+def test_generate_compiles_its_static_cache_decode_step_once():
+    """transformers' generate with a static cache compiles the model's forward (here on CPU, with the
+    eager backend and fullgraph=True): the masks it builds ahead of each step pass into the compiled
+    forward, one graph serves every step, and the tokens are those of the uncompiled generate."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    cfg = _decoder_configs()["llama-gqa"]
+    model = _model(cfg, "tileattn", torch.float32)
+    ids = torch.randint(3, 97, (2, 7), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    compile_config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    compile_config._compile_all_devices = True  # (transformers compiles on accelerators only otherwise)
+    options = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    eager = model.generate(ids, cache_implementation="static", disable_compile=True, **options)
+    assert torch.equal(compiled, eager)
+
+
 # --------------------------------------------------------------------------------------------------
 # How transformers finds flash_attn through the shim
 # --------------------------------------------------------------------------------------------------
