@@ -4,9 +4,9 @@ is created or first called.
 
 The tolerance rule on the CPU path (fp32): the reference is the family run eager in float64, the
 "plain PyTorch" baseline the same model run in float32 with eager attention and with SDPA (where the
-family has it), the worse of the two, and tileattn's float32 result must be within twice the
-baseline's error of the reference plus two float32 ulps at the reference's largest magnitude
-(``tileattn.testing.check_close``). The parameter gradients are checked as one tensor. (In float32 a
+family has it and SDPA's error is within 4 times eager's: beyond, SDPA computes something else), the
+worse of the two, and tileattn's float32 result must be within twice the baseline's error of the
+reference plus two float32 ulps at the reference's largest magnitude (``tileattn.testing.check_close``). The parameter gradients are checked as one tensor. (In float32 a
 whole model's rounding errors are of the same order in every implementation, and one implementation's
 error against the reference varies from run to run with the CPU's summation order: against eager's
 alone and per gradient tensor, tileattn's error exceeded twice it now and then, by chance. A wrong mask
@@ -37,23 +37,13 @@ transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
 
-from tileattn.api import flash_attn_func  # noqa: E402
-from tileattn.integrations.transformers import Unsupported, _sink_keyword  # noqa: E402
+from tileattn.integrations.transformers import Unsupported  # noqa: E402
 from tileattn.testing import check_close  # noqa: E402
 
 REF, LOWP = torch.float64, torch.float32
 IMPL = "tileattn"
-SINKS = _sink_keyword(flash_attn_func)
 ALL = os.environ.get("TILEATTN_ZOO") == "all"
 slow = [pytest.mark.slow, pytest.mark.skipif(not ALL, reason="the zoo's full grid: TILEATTN_ZOO=all")]
-
-
-def expected_refusal(family: zoo.Family) -> str | None:
-    if family.refused:
-        return family.refused
-    if family.sinks and not SINKS:
-        return "attention sinks"
-    return None
 
 
 def _ids(shape, seed):
@@ -106,11 +96,20 @@ def _grads(model, output, where):
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def _worse(ref, *candidates):
-    """The candidate farther from ``ref`` (the larger max-abs error): PyTorch's error in fp32 is that of
-    the worse of its two attention implementations, eager and SDPA."""
-    present = [c for c in candidates if c is not None]
-    return max(present, key=lambda c: (c.double() - ref.double()).abs().max().item() if c.numel() else 0.0)
+SDPA_AGREES = 4.0  # SDPA's error counts only within this factor of eager's: beyond, it computes something else
+
+
+def _worse(ref, eager, sdpa):
+    """PyTorch's result in fp32 that is farther from ``ref``: eager attention's, or SDPA's where SDPA
+    computes the same function (its error within ``SDPA_AGREES`` times eager's, as rounding varies; a
+    family whose SDPA path drops what eager applies must not widen the bound)."""
+
+    def error(t):
+        return (t.double() - ref.double()).abs().max().item() if t.numel() else 0.0
+
+    if sdpa is None or error(sdpa) > SDPA_AGREES * error(eager) + 1e-30:
+        return eager
+    return max(eager, sdpa, key=error)
 
 
 def _baseline_runs(family, run):
@@ -138,15 +137,15 @@ def check_against_eager(family, inputs, where, backward=True, label="padded"):
         return pick, torch.cat([g.reshape(-1) for g in grads]) if grads else None
 
     (out, grads), (ref, ref_grads) = run(IMPL, LOWP), run("eager", REF)
-    baselines = [b for b in _baseline_runs(family, run) if b is not None]
-    check_close(f"{family.name} {label} output", out, ref, _worse(ref, *(b[0] for b in baselines)))
+    eager, sdpa = _baseline_runs(family, run)
+    check_close(f"{family.name} {label} output", out, ref, _worse(ref, eager[0], sdpa and sdpa[0]))
     if backward:
-        lowp_grads = _worse(ref_grads, *(b[1] for b in baselines))
+        lowp_grads = _worse(ref_grads, eager[1], sdpa and sdpa[1])
         check_close(f"{family.name} {label} parameter gradients", grads, ref_grads, lowp_grads)
 
 
 def check_refused(family, inputs):
-    pattern = expected_refusal(family)
+    pattern = family.refused
     with pytest.raises(Unsupported, match=pattern):
         model = zoo.build(family, IMPL)
         model(**inputs)
@@ -188,7 +187,8 @@ def _steps_against_eager(family, gen, prompt_len, inputs, label):
         return model(seq, attention_mask=mask, use_cache=False, **extra).logits[:, prompt_len - 1 : -1]
 
     ref = run("eager", REF)
-    check_close(f"{family.name} {label} step logits", scores, ref, _worse(ref, *_baseline_runs(family, run)))
+    eager, sdpa = _baseline_runs(family, run)
+    check_close(f"{family.name} {label} step logits", scores, ref, _worse(ref, eager, sdpa))
 
 
 def check_generate(family, cache: str):
@@ -227,7 +227,7 @@ def _run(family, scenario: str):
         inputs, where = packed_inputs([[5, 7], [3, 4, 5]])
     else:
         inputs, where = padded_inputs(family)
-    if expected_refusal(family):
+    if family.refused:
         return check_refused(family, inputs)
     if scenario.startswith("generate"):
         return check_generate(family, scenario.split("-")[1])

@@ -37,8 +37,6 @@ The name has no "flash" in it: transformers 5 sends such names to its hub-kernel
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers import masking_utils as mu
@@ -96,11 +94,6 @@ _MEANINGS = {
     "alibi": "an ALiBi bias",
     "attention_chunk_size": "chunked attention",
 }
-
-
-def _sink_keyword(fn) -> bool:
-    """Whether a tileattn function takes attention sinks (``learnable_sink``)."""
-    return "learnable_sink" in inspect.signature(inspect.unwrap(fn)).parameters
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,17 +443,6 @@ def _check_keywords(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-def _with_sink(fn, options: dict, sink: torch.Tensor | None, what: str) -> dict:
-    if sink is None:
-        return options
-    if not _sink_keyword(fn):
-        raise Unsupported(
-            f"tileattn: the model has attention sinks (s_aux), which this tileattn's {what} does not take "
-            "(learnable_sink)"
-        )
-    return {**options, "learnable_sink": sink}
-
-
 def _cu_seqlens(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """cu_seqlens and the longest length of the sequences that start where ``mask`` (flattened) is True."""
     starts = mask.reshape(-1).nonzero().view(-1)
@@ -468,13 +450,12 @@ def _cu_seqlens(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options, sink):
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options):
     flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
-    options = _with_sink(flash_attn_varlen_func, options, sink, "flash_attn_varlen_func")
     return flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).view(q.shape)
 
 
-def _padded(q, k, v, padding, last_slots, options, sink):
+def _padded(q, k, v, padding, last_slots, options):
     """Padded rows as varlen: the keys of each row are its unpadded slots; the queries are the row's last
     ``q_len`` slots, unpadded alike (``last_slots``: self-attention where the mask depends on positions,
     causal or windowed), or every query row (bidirectional without a window, cross-attention: the
@@ -487,7 +468,6 @@ def _padded(q, k, v, padding, last_slots, options, sink):
     else:
         q_flat, q_idx = q.reshape(-1, *q.shape[2:]), None
         cu_q, max_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device), q_len
-    options = _with_sink(flash_attn_varlen_func, options, sink, "flash_attn_varlen_func")
     out = flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, max_q, max_k, **options)
     return out.view(batch, q_len, *out.shape[1:]) if q_idx is None else pad_input(out, q_idx, batch, q_len)
 
@@ -535,7 +515,7 @@ def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | No
     return m.derived["key_range"]
 
 
-def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
+def _attend_mask(m: TileattnMask, q, k, v, options, kwargs):
     """Attention under a ``TileattnMask`` (the routes are in the module's docstring)."""
     batch, q_len = q.shape[:2]
     if m.q_length != q_len or m.kv_length != k.shape[1] or m.batch_size != batch:
@@ -561,7 +541,7 @@ def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
                 m.derived["documents"] = _cu_seqlens(start)
             cu_q, max_q = m.derived["documents"]
             cu_k, max_k = cu_q, max_q
-        return _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options, sink)
+        return _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options)
     if kwargs.get("startend_row_indices") is not None:
         if m.general or m.padding is not None or not (m.aligned or not m.causal):
             raise Unsupported(
@@ -571,10 +551,10 @@ def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
         if options["softcap"]:
             raise Unsupported("tileattn: softcap is not supported with a FlashMask (startend_row_indices)")
         options = {key: value for key, value in options.items() if key != "softcap"}
-        options = _with_sink(flashmask_attention, options, sink, "flashmask_attention")
         return flashmask_attention(
             q, k, v, kwargs["startend_row_indices"], causal=m.causal, window_size=m.window_size(), **options
         )
+    sink = options.get("learnable_sink")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
     if not m.general:
         options = {**options, "causal": m.causal, "window_size": m.window_size()}
@@ -582,20 +562,19 @@ def _attend_mask(m: TileattnMask, q, k, v, options, sink, kwargs):
         # the mask depends on where queries and keys sit (causal, windows): the last query must be the last key
         placed = m.aligned or not (m.causal or windowed)
         if m.padding is None and placed:
-            return flash_attn_func(q, k, v, **_with_sink(flash_attn_func, options, sink, "flash_attn_func"))
+            return flash_attn_func(q, k, v, **options)
         # (unpadding closes holes between tokens, which would move keys into a window)
         if not compiling and placed and (not windowed or bool(_key_runs(m, device)[2])):
-            return _padded(q, k, v, m.padding, m.causal or windowed, options, sink)
+            return _padded(q, k, v, m.padding, m.causal or windowed, options)
         if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed):
             seqlens, leftpad = _key_range(m, device)
-            kv_options = {n: options[n] for n in ("softmax_scale", "causal", "window_size", "softcap")}
-            kv_options = _with_sink(flash_attn_with_kvcache, kv_options, sink, "flash_attn_with_kvcache")
+            kept = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
+            kv_options = {n: options[n] for n in kept if n in options}
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, **kv_options)
     # any other mask, and training where the fast paths do not apply: the mask as a FlashMask
     if options.pop("softcap"):
         raise Unsupported(f"tileattn: softcap with this attention mask ({m!r}), which runs as a FlashMask")
     options = {key: value for key, value in options.items() if key not in ("causal", "window_size")}
-    options = _with_sink(flashmask_attention, options, sink, "flashmask_attention")
     return flashmask_attention(q, k, v, _mask_function_flashmask(m, device), causal=False, **options)
 
 
@@ -630,30 +609,30 @@ def tileattn_attention_forward(
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: pad V to the query head dim, crop the output
         v = torch.nn.functional.pad(v, [0, head_dim - v_head_dim])
-    sink = None if s_aux is None else s_aux.float()
     options = dict(
         dropout_p=dropout if module.training else 0.0,
         softmax_scale=scaling,
         softcap=softcap or 0.0,
     )
+    if s_aux is not None:  # attention sinks, one logit per query head: fp32, with its gradient
+        options["learnable_sink"] = s_aux.float()
     if kwargs.get("deterministic"):
         options["deterministic"] = True
     if isinstance(attention_mask, TileattnMask):
-        out = _attend_mask(attention_mask, q, k, v, options, sink, kwargs)
+        out = _attend_mask(attention_mask, q, k, v, options, kwargs)
     else:
-        out = _attend_other(module, q, k, v, attention_mask, options, sink, sliding_window, is_causal, kwargs)
+        out = _attend_other(module, q, k, v, attention_mask, options, sliding_window, is_causal, kwargs)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out.to(dtype), None
 
 
-def _attend_other(module, q, k, v, attention_mask, options, sink, sliding_window, is_causal, kwargs):
+def _attend_other(module, q, k, v, attention_mask, options, sliding_window, is_causal, kwargs):
     """Attention without a ``TileattnMask``: None, a 2-D padding mask or a 4-D mask."""
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     if attention_mask is not None and attention_mask.dim() == 4:
         if options.pop("softcap") or kwargs.get("startend_row_indices") is not None:
             raise Unsupported("tileattn: a 4-D attention mask with softcap or startend_row_indices")
-        options = _with_sink(flashmask_attention, options, sink, "flashmask_attention")
         return flashmask_attention(q, k, v, _mask_4d_flashmask(attention_mask, q, k), causal=False, **options)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise Unsupported(f"tileattn: an attention mask of {attention_mask.dim()} dimensions; {_USE_INSTEAD}")
@@ -666,7 +645,6 @@ def _attend_other(module, q, k, v, attention_mask, options, sink, sliding_window
                 "tileattn: startend_row_indices (a FlashMask) with a padding mask or a softcap: hide padded keys in "
                 "the FlashMask and pass attention_mask=None"
             )
-        options = _with_sink(flashmask_attention, options, sink, "flashmask_attention")
         return flashmask_attention(q, k, v, kwargs["startend_row_indices"], **options)
     if attention_mask is not None:
         padding = attention_mask.to(torch.bool)
@@ -674,11 +652,11 @@ def _attend_other(module, q, k, v, attention_mask, options, sink, sliding_window
         runs = padding[:, 0].int() + (padding[:, 1:] & ~padding[:, :-1]).sum(-1)  # runs of tokens per row
         if windowed and bool((runs > 1).any()):
             raise Unsupported("tileattn: a 2-D padding mask with holes (padding between tokens) and a sliding window")
-        return _padded(q, k, v, padding, causal or windowed, options, sink)
+        return _padded(q, k, v, padding, causal or windowed, options)
     if kwargs.get("cu_seq_lens_q") is not None:
         cu_q, cu_k = (kwargs[n].to(torch.int32) for n in ("cu_seq_lens_q", "cu_seq_lens_k"))
-        return _varlen(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), options, sink)
-    return flash_attn_func(q, k, v, **_with_sink(flash_attn_func, options, sink, "flash_attn_func"))
+        return _varlen(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), options)
+    return flash_attn_func(q, k, v, **options)
 
 
 # --------------------------------------------------------------------------------------------------
