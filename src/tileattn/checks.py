@@ -83,13 +83,21 @@ def check_inputs(
     return first.dtype, first.device
 
 
-def check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headdim_v: int) -> None:
+def check_heads(
+    nheads: int, nheads_k: int, headdim: int, headdim_k: int, headdim_v: int, names: tuple[str, ...] = ("q", "k", "v")
+) -> None:
+    """Head counts and head dims of the caller's arguments ``names`` (query, key, value: e.g. k_cache)."""
+    q, k, v = names
     if nheads < 1 or nheads_k < 1:
-        raise InvalidArgument(f"nheads and nheads_k must be at least 1, got nheads={nheads}, nheads_k={nheads_k}")
+        raise InvalidArgument(
+            f"nheads ({q}'s heads) and nheads_k ({k}'s) must be at least 1, got nheads={nheads}, nheads_k={nheads_k}"
+        )
     if nheads % nheads_k != 0:
-        raise InvalidArgument(f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
+        raise InvalidArgument(
+            f"nheads ({nheads}, {q}'s heads) must be divisible by nheads_k ({nheads_k}, {k}'s) for MQA/GQA"
+        )
     if headdim_k != headdim or headdim_v != headdim:
-        raise InvalidArgument(f"q, k and v must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
+        raise InvalidArgument(f"{q}, {k} and {v} must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise InvalidArgument(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
 
@@ -304,6 +312,22 @@ def cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max
     return checked_once(
         (cu,), ("cu_seqlens", total, max_seqlen), lambda: cu_lengths(name, cu, total, max_name, max_seqlen)
     )
+
+
+def cu_tokens(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> tuple[int, int]:
+    """``cu_values`` of a packed call's two cu_seqlens at once (one lookup for both), as the query and key
+    rows their sequences use: ``(cu_seqlens_q[-1], cu_seqlens_k[-1])``."""
+
+    def check() -> tuple[int, int]:
+        lengths_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q)
+        lengths_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k)
+        return sum(lengths_q), sum(lengths_k)
+
+    args = ("cu_tokens", total_q, total_k, max_seqlen_q, max_seqlen_k)
+    return checked_once((cu_seqlens_q, cu_seqlens_k), args, check)
 
 
 def cu_lengths(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int) -> list[int]:

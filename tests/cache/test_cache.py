@@ -158,13 +158,6 @@ def test_example_matches_uncached_model(backend):
     assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
 
 
-def test_example_command_line_on_cpu():
-    """``python examples/paged_decode.py`` as printed (a few steps): it checks itself and says so."""
-    res = run_example("paged_decode", "--device", "cpu", "--steps", "5")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "cached decoding matches the uncached model" in res.stdout
-
-
 @pytest.mark.parametrize(
     "args, words",
     [

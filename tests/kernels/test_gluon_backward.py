@@ -108,7 +108,7 @@ def test_builds_match_the_oracle(case):
 def test_public_call_runs_it_when_the_settings_ask(headdim, monkeypatch):
     from tileattn.kernels.gluon import backward as hopper
 
-    calls = record_calls(monkeypatch, hopper, "attn_bwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -211,7 +211,7 @@ def test_dropout_through_the_public_call(headdim, monkeypatch):
 def _dropout_through_the_public_call(headdim, monkeypatch):
     from tileattn.kernels.gluon import backward as hopper
 
-    calls = record_calls(monkeypatch, hopper, "attn_bwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v, dout = gluon_case_inputs(case, 4)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -321,7 +321,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             assert t.shape == (1, *r.shape)
             check_close(f"{name} {build}", t[0], r, lo, floor_scale=scale)
-    calls = record_calls(monkeypatch, hopper, "attn_bwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with configs.override(configs.HOPPER):
         out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
@@ -349,7 +349,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):
             check_close(f"{name} {build}", t, r, lo, floor_scale=scale)
-    calls = record_calls(monkeypatch, hopper, "attn_bwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with configs.override(configs.HOPPER):  # (the table's build)
         tileattn.flash_attn_func(q, k, v, window_size=window).backward(dout)
@@ -390,9 +390,9 @@ def test_head_major_layouts(headdim, monkeypatch):
     ):
         check_close(name, t, r, lo, floor_scale=scale)
     calls = []
-    for module, name in ((hopper, "attn_bwd"), (hopper_fwd, "attn_fwd")):
-        run = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, run=run, name=name, **kw: calls.append(name) or run(*a, **kw))
+    for cls, name in ((hopper.Plan, "attn_bwd"), (hopper_fwd.Plan, "attn_fwd")):  # (the public calls run plans)
+        run = cls.run
+        monkeypatch.setattr(cls, "run", lambda *a, run=run, name=name, **kw: calls.append(name) or run(*a, **kw))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     tileattn.flash_attn_func(q, k, v, causal=True).backward(dout)
     assert calls == ["attn_fwd"] * (headdim in configs.HOPPER.fwd_gluon) + ["attn_bwd"]

@@ -75,7 +75,7 @@ def test_block_m_is_checked():
 def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     from tileattn.kernels.gluon import forward as hopper
 
-    calls = record_calls(monkeypatch, hopper, "attn_fwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
     out = tileattn.flash_attn_func(q, k, v, causal=True)
@@ -145,7 +145,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         assert out.shape == q4.shape and lse.shape == (nheads, cu_q[-1])
         check_close(f"out {build}", out[0], ref.out, low.out)
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
-    calls = record_calls(monkeypatch, hopper, "attn_fwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
     assert len(calls) == (headdim in configs.HOPPER.fwd_gluon)  # (the head dims the settings give it)
     check_close("out (public call)", out, ref.out, low.out)
@@ -171,7 +171,7 @@ def test_windows_match_the_oracle(case, monkeypatch):
         out, lse = hopper.attn_fwd(q, k, v, p, **build)
         check_close(f"out {build}", out, ref.out, low.out)
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
-    calls = record_calls(monkeypatch, hopper, "attn_fwd")
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     out = tileattn.flash_attn_func(q, k, v, window_size=window)
     check_close("out (public call)", out, ref.out, low.out)
     cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, device="cuda", dtype=torch.int32) for n in (seqlen_q, seqlen_k))
