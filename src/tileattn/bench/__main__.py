@@ -521,7 +521,7 @@ def parse_args(argv=None):
         "--hf-decode",
         action="store_true",
         help="Hugging Face greedy decoding, static cache, compiled decode step: tokens/s of a 1B Llama at batch 1 "
-        "and 16, attn_implementation='tileattn' against 'sdpa' (on CPU: a tiny model, eager)",
+        "and 16, attn_implementation='tileattn' against 'sdpa' (on CPU: a tiny model, eager) (default: off)",
     )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
