@@ -302,6 +302,23 @@ def test_host_on_the_cpu_path():
     assert "tileattn paged16" in format_host(rows)
 
 
+def test_hf_decode_on_the_cpu_path(tmp_path):
+    """--hf-decode's CPU form: a tiny Llama, static cache, each backend's first decode step checked against
+    fp64 eager attention before it is timed, tokens/s per backend and batch, rows written by the CLI."""
+    pytest.importorskip("transformers")
+    from tileattn.bench.__main__ import main, parse_args
+    from tileattn.bench.hf_decode import format_hf_decode, run_hf_decode
+
+    rows = run_hf_decode("cpu", batches=(1, 3), prompt_len=6, new_tokens=3, progress=lambda line: None)
+    assert [(r["backend"], r["batch"]) for r in rows] == [(b, n) for n in (1, 3) for b in ("tileattn", "sdpa")]
+    assert all(r["tokens_per_s"] > 0 and r["compiled"] is None and r["kind"] == "hf_decode" for r in rows)
+    assert "× sdpa" in format_hf_decode(rows)
+    assert parse_args(["--hf-decode"]).hf_decode and not parse_args([]).hf_decode
+    out = tmp_path / "r.jsonl"
+    assert main(["--hf-decode", "--device", "cpu", "--out", str(out)]) == 0
+    assert [json.loads(line)["batch"] for line in out.read_text().splitlines()] == [1, 1, 16, 16]
+
+
 def test_dropout_on_the_cpu_path(tmp_path):
     """--dropout's harness: tileattn with and without dropout (SDPA's FlashAttention-2 is CUDA only), the
     ratios over the dropout call's times, and the CLI writing its rows."""
@@ -373,6 +390,7 @@ def test_bench_uses_the_public_api_only():
     """The bench modules (the tuner aside, which sweeps the kernels' tables) import tileattn's public
     modules only, so they measure what users call."""
     public = {"tileattn", "tileattn.reference", "tileattn.testing", "tileattn.cache", "tileattn.rotary"}
+    public.add("tileattn.integrations.transformers")  # (--hf-decode: attn_implementation="tileattn")
     bench = pathlib.Path(__file__).parents[2] / "src" / "tileattn" / "bench"
     for path in sorted(bench.glob("*.py")):
         if path.name == "tune.py":

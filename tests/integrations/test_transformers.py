@@ -170,13 +170,14 @@ def _flattened_batch(lengths):
 def test_packed_sequences_match_separate_runs(impl, name, packing):
     """One row holding three sequences equals the three run alone: logits, and the gradients of a loss
     summed over the tokens. ``collator``: DataCollatorWithFlattening's cu_seq_lens/max_length kwargs;
-    ``position_ids``: only position_ids restarting at 0 (the model derives the sequences)."""
+    ``position_ids``: only position_ids restarting at 0 (transformers derives the sequences from them when
+    the forward has no cache, as in training; with one, eager attention sees one sequence per row)."""
     cfg = _decoder_configs()[name]
     dtype = _dtype(impl)
     lengths = [5, 9, 4]
     batch, seqs = _flattened_batch(lengths)
     if packing == "position_ids":
-        batch = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        batch = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     model = _model(cfg, impl, dtype)
     packed = model(**batch).logits[0]
     grads = _grads(model, packed.float().square().sum() / packed.numel())
@@ -266,13 +267,193 @@ def test_flashmask_through_model_kwargs():
     _check_grads("flashmask", grads, ref_grads, lowp_grads)
 
 
-def test_custom_4d_mask_is_refused():
-    from tileattn.integrations.transformers import tileattn_attention_forward
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_custom_4d_mask_matches_eager(kind):
+    """A 4-D mask passed to the model (here: two documents per row and a hidden key), boolean (True:
+    visible, as SDPA reads it) or additive, runs as a FlashMask and matches eager attention with the same
+    mask (additive: eager adds a boolean mask to the scores)."""
+    cfg = _decoder_configs()["llama-gqa"]
+    ids = torch.randint(0, 97, (2, 11), device=DEVICE)
+    seen = torch.ones(11, 11, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+    seen[0, :, 6:, :6] = False  # row 0: documents [0, 6) and [6, 11)
+    seen[1, :, :, 3] = False  # row 1: key 3 hidden from every query
+    seen[1, :, 3, 3] = True  # (but query 3 sees itself)
+    results = {}
+    for run_impl, run_dtype in (("tileattn", torch.float32), ("eager", torch.float32), ("eager", REF_DTYPE)):
+        additive = torch.zeros(seen.shape, dtype=run_dtype).masked_fill(~seen, -torch.inf)
+        mask = seen if kind == "bool" and run_impl == "tileattn" else additive
+        logits = _model(cfg, run_impl, run_dtype)(ids, attention_mask=mask.to(DEVICE)).logits
+        results[run_impl, run_dtype] = logits
+    out, lowp, ref = results["tileattn", torch.float32], results["eager", torch.float32], results["eager", REF_DTYPE]
+    check_close(f"4-D {kind} mask logits", out, ref, lowp)
+
+
+def test_additive_bias_is_refused():
+    from tileattn.integrations.transformers import Unsupported
+
+    cfg = _decoder_configs()["llama-gqa"]
+    bias = torch.randn(1, 1, 5, 5)
+    with pytest.raises(Unsupported, match="additive attention bias"):
+        _model(cfg, "tileattn", torch.float32)(torch.randint(0, 97, (1, 5), device=DEVICE), attention_mask=bias)
+
+
+@pytest.mark.parametrize(
+    "keyword, value, words",
+    [
+        ("position_bias", torch.zeros(1, 2, 3, 3), "position_bias= .*additive attention bias"),
+        ("sinks", torch.zeros(1, 2, 3, 1), "sinks= .*sinks per query token"),
+        ("indices", torch.zeros(1, 3, 2, dtype=torch.int32), "indices= .*sparse attention"),
+        ("my_bias", torch.zeros(3), "my_bias= .*a keyword tileattn does not know"),
+        ("output_attentions", True, "output_attentions=True"),
+    ],
+)
+def test_keywords_that_change_the_attention_are_refused(keyword, value, words):
+    """A keyword that tileattn does not apply is refused by name; harmless ones and unset ones pass."""
+    from tileattn.integrations.transformers import Unsupported, tileattn_attention_forward
 
     module = torch.nn.Linear(1, 1)
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="2-D padding mask"):
-        tileattn_attention_forward(module, q, q, q, torch.zeros(1, 1, 3, 3))
+    with pytest.raises(Unsupported, match=words):
+        tileattn_attention_forward(module, q, q, q, None, **{keyword: value})
+    harmless = {"output_attentions": False, "position_ids": torch.arange(3)[None], keyword: None}
+    out, _ = tileattn_attention_forward(module, q, q, q, None, **harmless)
+    assert out.shape == (1, 3, 2, 8)
+
+
+def test_mask_used_outside_the_attention_is_refused():
+    """The mask of attn_implementation="tileattn" is no tensor: code that uses it as one (a model's own
+    attention code) gets a clear error, not a silently different mask."""
+    from transformers.masking_utils import causal_mask_function
+
+    from tileattn.integrations.transformers import Unsupported, tileattn_mask
+
+    mask = tileattn_mask(2, 5, 5, mask_function=causal_mask_function, attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    scores = torch.zeros(2, 1, 5, 5)
+    for use in (
+        lambda: scores + mask,
+        lambda: mask[:, :, :, :3],
+        lambda: mask.dtype,
+        lambda: torch.where(torch.ones(5, dtype=torch.bool), mask, 0),
+        lambda: bool(mask),
+    ):
+        with pytest.raises(Unsupported, match="outside tileattn's attention function"):
+            use()
+
+
+def test_models_with_their_own_attention_code_are_refused_when_created():
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from tileattn.integrations.transformers import Unsupported
+
+    cfg = BloomConfig(vocab_size=97, hidden_size=32, n_layer=1, n_head=4)
+    with pytest.raises(Unsupported, match="BloomForCausalLM computes attention with its own code"):
+        AutoModelForCausalLM.from_config(cfg, attn_implementation="tileattn")
+    AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")  # (others are untouched)
+
+
+def _runs_oracle(seen: torch.Tensor) -> torch.Tensor:
+    """The FlashMask (C = 4) of a visibility mask, column by column: the first run of hidden rows as the
+    upper interval, the second as the lower one."""
+    batch, heads, seqlen_q, seqlen_k = seen.shape
+    idx = torch.zeros(batch, heads, seqlen_k, 4, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(heads):
+            for j in range(seqlen_k):
+                hidden = (~seen[b, h, :, j]).tolist() + [False]
+                runs, start = [], None
+                for i, x in enumerate(hidden):
+                    if x and start is None:
+                        start = i
+                    elif not x and start is not None:
+                        runs.append((start, i))
+                        start = None
+                assert len(runs) <= 2
+                upper = runs[0] if runs else (0, 0)
+                lower = runs[1] if len(runs) > 1 else (seqlen_q, seqlen_q)
+                idx[b, h, j] = torch.tensor([*lower, *upper])
+    return idx
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 64])
+def test_masks_become_flashmasks(rows_per_block, monkeypatch):
+    """Visibility masks with at most two runs of hidden rows per key column become the FlashMask that
+    hides exactly them, whatever the blocks of rows they are read in; a third run is refused."""
+    import oracle
+    from tileattn.integrations import transformers as hf
+
+    g = torch.Generator().manual_seed(0)
+    seqlen_q, seqlen_k = 13, 9
+    i = torch.arange(seqlen_q)[:, None]
+    a = torch.randint(0, seqlen_q + 1, (2, 3, 1, seqlen_k), generator=g)
+    b = torch.randint(0, seqlen_q + 1, (2, 3, 1, seqlen_k), generator=g)
+    c = torch.randint(0, seqlen_q + 1, (2, 3, 1, seqlen_k), generator=g)
+    lo, mid, hi = torch.sort(torch.stack([a, b, c]), 0).values
+    seen = ~(((i >= lo) & (i < mid)) | (i >= hi))  # hidden: [lo, mid) and [hi, seqlen_q)
+    blocks = (seen[:, :, s : s + rows_per_block] for s in range(0, seqlen_q, rows_per_block))
+    idx = hf._column_runs(blocks, seen.shape, torch.device("cpu"))
+    assert torch.equal(idx, _runs_oracle(seen))
+    assert torch.equal(oracle.flashmask_visible(idx, False, seqlen_q), seen)
+    three = seen.clone()
+    three[0, 0, :, 0] = torch.tensor([0, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    blocks = (three[:, :, s : s + rows_per_block] for s in range(0, seqlen_q, rows_per_block))
+    with pytest.raises(hf.Unsupported, match="more than two runs"):
+        hf._column_runs(blocks, three.shape, torch.device("cpu"))
+
+
+def test_static_cache_decode_step_compiles_in_one_graph():
+    """The decode step with a static cache and a left-padded batch traces as one graph
+    (``torch.compile(fullgraph=True)``; the eager backend, as inductor's C++ build is slow on CPU): no host
+    read, no data-dependent shape (flash_attn_with_kvcache with cache_seqlens and cache_leftpad). Its
+    logits match an eager forward over the same tokens."""
+    from transformers import StaticCache
+
+    cfg = _decoder_configs()["llama-gqa"]
+    ids = torch.randint(3, 97, (2, 6), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    model = _model(cfg, "tileattn", torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=10)
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        token = model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1:].argmax(-1)
+        seq, scores = torch.cat([ids, token], 1), []
+        for _ in range(2):
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            logits = step(token, attention_mask=mask, position_ids=positions[:, -1:] + 1, cache=cache).logits
+            positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+            scores.append(logits[:, -1])
+            token = logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, token], 1)
+    scores = torch.stack(scores, 1)
+    refs = {}
+    for dtype in (REF_DTYPE, torch.float32):
+        eager = _model(cfg, "eager", dtype)
+        refs[dtype] = eager(seq[:, :-1], attention_mask=mask, position_ids=positions).logits[:, -2:]
+    check_close("compiled decode steps", scores, refs[REF_DTYPE], refs[torch.float32])
+
+
+def test_generate_compiles_its_static_cache_decode_step_once():
+    """transformers' generate with a static cache compiles the model's forward (here on CPU, with the
+    eager backend and fullgraph=True): the masks it builds ahead of each step pass into the compiled
+    forward, one graph serves every step, and the tokens are those of the uncompiled generate."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    cfg = _decoder_configs()["llama-gqa"]
+    model = _model(cfg, "tileattn", torch.float32)
+    ids = torch.randint(3, 97, (2, 7), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    compile_config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    compile_config._compile_all_devices = True  # (transformers compiles on accelerators only otherwise)
+    options = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(ids, cache_implementation="static", compile_config=compile_config, **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    eager = model.generate(ids, cache_implementation="static", disable_compile=True, **options)
+    assert torch.equal(compiled, eager)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ against SDPA),
 ``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
 decoding beside GQA decoding), ``--cp`` (context parallelism across the host's GPUs: scaling against one
 GPU, exactness, the longest sequence), ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
-cuDNN in each layout's rounds) and ``--host`` (host time per call at launch-bound sizes).
+cuDNN in each layout's rounds), ``--host`` (host time per call at launch-bound sizes) and ``--hf-decode``
+(Hugging Face greedy decoding with the static cache and a compiled decode step, tokens/s against SDPA).
 """
 
 from __future__ import annotations
@@ -516,6 +517,12 @@ def parse_args(argv=None):
         help="GPU: host time per call at launch-bound sizes (1 x 128 x 16 x 64 causal training calls, decode at 1 x 8k) "
         "against SDPA (default: off)",
     )
+    ap.add_argument(
+        "--hf-decode",
+        action="store_true",
+        help="Hugging Face greedy decoding, static cache, compiled decode step: tokens/s of a 1B Llama at batch 1 "
+        "and 16, attn_implementation='tileattn' against 'sdpa' (on CPU: a tiny model, eager) (default: off)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: PyTorch sees no CUDA GPU here; leave --device out to run on the CPU")
@@ -607,6 +614,13 @@ def main(argv=None) -> int:
         rows = run_host(device, dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
         append_results(args.out, rows)
         print(format_host(rows))
+        return 0
+    if args.hf_decode:
+        from tileattn.bench.hf_decode import format_hf_decode, run_hf_decode
+
+        rows = run_hf_decode(device, dtype=torch.float16 if args.dtype == "fp16" else None)
+        append_results(args.out, rows)
+        print(format_hf_decode(rows))
         return 0
     if args.masks:
         if not _on_gpu(device, "--masks"):

@@ -1,35 +1,418 @@
 """Hugging Face transformers on tileattn: ``attn_implementation="tileattn"``.
 
-Importing this module registers an attention function and its mask format with transformers::
+Importing this module registers an attention function and a mask function with transformers::
 
     import tileattn.integrations.transformers  # noqa: F401
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tileattn")
 
-Models receive the 2-D padding mask (the format transformers builds for FlashAttention, or None when
-nothing is padded). Padded batches run packed through ``flash_attn_varlen_func``; packed sequences
-(``position_ids`` restarting at 0 inside one row, or ``cu_seq_lens_q``/``cu_seq_lens_k`` from a
-flattening data collator) run varlen too. Causal masks align to the bottom-right corner, so decoding with
-a cache (fewer queries than keys) is correct.
+Every model family gives what ``attn_implementation="eager"`` gives, or is refused with ``Unsupported``
+(a ``NotImplementedError``) naming what tileattn cannot do, when the model is created or first called;
+docs/huggingface.md lists the families.
 
-A FlashMask reaches the attention as a keyword of the model's forward, which transformers hands down to
-every attention layer: ``model(input_ids, startend_row_indices=idx)`` with ``idx`` int32 ``(batch, 1 or
-heads, seq_len, C)`` from ``tileattn.masks`` runs ``flashmask_attention`` (the model's causal flag on top)
-in every layer, in place of a 4-D mask; the padding mask must then be None (hide padded keys in the
-FlashMask itself). The name has no "flash" in it: transformers 5 sends such
-names to its hub-kernel loader.
+The mask. transformers builds one mask per forward and layer type from a *mask function* (causal,
+bidirectional, sliding window, chunked, prefix LM, packed documents...), the 2-D padding mask and the
+cache's offsets. Here it becomes a ``TileattnMask``, which the attention reads: causal, bidirectional and
+sliding-window masks run ``flash_attn_func`` (nothing padded), ``flash_attn_varlen_func`` (padded batches;
+packed documents, the ``position_ids`` restarting inside rows, over the flattened rows) or
+``flash_attn_with_kvcache`` (a static cache, or under ``torch.compile``: no host sync); any other mask
+function (Llama 4's chunks, PaliGemma's prefix, overlays for image tokens...) is evaluated block by block
+into a FlashMask, per key column the runs of query rows it hides, O(seq_len) memory, and runs
+``flashmask_attention``. A mask that needs more than two runs of hidden rows in a column is refused. A
+4-D mask a model builds itself (0 / -inf, or boolean) is converted the same way; an additive bias is
+refused.
+
+Refused, with an error naming it: a model that runs its own attention code under the name (checked when
+it is created: transformers' own test, the modeling file calling ``ALL_ATTENTION_FUNCTIONS``; and a
+``TileattnMask`` used outside this module's attention raises), and every keyword a model passes to the
+attention that changes the result and that tileattn does not apply (``position_bias``, per-token
+``sinks``, sparse ``indices``...). Attention sinks (``s_aux``, one logit per head) go to tileattn's
+``learnable_sink``.
+
+A FlashMask of your own reaches the attention as a keyword of the model's forward, which transformers
+hands down to every attention layer: ``model(input_ids, startend_row_indices=idx)`` with ``idx`` int32
+``(batch, 1 or heads, seq_len, C)`` from ``tileattn.masks`` runs ``flashmask_attention`` (the model's
+causal mask on top) in every layer; nothing may be padded then (hide padded keys in the FlashMask).
+The name has no "flash" in it: transformers 5 sends such names to its hub-kernel loader.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers import AttentionInterface, PreTrainedModel
+from transformers import masking_utils as mu
+from transformers.masking_utils import AttentionMaskInterface
 
 from tileattn.api import flash_attn_func, flash_attn_varlen_func
 from tileattn.bert_padding import pad_input, unpad_input
+from tileattn.kvcache import flash_attn_with_kvcache
 from tileattn.masks import flashmask_attention
 
 NAME = "tileattn"
+_NAMES: set[str] = set()
+
+
+class Unsupported(NotImplementedError):
+    """A model, mask or keyword that tileattn cannot run exactly: raised when the model is created or
+    first called, rather than giving an answer that differs from ``attn_implementation="eager"``."""
+
+
+_USE_INSTEAD = "use attn_implementation='sdpa' or 'eager' for this model"
+
+# Keywords that reach the attention and do not change its result (or are applied here).
+_HARMLESS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "cache",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "seq_idx",
+        "layer_idx",
+        "token_type_ids",
+        "position_embeddings",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "startend_row_indices",
+        "deterministic",
+    }
+)
+# Keywords whose meaning is known and that tileattn does not apply: refused by name when set.
+_MEANINGS = {
+    "position_bias": "an additive attention bias (relative positions, T5-style)",
+    "sinks": "attention sinks per query token",
+    "indices": "sparse attention indices (top-k keys per query)",
+    "block_indices": "sparse attention block indices",
+    "head_mask": "a mask over attention heads",
+    "layer_head_mask": "a mask over attention heads",
+    "alibi": "an ALiBi bias",
+    "attention_chunk_size": "chunked attention",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The mask
+# --------------------------------------------------------------------------------------------------
+
+
+def _foreign(what: str) -> Unsupported:
+    return Unsupported(
+        f"tileattn: the attention mask of attn_implementation='tileattn' was used outside tileattn's attention "
+        f"function ({what}): this model computes (some of) its attention with its own code, or reshapes the mask, "
+        f"which tileattn cannot run; {_USE_INSTEAD}"
+    )
+
+
+def _refuse_use(self, *args, **kwargs):
+    raise _foreign("an operator")
+
+
+class TileattnMask:
+    """The mask transformers builds for ``attn_implementation="tileattn"``: one per forward and layer type,
+    shared by the layers (what is derived from it is computed once, in ``derived``).
+
+    ``padding``: bool ``(batch, kv_length)``, which key slots hold tokens (None: all); ``q_offset`` /
+    ``kv_offset``: the positions of the first query and key slot (``q_offset`` a 0-d tensor with a static
+    cache); ``causal`` / ``window``: the recognised mask (``window``: transformers' sliding window), or
+    ``general`` when the mask function is anything else (evaluated into a FlashMask); ``documents``: the
+    packed-sequence ids ``(batch, seq_len)`` when ``position_ids`` restart inside rows.
+
+    Used as a tensor by code other than tileattn's attention function (a model's own attention code),
+    it raises ``Unsupported``. ``ndim`` is 4, as of the prepared masks that transformers passes through
+    unchanged (``generate`` builds the masks ahead of the forward with a static cache)."""
+
+    ndim = 4
+
+    def __init__(
+        self,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        padding,
+        use_vmap,
+        causal,
+        window,
+        general,
+        documents,
+    ):
+        self.batch_size = batch_size
+        self.q_length = q_length
+        self.kv_length = kv_length
+        self.q_offset = q_offset
+        self.kv_offset = kv_offset
+        self.mask_function = mask_function
+        self.attention_mask = attention_mask
+        self.padding = padding
+        self.use_vmap = use_vmap
+        self.causal = causal
+        self.window = window
+        self.general = general
+        self.documents = documents
+        self.derived = {}
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the last query and the last key slot are the same position (no cache, or a dynamic
+        one), as bottom-right causal masks assume."""
+        return isinstance(self.q_offset, int) and self.q_offset + self.q_length == self.kv_offset + self.kv_length
+
+    def window_size(self) -> tuple[int, int]:
+        if self.window is None:
+            return (-1, -1)
+        # causal: key j visible from query i if i - j < window; bidirectional: if |i - j| <= window
+        return (self.window - 1, 0) if self.causal else (self.window, self.window)
+
+    def __repr__(self) -> str:
+        kind = "general" if self.general else ("causal" if self.causal else "bidirectional")
+        return f"TileattnMask({kind}, window={self.window}, q={self.q_length}, kv={self.kv_length})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise _foreign(getattr(func, "__name__", str(func)))
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _foreign(f"attribute {name!r}")
+
+    __getitem__ = __bool__ = __len__ = __iter__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse_use
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse_use
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __invert__ = __neg__ = _refuse_use
+    __hash__ = object.__hash__
+
+
+def _cells(fn) -> dict:
+    closure = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
+
+
+def _made_by(fn, factory) -> bool:
+    """Whether ``fn`` is the inner function of the transformers mask factory ``factory``."""
+    return getattr(fn, "__module__", None) == mu.__name__ and getattr(fn, "__qualname__", "").startswith(
+        factory.__qualname__ + ".<locals>."
+    )
+
+
+def _plain(fn) -> tuple[bool, int | None] | None:
+    """``(causal, window)`` for transformers' causal, bidirectional and sliding-window mask functions;
+    None for anything else."""
+    if fn is mu.causal_mask_function:
+        return True, None
+    if fn is mu.bidirectional_mask_function:
+        return False, None
+    if _made_by(fn, mu.and_masks):
+        parts = _cells(fn).get("mask_functions", ())
+        if len(parts) == 2:
+            overlay, base = parts
+            if _made_by(overlay, mu.sliding_window_overlay) and base is mu.causal_mask_function:
+                return True, int(_cells(overlay)["sliding_window"])
+            if _made_by(overlay, mu.sliding_window_bidirectional_overlay) and base is mu.bidirectional_mask_function:
+                return False, int(_cells(overlay)["sliding_window"])
+    return None
+
+
+def _packed(fn) -> tuple[tuple[bool, int | None], torch.Tensor] | None:
+    """The base mask and the sequence ids of transformers' packed-sequence mask (``position_ids``
+    restarting inside rows): ``and_masks(remap_positions(base, position_ids), same_sequence(ids))``."""
+    if not _made_by(fn, mu.and_masks):
+        return None
+    parts = _cells(fn).get("mask_functions", ())
+    if len(parts) != 2:
+        return None
+    remap, same = parts
+    if not (
+        _made_by(remap, mu.remap_positions_for_packed_sequence) and _made_by(same, mu.packed_sequence_mask_function)
+    ):
+        return None
+    base = _plain(_cells(remap)["mask_function"])
+    if base is None:
+        return None
+    # (within one sequence the positions grow by exactly 1, so the base mask on positions is the base
+    # mask on indices)
+    return base, _cells(same)["packed_sequence_mask"]
+
+
+def _compiling(device: torch.device) -> bool:
+    """Under torch.compile or CUDA graph capture: no host reads, no data-dependent shapes."""
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """Refuses when ``ok`` (a bool tensor) is False: read on the host, or asserted on the device where the
+    host may not read (the kernel's assertion stops the program)."""
+    if _compiling(ok.device):
+        torch._assert_async(ok, "tileattn: " + message)
+    elif not bool(ok):
+        raise Unsupported("tileattn: " + message)
+
+
+def tileattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=mu.causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    use_vmap: bool = False,
+    **kwargs,
+) -> TileattnMask:
+    """transformers' mask interface (``AttentionMaskInterface``): what the attention needs of the mask,
+    without materialising it (see ``TileattnMask``)."""
+    if isinstance(attention_mask, TileattnMask):  # built ahead (generate with a static cache)
+        return attention_mask
+    if isinstance(q_offset, torch.Tensor):  # (a static cache's length, which its update increments in place)
+        q_offset = q_offset.clone()
+    padding = None
+    if attention_mask is not None:
+        full = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        padding = full[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+        if not _compiling(padding.device) and bool(padding.all()):
+            padding = None
+    plain, documents = _plain(mask_function), None
+    if plain is None:
+        packed = _packed(mask_function)
+        if packed is not None:
+            plain, documents = packed
+    causal, window = plain if plain is not None else (False, None)
+    return TileattnMask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        padding,
+        use_vmap,
+        causal,
+        window,
+        plain is None,
+        documents,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks as FlashMasks: per key column, the runs of query rows it hides
+# --------------------------------------------------------------------------------------------------
+
+_BLOCK_ELEMENTS = 1 << 22  # elements of one block of rows evaluated at a time
+
+
+def _column_runs(blocks, shape, device) -> torch.Tensor:
+    """The FlashMask (C = 4, not causal) of a visibility mask given as blocks of query rows: ``blocks``
+    yields bool ``(batch, heads, rows, kv)`` blocks, in order, of a mask of ``shape`` ``(batch, heads,
+    seq_q, kv)``. A column's hidden rows may form at most two runs: the first becomes the upper interval
+    [UTS, UTE), the second the lower one [LTS, LTE); more is refused."""
+    batch, heads, seq_q, kv = shape
+    first = torch.full((4, batch, heads, kv), seq_q, dtype=torch.int64, device=device)  # s1, e1, s2, e2
+    starts = torch.zeros(batch, heads, kv, dtype=torch.int64, device=device)
+    ends = torch.zeros_like(starts)
+    last = torch.zeros(batch, heads, kv, dtype=torch.bool, device=device)
+    too_many = torch.zeros((), dtype=torch.bool, device=device)
+    row0 = 0
+    for visible in blocks:
+        hidden = ~visible.expand(batch, heads, -1, kv)
+        rows = hidden.shape[2]
+        before = torch.cat([last[:, :, None], hidden[:, :, :-1]], 2)
+        index = torch.arange(row0, row0 + rows, device=device).view(1, 1, rows, 1)
+        for flags, count, slots in ((hidden & ~before, starts, (0, 2)), (~hidden & before, ends, (1, 3))):
+            ordinal = count[:, :, None] + flags.cumsum(2)
+            for k, slot in enumerate(slots, start=1):
+                at = torch.where(flags & (ordinal == k), index, seq_q).amin(2)
+                first[slot] = torch.minimum(first[slot], at)
+            if slots[0] == 0:
+                too_many = too_many | (flags & (ordinal > 2)).any()
+            count += flags.sum(2)
+        last = hidden[:, :, -1]
+        row0 += rows
+    # a run still open at the last row ends at seq_q (already the default)
+    s1, e1, s2, e2 = first
+    _require(
+        ~too_many,
+        "the attention mask hides more than two runs of query rows in some key column, which a FlashMask cannot hold",
+    )
+    empty_upper = torch.zeros_like(s1)
+    upper = (torch.where(s1 < e1, s1, empty_upper), torch.where(s1 < e1, e1, empty_upper))
+    lower = (torch.where(s2 < e2, s2, seq_q), torch.where(s2 < e2, e2, seq_q))
+    return torch.stack([lower[0], lower[1], upper[0], upper[1]], -1).to(torch.int32)
+
+
+def _mask_function_flashmask(m: TileattnMask, device) -> torch.Tensor:
+    """The FlashMask ``(batch, 1, kv_length, 4)`` of the mask transformers' eager attention would build
+    (``sdpa_mask``: the mask function at the offsets, the padding), evaluated a block of rows at a time."""
+    if "flashmask" not in m.derived:
+        rows = max(1, _BLOCK_ELEMENTS // max(1, m.batch_size * m.kv_length))
+
+        def blocks():
+            for start in range(0, m.q_length, rows):
+                yield mu.sdpa_mask(
+                    batch_size=m.batch_size,
+                    q_length=min(rows, m.q_length - start),
+                    kv_length=m.kv_length,
+                    q_offset=m.q_offset + start,
+                    kv_offset=m.kv_offset,
+                    mask_function=m.mask_function,
+                    attention_mask=m.attention_mask,
+                    allow_is_causal_skip=False,
+                    allow_is_bidirectional_skip=False,
+                    use_vmap=m.use_vmap,
+                    device=device,
+                )
+
+        m.derived["flashmask"] = _column_runs(blocks(), (m.batch_size, 1, m.q_length, m.kv_length), device)
+    return m.derived["flashmask"]
+
+
+# an additive mask value at or below this hides the key (its exponential is 0 in every float format)
+_HIDDEN_BELOW = -1e4
+
+
+def _mask_4d_flashmask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The FlashMask of a 4-D mask ``(batch or 1, heads or 1, seq_q, >= seq_k)`` that a model built itself:
+    boolean (True: visible) or additive (0: visible, -inf or <= -1e4: hidden); any other additive value
+    is a bias, refused."""
+    batch, seq_q, nheads = q.shape[0], q.shape[1], q.shape[2]
+    seq_k = k.shape[1]
+    if (
+        mask.shape[2] != seq_q
+        or mask.shape[3] < seq_k
+        or mask.shape[0] not in (1, batch)
+        or mask.shape[1] not in (1, nheads)
+    ):
+        raise Unsupported(
+            f"tileattn: a 4-D attention mask must be (batch or 1, heads or 1, seq_q, seq_k) = "
+            f"({batch}, {nheads}, {seq_q}, {seq_k}); got {tuple(mask.shape)}"
+        )
+    mask = mask[..., :seq_k]
+    if mask.dtype == torch.bool:
+        visible = mask
+    else:
+        visible = mask == 0
+        if not bool(((mask <= _HIDDEN_BELOW) | visible).all()):
+            raise Unsupported(
+                "tileattn: the model passes an additive attention bias (a 4-D float mask with values other than "
+                f"0 and -inf), which tileattn does not add; {_USE_INSTEAD}"
+            )
+    heads = mask.shape[1]
+    rows = max(1, _BLOCK_ELEMENTS // max(1, batch * heads * seq_k))
+    blocks = (visible[:, :, s : s + rows] for s in range(0, seq_q, rows))
+    return _column_runs(blocks, (batch, heads, seq_q, seq_k), q.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention
+# --------------------------------------------------------------------------------------------------
 
 
 def _target_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
@@ -43,14 +426,156 @@ def _target_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype |
     return weights.dtype if weights is not None else torch.bfloat16
 
 
-def _cu_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sequence starts where position_ids restart (a batch of one packed row)."""
-    pos = position_ids.reshape(-1)
-    starts = (pos == 0).nonzero().view(-1)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+def _check_keywords(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuses every keyword that would change the attention and that tileattn does not apply."""
+    for name, value in kwargs.items():
+        if name in _HARMLESS or value is None or value is False:
+            continue
+        if name == "output_attentions":
+            raise Unsupported(
+                "tileattn: output_attentions=True needs the attention probabilities, which tileattn never forms; "
+                "use attn_implementation='eager' to get them"
+            )
+        meaning = _MEANINGS.get(name, "a keyword tileattn does not know")
+        raise Unsupported(
+            f"tileattn: {type(module).__name__} passes {name}= to its attention ({meaning}), which tileattn does "
+            f"not apply; {_USE_INSTEAD}"
+        )
+
+
+def _cu_seqlens(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """cu_seqlens and the longest length of the sequences that start where ``mask`` (flattened) is True."""
+    starts = mask.reshape(-1).nonzero().view(-1)
+    cu = torch.cat([starts, starts.new_tensor([mask.numel()])]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options):
+    flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    return flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).view(q.shape)
+
+
+def _padded(q, k, v, padding, last_slots, options):
+    """Padded rows as varlen: the keys of each row are its unpadded slots; the queries are the row's last
+    ``q_len`` slots, unpadded alike (``last_slots``: self-attention where the mask depends on positions,
+    causal or windowed), or every query row (bidirectional without a window, cross-attention: the
+    queries are not the keys)."""
+    batch, q_len = q.shape[:2]
+    k_flat, k_idx, cu_k, max_k, _ = unpad_input(k, padding)
+    v_flat = v.reshape(-1, *v.shape[2:])[k_idx]
+    if last_slots:
+        q_flat, q_idx, cu_q, max_q, _ = unpad_input(q, padding[:, -q_len:])
+    else:
+        q_flat, q_idx = q.reshape(-1, *q.shape[2:]), None
+        cu_q, max_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device), q_len
+    out = flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, max_q, max_k, **options)
+    return out.view(batch, q_len, *out.shape[1:]) if q_idx is None else pad_input(out, q_idx, batch, q_len)
+
+
+def _key_runs(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(first, end, one_run)`` of each row's key slots (``m.padding`` set): the first and one past the
+    last slot holding a token, and whether the tokens are one run of slots (no padding between them)."""
+    if "key_runs" not in m.derived:
+        p, kv = m.padding, m.kv_length
+        first = (p.cumsum(-1) == 0).sum(-1).to(torch.int32)
+        end = kv - (p.flip(-1).cumsum(-1) == 0).sum(-1).to(torch.int32)
+        slot = torch.arange(kv, device=device)
+        one_run = (p == ((slot >= first[:, None]) & (slot < end[:, None]))).all()
+        m.derived["key_runs"] = (first, end, one_run)
+    return m.derived["key_runs"]
+
+
+def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(cache_seqlens, cache_leftpad)`` of the mask for ``flash_attn_with_kvcache``: each row's keys must
+    be one run of slots ``[leftpad, seqlens)`` (left padding, a static cache's unwritten slots after),
+    and, causal, the last query sits at slot ``seqlens - 1``. Checked once per forward."""
+    if "key_range" not in m.derived:
+        batch, kv = m.batch_size, m.kv_length
+        leftpad = None
+        if m.causal:
+            end = m.q_offset + m.q_length - m.kv_offset
+            if isinstance(end, torch.Tensor):
+                end = end.to(device=device, dtype=torch.int32)
+            else:
+                end = torch.tensor(end, dtype=torch.int32, device=device)
+            seqlens = end.reshape(1).expand(batch)
+        else:
+            seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
+        if m.padding is not None:
+            leftpad, high, one_run = _key_runs(m, device)
+            # (causal: slots after the row's last token hold padding, seen only by padded queries)
+            _require(
+                one_run,
+                "a padding mask with holes (padding between tokens) on this path (a static cache or "
+                "torch.compile): pad on the left",
+            )
+            if not m.causal:
+                seqlens = high
+        m.derived["key_range"] = (seqlens.contiguous(), leftpad)
+    return m.derived["key_range"]
+
+
+def _attend_mask(m: TileattnMask, q, k, v, options, kwargs):
+    """Attention under a ``TileattnMask`` (the routes are in the module's docstring)."""
+    batch, q_len = q.shape[:2]
+    if m.q_length != q_len or m.kv_length != k.shape[1] or m.batch_size != batch:
+        raise Unsupported(
+            f"tileattn: the mask was built for {m.batch_size} rows of {m.q_length} queries and {m.kv_length} keys, "
+            f"but the attention gets {batch} x {q_len} queries and {k.shape[1]} keys; {_USE_INSTEAD}"
+        )
+    device = q.device
+    compiling = _compiling(device)
+    cu_given = kwargs.get("cu_seq_lens_q") is not None
+    if cu_given or m.documents is not None:
+        if m.general or m.padding is not None or not m.aligned:
+            raise Unsupported("tileattn: packed sequences (cu_seq_lens or position_ids) with padding or a cache")
+        options = {**options, "causal": m.causal, "window_size": m.window_size()}
+        if cu_given:
+            cu_q, cu_k = (kwargs[n].to(torch.int32) for n in ("cu_seq_lens_q", "cu_seq_lens_k"))
+            max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+        else:
+            if "documents" not in m.derived:
+                ids = m.documents
+                start = torch.ones_like(ids, dtype=torch.bool)
+                start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+                m.derived["documents"] = _cu_seqlens(start)
+            cu_q, max_q = m.derived["documents"]
+            cu_k, max_k = cu_q, max_q
+        return _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options)
+    if kwargs.get("startend_row_indices") is not None:
+        if m.general or m.padding is not None or not (m.aligned or not m.causal):
+            raise Unsupported(
+                "tileattn: startend_row_indices (a FlashMask) with a padding mask, a cache or another mask: hide "
+                "padded keys in the FlashMask and pass attention_mask=None"
+            )
+        if options["softcap"]:
+            raise Unsupported("tileattn: softcap is not supported with a FlashMask (startend_row_indices)")
+        options = {key: value for key, value in options.items() if key != "softcap"}
+        return flashmask_attention(
+            q, k, v, kwargs["startend_row_indices"], causal=m.causal, window_size=m.window_size(), **options
+        )
+    sink = options.get("learnable_sink")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink))
+    if not m.general:
+        options = {**options, "causal": m.causal, "window_size": m.window_size()}
+        windowed = m.window is not None
+        # the mask depends on where queries and keys sit (causal, windows): the last query must be the last key
+        placed = m.aligned or not (m.causal or windowed)
+        if m.padding is None and placed:
+            return flash_attn_func(q, k, v, **options)
+        # (unpadding closes holes between tokens, which would move keys into a window)
+        if not compiling and placed and (not windowed or bool(_key_runs(m, device)[2])):
+            return _padded(q, k, v, m.padding, m.causal or windowed, options)
+        if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed):
+            seqlens, leftpad = _key_range(m, device)
+            kept = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
+            kv_options = {n: options[n] for n in kept if n in options}
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, **kv_options)
+    # any other mask, and training where the fast paths do not apply: the mask as a FlashMask
+    if options.pop("softcap"):
+        raise Unsupported(f"tileattn: softcap with this attention mask ({m!r}), which runs as a FlashMask")
+    options = {key: value for key, value in options.items() if key not in ("causal", "window_size")}
+    return flashmask_attention(q, k, v, _mask_function_flashmask(m, device), causal=False, **options)
 
 
 def tileattn_attention_forward(
@@ -58,21 +583,24 @@ def tileattn_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: TileattnMask | torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query (batch, heads, q_len, d)``, key/value
-    ``(batch, kv_heads, kv_len, d)``; returns ``((batch, q_len, heads, d), None)``."""
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise NotImplementedError(
-            f"tileattn takes a 2-D padding mask (the FlashAttention format); got a {attention_mask.dim()}-D mask. "
-            "Custom 4-D masks need attn_implementation='eager' or 'sdpa'."
-        )
+    ``(batch, kv_heads, kv_len, d)``; returns ``((batch, q_len, heads, d), None)``.
+
+    ``attention_mask``: a ``TileattnMask`` (this module's mask function; the mask decides causality and
+    windows, as in eager attention), None (``is_causal`` or ``module.is_causal``, ``sliding_window``,
+    and ``cu_seq_lens_*`` from a flattening collator, as transformers' FlashAttention path reads them), a
+    2-D padding mask, or a 4-D mask a model built itself (boolean or 0 / -inf). ``s_aux``: attention sinks,
+    one logit per query head (fp32 ``learnable_sink``)."""
+    _check_keywords(module, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     dtype = q.dtype
     target = _target_dtype(q, module)
@@ -81,64 +609,92 @@ def tileattn_attention_forward(
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
     if v_head_dim != head_dim:  # e.g. MLA: pad V to the query head dim, crop the output
         v = torch.nn.functional.pad(v, [0, head_dim - v_head_dim])
-    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     options = dict(
         dropout_p=dropout if module.training else 0.0,
         softmax_scale=scaling,
-        causal=causal,
         softcap=softcap or 0.0,
     )
-    if sliding_window is not None and k.shape[1] > sliding_window:
-        options["window_size"] = (sliding_window - 1, sliding_window - 1)
-    batch, q_len = q.shape[:2]
-    position_ids = kwargs.get("position_ids")
-    startend_row_indices = kwargs.get("startend_row_indices")
-    if startend_row_indices is not None:
-        if attention_mask is not None or options["softcap"]:
-            raise NotImplementedError(
-                "startend_row_indices (a FlashMask) with a padding mask or a softcap: hide padded keys in the "
-                "FlashMask and pass attention_mask=None; softcap is not supported with a FlashMask"
-            )
-        options.pop("softcap")
-        out = flashmask_attention(q, k, v, startend_row_indices, **options)
-    elif attention_mask is not None:
-        q_mask = attention_mask[:, -q_len:]
-        q_flat, q_idx, cu_q, max_q, _ = unpad_input(q, q_mask)
-        k_flat, k_idx, cu_k, max_k, _ = unpad_input(k, attention_mask)
-        v_flat = v.reshape(-1, *v.shape[2:])[k_idx]
-        out = flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, max_q, max_k, **options)
-        out = pad_input(out, q_idx, batch, q_len)
-    elif kwargs.get("cu_seq_lens_q") is not None:
-        out = flash_attn_varlen_func(
-            q.reshape(-1, *q.shape[2:]),
-            k.reshape(-1, *k.shape[2:]),
-            v.reshape(-1, *v.shape[2:]),
-            kwargs["cu_seq_lens_q"].to(torch.int32),
-            kwargs["cu_seq_lens_k"].to(torch.int32),
-            int(kwargs["max_length_q"]),
-            int(kwargs["max_length_k"]),
-            **options,
-        ).view(batch, q_len, *q.shape[2:])
-    elif (
-        position_ids is not None
-        and batch == 1
-        and q_len > 1
-        and q_len == k.shape[1]
-        and bool((position_ids.reshape(-1)[1:] == 0).any())
-    ):
-        cu, max_len = _cu_from_position_ids(position_ids)
-        out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_len, max_len, **options).unsqueeze(0)
+    if s_aux is not None:  # attention sinks, one logit per query head: fp32, with its gradient
+        options["learnable_sink"] = s_aux.float()
+    if kwargs.get("deterministic"):
+        options["deterministic"] = True
+    if isinstance(attention_mask, TileattnMask):
+        out = _attend_mask(attention_mask, q, k, v, options, kwargs)
     else:
-        out = flash_attn_func(q, k, v, **options)
+        out = _attend_other(module, q, k, v, attention_mask, options, sliding_window, is_causal, kwargs)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
     return out.to(dtype), None
 
 
+def _attend_other(module, q, k, v, attention_mask, options, sliding_window, is_causal, kwargs):
+    """Attention without a ``TileattnMask``: None, a 2-D padding mask or a 4-D mask."""
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if options.pop("softcap") or kwargs.get("startend_row_indices") is not None:
+            raise Unsupported("tileattn: a 4-D attention mask with softcap or startend_row_indices")
+        return flashmask_attention(q, k, v, _mask_4d_flashmask(attention_mask, q, k), causal=False, **options)
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise Unsupported(f"tileattn: an attention mask of {attention_mask.dim()} dimensions; {_USE_INSTEAD}")
+    options = {**options, "causal": causal}
+    if sliding_window is not None and k.shape[1] > sliding_window:
+        options["window_size"] = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+    if kwargs.get("startend_row_indices") is not None:
+        if attention_mask is not None or options.pop("softcap"):
+            raise Unsupported(
+                "tileattn: startend_row_indices (a FlashMask) with a padding mask or a softcap: hide padded keys in "
+                "the FlashMask and pass attention_mask=None"
+            )
+        return flashmask_attention(q, k, v, kwargs["startend_row_indices"], **options)
+    if attention_mask is not None:
+        padding = attention_mask.to(torch.bool)
+        windowed = "window_size" in options
+        runs = padding[:, 0].int() + (padding[:, 1:] & ~padding[:, :-1]).sum(-1)  # runs of tokens per row
+        if windowed and bool((runs > 1).any()):
+            raise Unsupported("tileattn: a 2-D padding mask with holes (padding between tokens) and a sliding window")
+        return _padded(q, k, v, padding, causal or windowed, options)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu_q, cu_k = (kwargs[n].to(torch.int32) for n in ("cu_seq_lens_q", "cu_seq_lens_k"))
+        return _varlen(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), options)
+    return flash_attn_func(q, k, v, **options)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration, and the check of a model when it is created
+# --------------------------------------------------------------------------------------------------
+
+
+def check_model(cls: type) -> None:
+    """Refuses a model class that runs its own attention code rather than transformers' attention
+    interface (transformers' own test: its modeling file defines attention modules and never calls
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``), so that ``attn_implementation="tileattn"`` would not
+    reach tileattn, and the masks built for it would reach code that does not expect them."""
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise Unsupported(
+            f"tileattn: {cls.__name__} computes attention with its own code, not through transformers' attention "
+            f"interface, so attn_implementation='tileattn' cannot run it; {_USE_INSTEAD}"
+        )
+
+
+_original_check = PreTrainedModel._check_and_adjust_attn_implementation
+
+
+def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+    result = _original_check(self, attn_implementation, *args, **kwargs)
+    if result in _NAMES:
+        check_model(type(self))
+    return result
+
+
 def register(name: str = NAME) -> None:
-    """Registers the attention function and its mask format under ``name`` (done on import)."""
+    """Registers the attention function and the mask function under ``name`` (done on import), and the
+    check that refuses, when it is created with that name, a model that does not use the attention
+    interface."""
     AttentionInterface.register(name, tileattn_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, tileattn_mask)
+    _NAMES.add(name)
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
 register()
