@@ -43,7 +43,7 @@ from transformers import masking_utils as mu
 from transformers.masking_utils import AttentionMaskInterface
 
 from tileattn.api import flash_attn_func, flash_attn_varlen_func
-from tileattn.bert_padding import pad_input, unpad_input
+from tileattn.bert_padding import pad_input
 from tileattn.kvcache import flash_attn_with_kvcache
 from tileattn.masks import flashmask_attention
 
@@ -455,21 +455,48 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, options):
     return flash_attn_varlen_func(*flat, cu_q, cu_k, max_q, max_k, **options).view(q.shape)
 
 
-def _padded(q, k, v, padding, last_slots, options):
+def _padded(q, k, v, padding, last_slots, options, derived: dict | None = None):
     """Padded rows as varlen: the keys of each row are its unpadded slots; the queries are the row's last
     ``q_len`` slots, unpadded alike (``last_slots``: self-attention where the mask depends on positions,
     causal or windowed), or every query row (bidirectional without a window, cross-attention: the
-    queries are not the keys)."""
+    queries are not the keys). ``derived``: where the unpadding of this mask is kept for the other layers
+    (the mask's own ``derived``), so that a forward reads the padding's positions on the host once."""
     batch, q_len = q.shape[:2]
-    k_flat, k_idx, cu_k, max_k, _ = unpad_input(k, padding)
+    slots = _unpadding(padding, q_len, last_slots, q.device, derived)
+    (k_idx, cu_k, max_k), queries = slots
+    k_flat = k.reshape(-1, *k.shape[2:])[k_idx]
     v_flat = v.reshape(-1, *v.shape[2:])[k_idx]
-    if last_slots:
-        q_flat, q_idx, cu_q, max_q, _ = unpad_input(q, padding[:, -q_len:])
+    if queries is not None:
+        q_idx, cu_q, max_q = queries
+        q_flat = q.reshape(-1, *q.shape[2:])[q_idx]
     else:
         q_flat, q_idx = q.reshape(-1, *q.shape[2:]), None
         cu_q, max_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device), q_len
     out = flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, max_q, max_k, **options)
     return out.view(batch, q_len, *out.shape[1:]) if q_idx is None else pad_input(out, q_idx, batch, q_len)
+
+
+def _unpadding(padding, q_len: int, last_slots: bool, device, derived: dict | None):
+    """``((k_indices, cu_seqlens_k, max_seqlen_k), (q_indices, cu_seqlens_q, max_seqlen_q) or None)`` of a
+    padding mask (``bert_padding.unpad_input``'s), made once per mask where ``derived`` keeps it."""
+    key = ("unpadding", q_len, last_slots)
+    if derived is not None and key in derived:
+        return derived[key]
+    lengths = padding.sum(-1, dtype=torch.int32)
+    k_idx = torch.nonzero(padding.flatten(), as_tuple=False).flatten()
+    cu_k = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    keys = (k_idx, cu_k, int(lengths.max()) if lengths.numel() else 0)
+    queries = None
+    if last_slots:
+        q_pad = padding[:, -q_len:]
+        q_lengths = q_pad.sum(-1, dtype=torch.int32)
+        q_idx = torch.nonzero(q_pad.flatten(), as_tuple=False).flatten()
+        cu_q = torch.nn.functional.pad(torch.cumsum(q_lengths, 0, dtype=torch.int32), (1, 0))
+        queries = (q_idx, cu_q, int(q_lengths.max()) if q_lengths.numel() else 0)
+    slots = (keys, queries)
+    if derived is not None:
+        derived[key] = slots
+    return slots
 
 
 def _key_runs(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -565,7 +592,7 @@ def _attend_mask(m: TileattnMask, q, k, v, options, kwargs):
             return flash_attn_func(q, k, v, **options)
         # (unpadding closes holes between tokens, which would move keys into a window)
         if not compiling and placed and (not windowed or bool(_key_runs(m, device)[2])):
-            return _padded(q, k, v, m.padding, m.causal or windowed, options)
+            return _padded(q, k, v, m.padding, m.causal or windowed, options, m.derived)
         if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed):
             seqlens, leftpad = _key_range(m, device)
             kept = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
