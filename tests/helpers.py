@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -37,14 +38,22 @@ def needs_gluon(what: str):
     return pytest.mark.skipif(not (on_sm90 and gluon.available()), reason=f"{what} needs an sm90 GPU and Triton 3.6")
 
 
-def gluon_case_inputs(case: tuple, count: int) -> tuple[torch.Tensor, ...]:
-    """``count`` random CUDA tensors of a Gluon test case ``(batch, seqlen_q, seqlen_k, nheads, nheads_k,
-    headdim, causal, dtype)``: q, k, v, then more shaped like q (dO), from a generator seeded by the case."""
+def case_seed(case) -> int:
+    """The seed of a test case's random inputs: the CRC-32 of its text, the same in every process (``hash``
+    of a case that holds a ``torch.dtype`` changes from one process to the next)."""
+    return zlib.crc32(repr(case).encode())
+
+
+def gluon_case_inputs(case: tuple, count: int, device="cuda") -> tuple[torch.Tensor, ...]:
+    """``count`` random tensors of a Gluon test case ``(batch, seqlen_q, seqlen_k, nheads, nheads_k,
+    headdim, causal, dtype)``: q, k, v, then more shaped like q (dO), from a generator seeded by
+    ``case_seed(case)``, which is printed (pytest shows it with a failure: the case replays from it)."""
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, _, dtype = case
-    g = torch.Generator(device="cuda").manual_seed(hash(case) % 2**31)
+    print(f"inputs of {case!r}: seed {case_seed(case)} on {device}")
+    g = torch.Generator(device=device).manual_seed(case_seed(case))
     shapes = [(batch, seqlen_q, nheads, headdim)] + [(batch, seqlen_k, nheads_k, headdim)] * 2
     shapes += [shapes[0]] * (count - 3)
-    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
+    return tuple(torch.randn(shape, device=device, dtype=dtype, generator=g) for shape in shapes)
 
 
 # The Gluon kernels' shared test cases (both kernels' head dims; test_gluon_forward.py adds head dim 256).

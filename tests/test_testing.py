@@ -1,13 +1,18 @@
 """The tolerance rule itself (``tileattn.testing.check_close``) and the tests' shared checkers built on it
 (``helpers.check_lse``): what must pass, and mutations that must fail: a NaN or an inf in the output, the
-reference or the PyTorch baseline, an output off by more than the rule, a NaN where the reference is finite."""
+reference or the PyTorch baseline, an output off by more than the rule, a NaN where the reference is finite.
+Then the seeding of the GPU cases' inputs, which must replay in a new process."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import check_lse
+from helpers import case_seed, check_lse, gluon_case_inputs
 from tileattn.testing import check_close, rounding_floor
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
@@ -134,3 +139,29 @@ def test_check_lse():
         check_lse("off", _with(ref.float(), (0, 2), 2.6), ref, lowp)
     with pytest.raises(ValueError):
         check_lse("inf baseline", ref.float(), ref, _with(lowp, (0, 0), INF))
+
+
+def test_case_inputs_replay_in_a_new_process():
+    """A Gluon case's inputs come from a seed derived from the case's text: two processes (each with its own
+    string hashing) draw the same tensors, on the CPU and, where there is one, on the GPU."""
+    case = (2, 37, 53, 4, 2, 64, True, torch.bfloat16)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    script = (
+        "import hashlib, sys, torch; sys.path.insert(0, sys.argv[1]); import helpers\n"
+        f"for device in {devices!r}:\n"
+        f"    tensors = helpers.gluon_case_inputs({case!r}, 4, device)\n"
+        "    print(device, helpers.case_seed(" + repr(case) + "), "
+        "hashlib.sha256(b''.join(t.cpu().view(torch.int16).numpy().tobytes() for t in tensors)).hexdigest())\n"
+    )
+    outputs = []
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, env=env
+        )
+        assert run.returncode == 0, run.stderr
+        outputs.append([line for line in run.stdout.splitlines() if not line.startswith("inputs of")])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(devices), outputs
+    # and they are the inputs this process draws
+    assert str(case_seed(case)) in outputs[0][0]
+    assert gluon_case_inputs(case, 4, "cpu")[0].shape == (2, 37, 4, 64)
