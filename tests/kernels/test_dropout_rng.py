@@ -1,8 +1,11 @@
 """The kernels' dropout draws: Triton's tl.rand and the keep-mask helper of kernels/common.py equal
-tileattn.rng's Philox replica bit for bit (through the interpreter on CPU, or on the GPU)."""
+tileattn.rng's Philox replica bit for bit, and the tests' own mask from the definition (dropout_ref), through
+the interpreter on CPU, or on the GPU."""
 
+import numpy as np
 import torch
 
+import dropout_ref
 from tileattn import rng
 from tileattn.kernels import common  # noqa: F401  (used by a kernel defined in a test)
 
@@ -23,6 +26,10 @@ def test_philox_replica_matches_triton():
     _rand[(1,)](out, seed, base, BLOCK=64)
     expected = rng.philox_uniform(seed, torch.arange(64, dtype=torch.int64) + base)
     assert torch.equal(out.cpu(), expected)
+    # the tests' own Philox (dropout_ref), through tl.rand's mapping of the first word to [0, 1)
+    word = dropout_ref.philox4x32_10(seed, np.arange(64, dtype=np.uint64) + np.uint64(base))[0].astype(np.int64)
+    word = np.where(word >= 2**31, word - 2**32, word)
+    assert torch.equal(out.cpu(), torch.from_numpy(np.where(word < 0, -word - 1, word)).float() * 4.6566127342e-10)
 
 
 def test_grouped_dropout_bits_match_the_replica():
@@ -47,4 +54,6 @@ def test_grouped_dropout_bits_match_the_replica():
     i, j = (3 + torch.arange(16)).view(-1, 1), (64 + torch.arange(128)).view(1, -1)
     expected = rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, sq, sk), p)
     assert torch.equal(out.cpu().bool(), expected)
+    # and the mask written from the definition apart from tileattn.rng (the tests' dropout_ref)
+    assert torch.equal(out.cpu().bool(), dropout_ref.keep_mask(seed, p, b + 1, nheads, sq, sk)[b, h, 3:19, 64:192])
     assert p == 95 / 256 and rng.quantize_dropout_p(0.9999999) == 255 / 256
