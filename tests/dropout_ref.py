@@ -34,8 +34,8 @@ def keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, seqlen_q: in
     row = np.uint64(64 * -(-seqlen_k // 64))
     offset = ((b * np.uint64(nheads) + h) * np.uint64(seqlen_q) + i) * row + j
     words = philox4x32_10(seed, np.uint64(4) * (offset // np.uint64(64)) + (offset % np.uint64(8)) // np.uint64(2))
-    pick = (offset % np.uint64(64)) // np.uint64(16)
-    word = np.choose(pick.astype(np.int64), words)
-    shift = np.uint64(8) * (np.uint64(2) * ((offset % np.uint64(64)) // np.uint64(8) % np.uint64(2)) + offset % np.uint64(2))
+    within = (offset % np.uint64(64)).astype(np.int64)  # the element's place among its evaluation's 64 columns
+    word = np.choose(within // 16, words)
+    shift = (8 * (2 * (within // 8 % 2) + within % 2)).astype(np.uint64)
     byte = (word >> shift) & np.uint64(0xFF)
     return torch.from_numpy(byte >= np.uint64(round(dropout_p * 256)))

@@ -50,7 +50,9 @@ def check_close(
         raise AssertionError(f"{name}: {out64[where].item()} at {where} where the reference is {ref64[where].item()}")
     if not bool(torch.isfinite(out64)[finite].all()):
         where = _first(~torch.isfinite(out64) & finite)
-        raise AssertionError(f"{name}: non-finite value {out64[where].item()} at {where}, reference {ref64[where].item()}")
+        raise AssertionError(
+            f"{name}: non-finite value {out64[where].item()} at {where}, reference {ref64[where].item()}"
+        )
     low64 = ref_lowp.double()
     if not bool(torch.isfinite(low64)[finite].all()):
         where = _first(~torch.isfinite(low64) & finite)
