@@ -271,11 +271,13 @@ def _warp_specialization(ptx: str) -> dict:
     )
 
 
-def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), **options) -> dict:
+def compile_gluon(
+    headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), sink: bool = False, **options
+) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
-    with a sliding ``window`` (flash_attn's window_size), with ``options`` (block_m, block_n, stages; the settings
-    table's entry by default): its resources, and from the PTX the register budgets of its partitions
-    (setmaxnreg) and its wgmma waits."""
+    with a sliding ``window`` (flash_attn's window_size), with attention sinks (``sink``), with ``options``
+    (block_m, block_n, stages; the settings table's entry by default): its resources, and from the PTX the
+    register budgets of its partitions (setmaxnreg) and its wgmma waits."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import AttnParams
@@ -292,6 +294,7 @@ def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tupl
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,
+        learnable_sink=torch.zeros(nheads) if sink else None,
     )  # fmt: skip
     hopper.attn_fwd(q, q, q, p, programs=132, **options)  # (the H200's SMs: the grid, not the build)
     name, kernel, kw = _LAUNCHES.pop()
@@ -303,6 +306,7 @@ def compile_gluon(headdim: int, causal: bool, varlen: bool = False, window: tupl
         causal=causal,
         varlen=varlen,
         window=window,
+        sink=sink,
         options=options,
         **_warp_specialization(ptx),
         **resources(kernel),

@@ -48,6 +48,7 @@ def kvcache_ref(
     alibi_slopes=None,
     rotary_interleaved=True,
     precision=torch.float64,
+    learnable_sink=None,
 ) -> CacheRef:
     """What ``flash_attn_with_kvcache`` computes, from its definition: k and v written at
     ``cache_seqlens[b] + t`` (k rotated at those positions), q rotated at ``cache_seqlens[b] + i`` when
@@ -56,7 +57,8 @@ def kvcache_ref(
     cache_seqlens[b] + seqlen_new)``, masks aligned to the last key, window sides resolved at the capacity.
 
     Args: as ``flash_attn_with_kvcache`` (``rotary = (cos, sin)`` or None); ``precision`` as
-    ``oracle.attention`` (float64, or None for the inputs' precision). The caches are not modified."""
+    ``oracle.attention`` (float64, or None for the inputs' precision); ``learnable_sink`` as the oracle's
+    ``sink``. The caches are not modified."""
     batch, seqlen_q = q.shape[:2]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     kc = dense_view(k_cache, block_table, capacity).clone()
@@ -94,6 +96,7 @@ def kvcache_ref(
             alibi_slopes=slopes,
             window_seqlen_k=capacity,
             precision=precision,
+            sink=learnable_sink,
         )
         outs.append(res.out)
         lses.append(res.lse)

@@ -16,7 +16,9 @@ Semantics (flash_attn's):
   side at least the call's key length (``window_seqlen_k``), is unbounded; causal sets the right side to 0;
 - MQA/GQA: query head h reads kv head ``h // (nheads / nheads_k)``;
 - a row that sees no key outputs 0 and has LSE +inf;
-- dropout multiplies the kept probabilities by ``1 / (1 - dropout_p)`` (the keep mask is given).
+- dropout multiplies the kept probabilities by ``1 / (1 - dropout_p)`` (the keep mask is given);
+- attention sinks (one logit per query head) are a column appended to every row's scores after masking,
+  then dropped after the softmax: the LSE includes it, and a row that sees no key has LSE = its sink.
 
 The ``precision`` switch gives both halves of the tolerance rule from one function: the oracle
 (``torch.float64``, the default) and the plain-PyTorch run in the inputs' own precision (``None``).
@@ -95,6 +97,7 @@ def attention(
     visible_mask: torch.Tensor | None = None,
     precision: torch.dtype | None = torch.float64,
     probs_dtype: torch.dtype | None = None,
+    sink: torch.Tensor | None = None,
 ) -> Attention:
     """Dense attention with materialised scores (differentiable).
 
@@ -115,6 +118,8 @@ def attention(
             (plain PyTorch's error, for the tolerance rule).
         probs_dtype: round the probabilities to this dtype before ``· V``, at their row max 1 (plain FP8
             attention, ``exp(s - rowmax)`` in e4m3 over the fp32 sum), for the FP8 tolerance.
+        sink: ``(nheads,)`` attention sinks (differentiable): a column of logits appended to the masked
+            scores of every real row, dropped after the softmax.
 
     Returns:
         ``Attention(out, lse, probs)`` in the compute precision.
@@ -155,10 +160,19 @@ def attention(
         seen = seen & visible_mask.to(q.device)
     has_key = seen.any(-1)  # (batch or 1, 1 or nheads, seqlen_q)
     scores = scores.masked_fill(~seen, float("-inf"))
+    if sink is not None:  # the sinks' column, in the real rows (padding rows are no rows: no sink)
+        real = torch.arange(seqlen_q, device=q.device)[None, :] < torch.tensor(lengths_q, device=q.device)[:, None]
+        column = sink.to(compute).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        column = column.masked_fill(~real[:, None, :, None], float("-inf"))
+        scores = torch.cat([scores, column], dim=-1)
+        seen = torch.cat([seen.expand(batch, nheads, seqlen_q, seqlen_k), column.isfinite()], dim=-1)
+        has_key = seen.any(-1)
     lse = torch.logsumexp(scores.detach(), dim=-1).masked_fill(~has_key, float("inf"))  # (not differentiated)
     if not bool(has_key.all()):  # rows that see no key: a finite row, so that no NaN enters the graph
         scores = scores.masked_fill(~has_key.unsqueeze(-1), 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+    if sink is not None:
+        probs = probs[..., :seqlen_k]
     weights = probs
     if dropout_p > 0:
         if dropout_mask is None:
@@ -279,3 +293,33 @@ def flashmask_visible(startend_row_indices: torch.Tensor, causal: bool, seqlen_q
                     seen[b, h, bounds[0] : bounds[1], j] = False
                     seen[b, h, bounds[2] : bounds[3], j] = False
     return seen
+
+
+def flash_attn_block_n(headdim: int, dropout: bool, causal: bool, capability: tuple[int, int] = (9, 0)) -> int:
+    """flash_attn 2.8.3's key-block size (its ``_get_block_size_n``; ``capability`` of the GPU, (0, 0) for CPU
+    tensors): the blocks of its S_dmask's scaling."""
+    sm8x = capability[0] == 8 and capability[1] > 0
+    if headdim <= 32:
+        return 128
+    if headdim <= 64:
+        return 64 if dropout else 128
+    if headdim <= 96:
+        return 64
+    if headdim <= 128:
+        if sm8x:
+            return 64 if (not dropout and causal) else 32
+        return 32 if dropout else 64
+    return 64
+
+
+def flash_attn_unnormalized(probs: torch.Tensor, block_n: int) -> torch.Tensor:
+    """flash_attn's S_dmask magnitudes from the probabilities ``(..., seqlen_q, seqlen_k)``: each key block's
+    weights ``exp(s - m)`` with m the row's largest score in that block and every block after it (its key
+    loop runs from the last block to the first), which is the probability over the largest probability of
+    those blocks (0 where that is 0)."""
+    if probs.shape[-1] == 0:
+        return probs
+    block_max = torch.stack([blk.amax(-1) for blk in probs.split(block_n, dim=-1)], dim=-1)
+    running = torch.cummax(block_max.flip(-1), dim=-1).values.flip(-1)
+    running = running.repeat_interleave(block_n, dim=-1)[..., : probs.shape[-1]]
+    return torch.where(running > 0, probs / running.clamp_min(torch.finfo(probs.dtype).tiny), 0.0)

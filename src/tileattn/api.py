@@ -75,8 +75,12 @@ def attn_params(
 # --------------------------------------------------------------------------------------------------
 
 _DENSE_DOC_ARGS = """
-        dropout_p: probability of dropping an attention weight (training only; pass 0.0 at eval),
-            rounded to a multiple of 2**-8 (each decision uses 8 random bits, as in flash_attn). Decisions come from a
+        dropout_p: probability of dropping an attention weight (training only; pass 0.0 at eval). As in
+            flash_attn, each decision uses 8 random bits: a weight is kept when its byte is at most
+            ``K = floor(255 · (1 - dropout_p))`` (in fp32), so the kept fraction is ``(K + 1) / 256`` (every
+            p > 0 drops at least 1/256), and kept weights are rescaled by ``1 / (1 - dropout_p)``:
+            flash_attn's numbers, with the bias its rule carries (the expected weights are ``(K + 1) / 256
+            / (1 - p)`` of the exact ones: 0.9983 at p = 0.1, 0.9977 at p = 0.17). Decisions come from a
             counter-based RNG (Philox) seeded from PyTorch's default generator, so ``torch.manual_seed``
             makes them reproducible; the backward pass regenerates them.
         softmax_scale: scale of QKᵀ before the softmax; default ``1 / sqrt(headdim)``.
@@ -99,18 +103,28 @@ _DENSE_DOC_ARGS = """
             sequence's kv head (and the query heads of its group) is multiplied; ``tileattn.fp8.quantize``
             makes them. The output is bf16; FP8 calls are forward only. Both matmuls run in FP8 on GPUs
             with FP8 tensor cores (sm89+).
+        learnable_sink: keyword-only, attention sinks (gpt-oss; FlashAttention-4's ``learnable_sink``): a
+            float32 ``(nheads,)`` tensor (other float dtypes are converted), one logit per query head that
+            joins the denominator of every row's softmax, ``softmax([s_i0, ..., s_ij, ..., sink_h])`` with
+            the sink's column then dropped: it has no value vector and is not scaled, capped, biased or
+            masked. It takes a gradient (in the backward, like q, k and v). ``s_aux`` is the same argument
+            under vLLM's and Hugging Face's name (pass one of the two).
 """
 
 _RETURNS_DOC = """
     Returns:
         out ``{out_shape}``, the inputs' dtype. If ``return_attn_probs``: ``(out, softmax_lse,
         S_dmask)`` where softmax_lse is fp32 ``{lse_shape}``, the natural-log sum of exp of each row's
-        scores (``+inf`` for a row that sees no key, whose output is 0). As in flash_attn, S_dmask is
-        computed only with dropout: with ``dropout_p == 0`` it is an empty tensor (shape ``(0,)``, the
-        inputs' dtype), so ``return_attn_probs=True`` costs nothing beyond returning the LSE. With
-        dropout it is fp32 ``(batch, nheads, {sq}, {sk})`` holding the attention probabilities the
-        forward pass used (before dropout scaling), negated where dropout removed them and 0 where
-        masked, materialised N×N from softmax_lse: use it for tests only.
+        scores (``+inf`` for a row that sees no key, whose output is 0); with attention sinks the sum
+        includes ``exp(sink)``, as in FlashAttention-4 (a row that sees no key then has LSE = its
+        sink). As in flash_attn, S_dmask is computed only with dropout: with ``dropout_p == 0`` it is an
+        empty tensor (shape ``(0,)``, the inputs' dtype), so ``return_attn_probs=True`` costs nothing
+        beyond returning the LSE. With dropout it is fp32 ``(batch, nheads, {sq}, {sk})`` in flash_attn's
+        scaling: the weights before normalisation, ``exp(s - m)`` where m is the row's running max over
+        the key blocks of ``flash_attn.flash_attn_interface._get_block_size_n(device, headdim, True,
+        causal)`` columns from the last block to this one (flash_attn's key loop runs backwards), negated
+        where dropout removed the weight and 0 where masked; times ``exp(m - softmax_lse)`` they are the
+        probabilities (flash_attn's tests' ``normalize_flash_attn_S``). Materialised N×N: for tests only.
 """
 
 
@@ -127,10 +141,12 @@ def dense_call(
     deterministic: object,
     return_attn_probs: object,
     descales: tuple = (None, None, None),
+    sinks: tuple = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
     """Validates a dense call (q ``(batch, seqlen_q, nheads, headdim)``, k and v ``(batch, seqlen_k,
     nheads_k, headdim)``): q, k, v contiguous in their last dimension (dequantized to bf16 if they are FP8,
-    with ``descales = (q_descale, k_descale, v_descale)``: ``tileattn.fp8``), and the call's AttnParams."""
+    with ``descales = (q_descale, k_descale, v_descale)``: ``tileattn.fp8``), and the call's AttnParams
+    (with the attention sinks of ``sinks = (learnable_sink, s_aux)``)."""
     q = checks.check_tensor("q", q, "(batch, seqlen_q, nheads, headdim)")
     k = checks.check_tensor("k", k, "(batch, seqlen_k, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(batch, seqlen_k, nheads_k, headdim)")
@@ -156,6 +172,7 @@ def dense_call(
         return_attn_probs,
     )
     p.descales = fp8.checked_options(fp8_descales, p)
+    p.learnable_sink = checks.check_sink(*sinks, nheads, q.device)
     return q, k, v, p
 
 
@@ -175,6 +192,8 @@ def flash_attn_func(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     q, k, v, p = dense_call(
         q,
@@ -189,6 +208,7 @@ def flash_attn_func(
         deterministic,
         return_attn_probs,
         (q_descale, k_descale, v_descale),
+        (learnable_sink, s_aux),
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
@@ -221,6 +241,9 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` on ``qkv`` of shape ``(batch, seqlen, 3, nheads, headdim)`` (self-attention);
     the gradient flows back into ``qkv``. Other arguments and returns as in ``flash_attn_func``."""
@@ -229,8 +252,9 @@ def flash_attn_qkvpacked_func(
         raise checks.InvalidArgument(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
     return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
-    )
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        learnable_sink=learnable_sink, s_aux=s_aux,
+    )  # fmt: skip
 
 
 def flash_attn_kvpacked_func(
@@ -244,6 +268,9 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     """``flash_attn_func`` with ``kv`` of shape ``(batch, seqlen_k, 2, nheads_k, headdim)``; the gradient
     flows back into ``kv``. Other arguments and returns as in ``flash_attn_func``."""
@@ -254,8 +281,9 @@ def flash_attn_kvpacked_func(
         )
     k, v = kv.unbind(2)
     return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
-    )
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        learnable_sink=learnable_sink, s_aux=s_aux,
+    )  # fmt: skip
 
 
 def paged_call(
@@ -298,11 +326,12 @@ def varlen_call(
     deterministic: object,
     return_attn_probs: object,
     descales: tuple = (None, None, None),
+    sinks: tuple = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttnParams]:
     """Validates a packed call (q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k,
     headdim)``, int32 cu_seqlens): q, k, v contiguous in their last dimension (dequantized if FP8, as in
-    ``dense_call``), and the call's AttnParams. The cu_seqlens values are checked where the kernels run
-    (``ops.attention``)."""
+    ``dense_call``), and the call's AttnParams (sinks as ``dense_call``'s). The cu_seqlens values are
+    checked where the kernels run (``ops.attention``)."""
     q = checks.check_tensor("q", q, "(total_q, nheads, headdim)")
     k = checks.check_tensor("k", k, "(total_k, nheads_k, headdim)")
     v = checks.check_tensor("v", v, "(total_k, nheads_k, headdim)")
@@ -335,6 +364,7 @@ def varlen_call(
         cu_seqlens_k=cu_seqlens_k.contiguous(),
     )
     p.descales = fp8.checked_options(fp8_descales, p)
+    p.learnable_sink = checks.check_sink(*sinks, q.shape[1], q.device)
     return q, k, v, p
 
 
@@ -359,6 +389,8 @@ def flash_attn_varlen_func(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     if block_table is not None:
         if any(d is not None for d in (q_descale, k_descale, v_descale)):
@@ -372,6 +404,8 @@ def flash_attn_varlen_func(
             alibi_slopes=alibi_slopes,
             deterministic=deterministic,
             return_attn_probs=return_attn_probs,
+            learnable_sink=learnable_sink,
+            s_aux=s_aux,
         )
         out, lse = paged_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options)
         return (out, lse, attention.no_probs(q)) if return_attn_probs else out
@@ -392,6 +426,7 @@ def flash_attn_varlen_func(
         deterministic,
         return_attn_probs,
         (q_descale, k_descale, v_descale),
+        (learnable_sink, s_aux),
     )
     return attention.run(q, k, v, p, return_attn_probs)
 
@@ -439,6 +474,9 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     """``flash_attn_varlen_func`` on ``qkv`` of shape ``(total, 3, nheads, headdim)`` with one
     ``cu_seqlens``/``max_seqlen`` for queries and keys."""
@@ -462,6 +500,8 @@ def flash_attn_varlen_qkvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
     )
 
 
@@ -480,6 +520,9 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     """``flash_attn_varlen_func`` with ``kv`` of shape ``(total_k, 2, nheads_k, headdim)``."""
     kv = checks.check_tensor("kv", kv, "(total_k, 2, nheads_k, headdim)")
@@ -502,4 +545,6 @@ def flash_attn_varlen_kvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
+        learnable_sink=learnable_sink,
+        s_aux=s_aux,
     )

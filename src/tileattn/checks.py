@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from tileattn import params, reference, rng
+from tileattn import params, reference
 from tileattn.params import remember
 
 
@@ -192,13 +192,7 @@ def check_options(
         raise InvalidArgument(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     left, right = reference.causal_window(causal, (left, right), seqlen_k)
     scale = None if softmax_scale is None else float(softmax_scale)
-    quantized = rng.quantize_dropout_p(float(dropout_p))
-    if dropout_p > 0 and quantized == 0:
-        raise InvalidArgument(
-            f"dropout_p={dropout_p!r} rounds to 0 at the dropout draws' resolution of 2**-8 (p is rounded to a "
-            "multiple of 1/256); pass 0, or more than 1/512 for a rate of at least 1/256"
-        )
-    return quantized, scale, left, right, float(softcap)
+    return float(dropout_p), scale, left, right, float(softcap)
 
 
 def check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.device) -> torch.Tensor | None:
@@ -216,6 +210,30 @@ def check_alibi(alibi_slopes: object, batch: int, nheads: int, device: torch.dev
     if alibi_slopes.device != device:
         raise InvalidArgument(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
     return alibi_slopes.contiguous()
+
+
+def check_sink(learnable_sink: object, s_aux: object, nheads: int, device: torch.device) -> torch.Tensor | None:
+    """The attention sinks of a call: ``learnable_sink`` or its other name ``s_aux`` (vLLM's FlashAttention-3,
+    Hugging Face's models), a floating ``(nheads,)`` tensor on q's device, as fp32 contiguous (a gradient
+    flows back through the conversion), or None."""
+    if learnable_sink is not None and s_aux is not None:
+        raise InvalidArgument("pass learnable_sink or s_aux (two names of the same attention sinks), not both")
+    name, sink = ("s_aux", s_aux) if s_aux is not None else ("learnable_sink", learnable_sink)
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise InvalidArgumentType(
+            f"{name} must be None or a float32 tensor of shape (nheads,), got {type(sink).__name__}"
+        )
+    if not sink.dtype.is_floating_point or sink.dtype.itemsize == 1:
+        raise InvalidArgumentType(
+            f"{name} must be float32 (or float16, bfloat16, float64: converted), got {sink.dtype}"
+        )
+    if tuple(sink.shape) != (nheads,):
+        raise InvalidArgument(f"{name} must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
+    if sink.device != device:
+        raise InvalidArgument(f"{name} is on {sink.device} but q is on {device}")
+    return sink.float().contiguous()
 
 
 def check_cu_seqlens(name: str, cu: object, max_name: str, max_seqlen: object, device: torch.device) -> None:

@@ -8,7 +8,7 @@ definitions are those of ``tileattn.reference``; dropout uses ``tileattn.rng``, 
 one the GPU kernels draw for the same seed.
 
 Same launcher interface as the Triton kernels: ``attn_fwd(q, k, v, p, s)``,
-``attn_bwd(dout, q, k, v, out, lse, p, s)``, ``attn_fwd_kvcache(q, k_cache, v_cache, p, c, s)`` and
+``attn_bwd(dout, q, k, v, out, lse, p, s)`` (returning dq, dk, dv and the sinks' gradient or None), ``attn_fwd_kvcache(q, k_cache, v_cache, p, c, s)`` and
 ``kvcache_append``, with ``p`` a ``params.AttnParams``, ``c`` a ``params.CacheLayout`` and ``s`` the
 kernels' ``params.Settings`` (which this path has no use for).
 """
@@ -139,6 +139,7 @@ def attn_fwd(
     nheads = q.shape[-2]
     group = nheads // k.shape[-2]
     lse = q.new_empty(p.new_lse(p.as_4d(q)).shape, dtype=torch.float32)
+    sink = None if p.learnable_sink is None else p.learnable_sink.to(q.device).view(nheads, 1, 1)
     for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
         qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
         if p.is_fp8:  # FP8 inputs: their values, x_fp8 * descale (exact in fp32)
@@ -162,7 +163,7 @@ def attn_fwd(
                 vb = _expand_kv(vs[:, n0:n1].float(), group)
                 s, _, keep = score(qb @ kb.transpose(1, 2), m0, n0)
                 m_i, l_i, acc = _online_step(s, m_i, l_i, acc, vb, keep)
-            o_blk, lse_blk = _finished(m_i, l_i, acc, 1.0 - p.dropout_p)
+            o_blk, lse_blk = _finished(m_i, l_i, acc, 1.0 - p.dropout_p, sink)
             o_seq[:, m0:m1] = o_blk.to(out.dtype)
             lse_seq[:, m0:m1] = lse_blk
     return out, lse
@@ -182,8 +183,16 @@ def _online_step(s, m_i, l_i, acc, vb, keep=None):
     return m_new, l_i, acc * alpha + pb @ vb
 
 
-def _finished(m_i, l_i, acc, keep_scale=1.0):
-    """The output (fp32) and LSE of the rows: 0 and +inf for rows that saw no key."""
+def _finished(m_i, l_i, acc, keep_scale=1.0, sink=None):
+    """The output (fp32) and LSE of the rows: 0 and +inf for rows that saw no key. ``sink``: the attention
+    sinks' logits ``(nheads, 1, 1)``, one more term of each row's denominator (the LSE includes it)."""
+    if sink is not None:
+        m_fin = torch.maximum(m_i, sink)
+        m_safe = torch.where(torch.isinf(m_fin), torch.zeros_like(m_fin), m_fin)
+        alpha = torch.exp(m_i - m_safe)
+        l_i = l_i * alpha + torch.exp(sink - m_safe)
+        acc = acc * alpha
+        m_i = m_fin
     seen = l_i > 0
     l_safe = torch.where(seen, l_i, torch.ones_like(l_i))
     lse = torch.where(seen, m_i + torch.log(l_safe), torch.full_like(l_i, float("inf")))
@@ -206,6 +215,9 @@ def attn_bwd(
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     inv_keep = 1.0 / (1.0 - p.dropout_p)
+    # the sinks' gradient: -Σ_rows exp(sink - lse) Δ (their softmax weight in each row times the row's Δ)
+    sink = None if p.learnable_sink is None else p.learnable_sink.to(q.device).view(nheads, 1, 1)
+    dsink = None if sink is None else torch.zeros(nheads, 1, 1, dtype=torch.float32, device=q.device)
     for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
         qs, ks, vs = _seq(q, p, b, rows_q), _seq(k, p, b, rows_k), _seq(v, p, b, rows_k)
         dos, os_ = _seq(dout, p, b, rows_q), _seq(out, p, b, rows_q)
@@ -218,6 +230,8 @@ def attn_bwd(
             qb, dob = qs[:, m0:m1].float(), dos[:, m0:m1].float()
             delta = (dob * os_[:, m0:m1].float()).sum(-1, keepdim=True)  # Δ = rowsum(dO ∘ O)
             lse_b = lse_seq[:, m0:m1].unsqueeze(-1)
+            if sink is not None:
+                dsink -= (torch.exp(sink - lse_b) * delta).sum(1, keepdim=True)
             lo, hi = _key_span(m0, m1, seqlen_q, seqlen_k, p)
             for n0 in range(lo, hi, BLOCK_N):
                 n1 = min(n0 + BLOCK_N, hi)
@@ -241,22 +255,31 @@ def attn_bwd(
                 # Sum the GQA group's query heads into their kv head.
                 dks[:, n0:n1] += (ds.transpose(1, 2) @ qb).view(nheads_k, group, n1 - n0, -1).sum(1)
                 dvs[:, n0:n1] += (pd.transpose(1, 2) @ dob).view(nheads_k, group, n1 - n0, -1).sum(1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None if dsink is None else dsink.view(nheads)
 
 
-def attn_probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, p: AttnParams) -> torch.Tensor:
-    """The attention probabilities ``exp(s - lse)`` that the forward pass used, as
-    ``(batch, nheads, seqlen_q, seqlen_k)`` (max lengths in varlen mode, zero-padded), fp32. Entries that
-    dropout removed are negated; hidden entries are 0. Materialises N×N: for tests and inspection only."""
+def attn_probs(q: torch.Tensor, k: torch.Tensor, p: AttnParams, block_n: int) -> torch.Tensor:
+    """S_dmask in flash_attn's scaling, ``(batch, nheads, seqlen_q, seqlen_k)`` (max lengths in varlen mode,
+    zero-padded), fp32: the weights before normalisation of flash_attn's key loop, which runs over key
+    blocks of ``block_n`` columns from the last to the first, ``exp(s - m)`` with m the row's running max
+    over the scores of the column's block and every block after it (s: the scores as the softmax sees
+    them, scaled, capped, biased). Entries that dropout removed are negated; hidden entries are 0.
+    Multiplying a block's entries by ``exp(m - lse)`` gives the probabilities (flash_attn's tests'
+    ``normalize_flash_attn_S``). Materialises N×N: for tests and inspection only."""
     nheads = q.shape[-2]
     group = nheads // k.shape[-2]
     probs = torch.zeros(p.batch, nheads, p.seqlen_q, p.seqlen_k, device=q.device, dtype=torch.float32)
     for b, rows_q, rows_k in _sequences(p, q.shape[-3], k.shape[-3]):
         qs, ks = _seq(q, p, b, rows_q).float(), _expand_kv(_seq(k, p, b, rows_k).float(), group)
         seqlen_q, seqlen_k = qs.shape[1], ks.shape[1]
-        s, _, keep = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device)(qs @ ks.transpose(1, 2), 0, 0)
-        lse_seq = _lse_seq(lse, p, b, rows_q)
-        pb = torch.exp(s - lse_seq.float().unsqueeze(-1))
+        score = _Scores(p, b, nheads, seqlen_q, seqlen_k, q.device, _key_token(p, b, rows_k))
+        s, _, keep = score(qs @ ks.transpose(1, 2), 0, 0)
+        if seqlen_k == 0:
+            continue
+        block_max = torch.stack([blk.amax(-1) for blk in s.split(block_n, dim=-1)], dim=-1)
+        running = torch.cummax(block_max.flip(-1), dim=-1).values.flip(-1)  # (nheads, seqlen_q, blocks)
+        m = running.repeat_interleave(block_n, dim=-1)[..., :seqlen_k]
+        pb = torch.where(s > float("-inf"), torch.exp(s - m), torch.zeros_like(s))
         if keep is not None:
             pb = torch.where(keep, pb, -pb)
         probs[b, :, :seqlen_q, :seqlen_k] = pb

@@ -59,24 +59,12 @@ def maybe_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
-    """The key-block size of flash_attn 2.8's CUDA kernels for this head dim (flash_attn's helper, kept for
-    code that imports it: its tests use it to undo the blockwise normalisation of flash_attn's S_dmask).
-    tileattn's S_dmask is already normalised (probabilities, negated where dropped), so this number
-    describes flash_attn's layout, not tileattn's."""
+    """The key-block size of flash_attn 2.8's CUDA kernels for this head dim (flash_attn's helper): the
+    blocks by which S_dmask is scaled, in tileattn as in flash_attn, so that its tests'
+    ``normalize_flash_attn_S`` turns it into probabilities."""
     if not 1 <= head_dim <= 256:
         raise checks.InvalidArgument(f"head_dim must be between 1 and 256, got {head_dim}")
-    major, minor = torch.cuda.get_device_capability(device) if torch.device(device).type == "cuda" else (0, 0)
-    if head_dim <= 32:
-        return 128
-    if head_dim <= 64:
-        return 64 if is_dropout else 128
-    if head_dim <= 96:
-        return 64
-    if head_dim <= 128:
-        if major == 8 and minor > 0:  # sm86 / sm89
-            return 64 if (not is_dropout and is_causal) else 32
-        return 32 if is_dropout else 64
-    return 64
+    return attention.s_dmask_block_n(torch.device(device), head_dim, bool(is_dropout), bool(is_causal))
 
 
 def round_multiple(x: int, m: int) -> int:
@@ -132,7 +120,7 @@ def _check_return_softmax(return_softmax: object, dropout_p: float) -> None:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, return_softmax: bool):
     """``(out, softmax_lse, S_dmask, rng_state)`` of tileattn's forward, S_dmask empty unless asked."""
     out, lse, rng_state = attention.forward(q, k, v, p)
-    s_dmask = attention.attn_probs(q, k, lse, rng_state, p) if return_softmax else attention.no_probs(q)
+    s_dmask = attention.attn_probs(q, k, rng_state, p) if return_softmax else attention.no_probs(q)
     return out, lse, s_dmask, rng_state
 
 
@@ -180,8 +168,9 @@ def _flash_attn_forward(
     Returns:
         ``(out, softmax_lse, S_dmask, rng_state)``: out ``(batch, seqlen_q, nheads, headdim)`` in the
         inputs' dtype; softmax_lse fp32 ``(batch, nheads, seqlen_q)``, natural log, ``+inf`` for rows that
-        see no key (whose output is 0); S_dmask fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` with
-        return_softmax (as ``flash_attn_func``'s with dropout), else an empty tensor of the inputs' dtype;
+        see no key (whose output is 0); S_dmask fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` in flash_attn's
+        scaling with return_softmax (as ``flash_attn_func``'s with dropout), else an empty tensor of the
+        inputs' dtype;
         rng_state int64 ``(2,)`` on the CPU, for ``_flash_attn_backward`` (see the module docstring).
     """
     window = (window_size_left, window_size_right)

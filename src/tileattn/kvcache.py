@@ -52,6 +52,8 @@ def flash_attn_with_kvcache(
     *,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     """Attention of new queries against a KV cache, appending new keys/values to it in place first.
 
@@ -94,13 +96,15 @@ def flash_attn_with_kvcache(
         num_splits: split each sequence's keys over this many programs (Flash-Decoding); 0 picks a
             count that fills the GPU; 1 disables splitting.
         return_softmax_lse: also return the fp32 LSE ``(batch, nheads, seqlen_q)`` (+inf for rows that
-            see no key).
+            see no key; with sinks, the sink is in it).
         k_descale, v_descale: keyword-only, for FP8 caches (``torch.float8_e4m3fn`` k_cache and v_cache,
             with float16/bfloat16 q, k, v): fp32 ``(batch, nheads_k)`` factors (None: 1.0), sequence b's
             keys and values of kv head h being ``cache * descale[b, h]``. New k and v are divided by them,
             saturated at ±448 and rounded to e4m3 as they are written; the decode kernel widens the
             cache's tiles to fp16 (``DecodeSettings.fp8_widen``) and folds the factors into the scores
             and the output.
+        learnable_sink: keyword-only, attention sinks as in ``flash_attn_func`` (fp32 ``(nheads,)``;
+            ``s_aux`` is the same argument under vLLM's name); forward only here, as the whole call.
 
     Returns:
         ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
@@ -116,7 +120,7 @@ def flash_attn_with_kvcache(
     if direct:
         key = _call_key(
             (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
-            + (block_table, alibi_slopes, k_descale, v_descale),
+            + (block_table, alibi_slopes, k_descale, v_descale, learnable_sink, s_aux),
             (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits),
             return_softmax_lse,
         )
@@ -147,13 +151,15 @@ def flash_attn_with_kvcache(
             return_softmax_lse,
             k_descale,
             v_descale,
+            learnable_sink,
+            s_aux,
         )
         if key is not None:
             remember(calls, key, call, _MAX_CALLS)
     elif direct:  # an eager call of a known signature: the launches of the last such call, where they apply
         replayed = ops.replay_kvcache(
             call.plans, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-            alibi_slopes, *call.descales(k_descale, v_descale), return_softmax_lse,
+            alibi_slopes, *call.descales(k_descale, v_descale), return_softmax_lse, _sink(learnable_sink, s_aux),
         )  # fmt: skip
         if replayed is not None:
             return replayed if return_softmax_lse else replayed[0]
@@ -188,6 +194,7 @@ def flash_attn_with_kvcache(
         call.num_splits,
         call.q_span,
         *call.descales(k_descale, v_descale),
+        _sink(learnable_sink, s_aux),
     )
     if direct:
         given = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad)
@@ -266,6 +273,8 @@ def _check_call(
     return_softmax_lse,
     k_descale=None,
     v_descale=None,
+    learnable_sink=None,
+    s_aux=None,
 ) -> _Call:
     """Every check of flash_attn_with_kvcache's arguments that their metadata decides (all but the index
     values, which the ops check: ``checks.cache_values`` on the host, or the kernels): the normalised
@@ -345,6 +354,7 @@ def _check_call(
     if batch > checks.MAX_DENSE_BATCH:
         raise NotImplementedError(f"batch {batch} is above {checks.MAX_DENSE_BATCH}; split it into several calls")
     checks.check_alibi(alibi_slopes, batch, nheads, device)
+    checks.check_sink(learnable_sink, s_aux, nheads, device)
     ones = fp8.cache_descales(named, k_descale, v_descale, batch, nheads_k)
     return _Call(
         batch=batch,
@@ -358,6 +368,14 @@ def _check_call(
         plans={},
         ones=ones,
     )
+
+
+def _sink(learnable_sink: Tensor | None, s_aux: Tensor | None) -> Tensor | None:
+    """The op's ``learnable_sink`` (its two names already checked): fp32, contiguous, or None."""
+    sink = learnable_sink if learnable_sink is not None else s_aux
+    if sink is None or (sink.dtype == torch.float32 and sink.is_contiguous()):
+        return sink
+    return sink.float().contiguous()
 
 
 class _Call(NamedTuple):
@@ -429,6 +447,7 @@ def paged_varlen_fwd(
         p_options["return_attn_probs"],
         seqlen_k=int(max_seqlen_k),
     )
+    sink = checks.check_sink(p_options["learnable_sink"], p_options["s_aux"], q.shape[1], device)
     op = ops.fwd_paged_varlen_impl if backend.direct(q, k, v) else torch.ops.tileattn.fwd_paged_varlen
     return op(
         q,
@@ -444,4 +463,5 @@ def paged_varlen_fwd(
         left,
         right,
         softcap,
+        sink,
     )

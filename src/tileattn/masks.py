@@ -44,8 +44,10 @@ _ARGS_DOC = """
         softmax_scale: default ``1 / sqrt(headdim)``.
         dropout_p: as in ``flash_attn_func``.
         window_size: ``(left, right)`` sliding window, as in ``flash_attn_func``, on top of the mask.
-        return_softmax_lse: also return the fp32 LSE ``{lse_shape}`` (``+inf`` for a row that sees no key).
+        return_softmax_lse: also return the fp32 LSE ``{lse_shape}`` (``+inf`` for a row that sees no key;
+            with sinks it includes them).
         deterministic: as in ``flash_attn_func``.
+        learnable_sink, s_aux: attention sinks, fp32 ``(nheads,)``, as in ``flash_attn_func``.
 
     Returns:
         out ``{out_shape}`` in q's dtype (0 in rows that see no key, never NaN), or ``(out, softmax_lse)``.
@@ -76,10 +78,13 @@ def flashmask_attention(
     window_size: tuple[int, int] = (-1, -1),
     return_softmax_lse: bool = False,
     deterministic: bool = False,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     q, k, v, p = api.dense_call(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic, return_softmax_lse
-    )
+        q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic, return_softmax_lse,
+        sinks=(learnable_sink, s_aux),
+    )  # fmt: skip
     lead = (q.shape[0],)
     layout = "(batch, 1 or nheads, seqlen_k, C)"
     return _run(q, k, v, p, startend_row_indices, causal, lead, k.shape[1], layout, return_softmax_lse)
@@ -113,6 +118,8 @@ def flashmask_varlen_attention(
     window_size: tuple[int, int] = (-1, -1),
     return_softmax_lse: bool = False,
     deterministic: bool = False,
+    learnable_sink: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
 ):
     q, k, v, p = api.varlen_call(
         q,
@@ -130,6 +137,7 @@ def flashmask_varlen_attention(
         None,
         deterministic,
         return_softmax_lse,
+        sinks=(learnable_sink, s_aux),
     )
     layout = "(1 or nheads, total_k, C)"
     return _run(q, k, v, p, startend_row_indices, causal, (), k.shape[0], layout, return_softmax_lse)

@@ -6,7 +6,9 @@ so any layer may import it.
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -28,6 +30,19 @@ def padded_headdim(headdim: int) -> int:
     """The head dim the kernels compute with (their ``BLOCK_D``, the tables' key): the next power of
     two, at least 16 (tl.dot's minimum)."""
     return max(16, next_power_of_2(headdim))
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The byte value from which a dropout draw keeps its element (8 random bits per element): flash_attn's
+    rule, which keeps an element when its byte is at most ``floor(255 · (1 - p))`` with ``1 - p`` in fp32
+    (here stated from the other end, byte >= 255 - that, for the same count of kept bytes). So the keep
+    probability is ``(floor(255 · (1 - p)) + 1) / 256``, while the kept weights are rescaled by ``1 / (1 - p)``
+    (``AttnParams.keep_scale``): flash_attn's numbers, with the bias of less than 1/256 in the expected
+    output that its rule carries (any p > 0 drops at least 1/256)."""
+    if dropout_p <= 0:
+        return 0
+    keep = struct.unpack("f", struct.pack("f", 1.0 - struct.unpack("f", struct.pack("f", dropout_p))[0]))[0]
+    return 255 - math.floor(keep * 255.0)
 
 
 def interpreting() -> bool:
@@ -254,10 +269,23 @@ class AttnParams:
     # FP8 (e4m3) q, k, v: their descales, fp32 ``(3, batch, nheads_k)`` contiguous (q's, k's, v's; 1.0
     # where the caller gave none), by which the kernels scale the scores and the output (``tileattn.fp8``)
     descales: torch.Tensor | None = None
+    # attention sinks: fp32 ``(nheads,)`` contiguous, one logit per query head that joins every row's
+    # softmax denominator (no value vector; not scaled, capped or masked); the LSE includes it
+    learnable_sink: torch.Tensor | None = None
 
     @property
     def is_fp8(self) -> bool:
         return self.descales is not None
+
+    @property
+    def drop_threshold(self) -> int:
+        """``dropout_threshold(dropout_p)``: a draw's byte at or above it keeps its element."""
+        return dropout_threshold(self.dropout_p)
+
+    @property
+    def keep_scale(self) -> float:
+        """The factor of the kept weights, ``1 / (1 - dropout_p)`` (flash_attn's)."""
+        return 1.0 / (1.0 - self.dropout_p)
 
     @property
     def is_varlen(self) -> bool:

@@ -70,6 +70,7 @@ def attention_ref(
     upcast: bool | torch.dtype = True,
     reorder_ops: bool = False,
     window_seqlen_k: int | None = None,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises the ``(batch, nheads, seqlen_q, seqlen_k)`` scores.
 
@@ -90,6 +91,8 @@ def attention_ref(
         reorder_ops: scale k instead of q before the product (a second low-precision variant).
         window_seqlen_k: the key length from which a window side counts as unbounded
             (``causal_window``): k's ``seqlen_k`` when None; a cache's capacity for a slice of it.
+        learnable_sink: ``(nheads,)`` attention sinks, as in ``tileattn.flash_attn_func``: one more logit
+            in every real row's softmax, with no value (padded rows have none).
 
     Returns:
         ``(output, attention)``: output in q's dtype ``(batch, seqlen_q, nheads, headdim)``, attention
@@ -128,7 +131,13 @@ def attention_ref(
     visible = local_mask(i, j, len_q, len_k, window)
     visible = visible.expand(batch, nheads, seqlen_q, seqlen_k)
     scores = scores.masked_fill(~visible, float("-inf"))
-    attention = torch.softmax(scores, dim=-1)
+    if learnable_sink is not None:
+        real = (i < len_q).expand(batch, nheads, seqlen_q, 1)
+        sink = learnable_sink.to(compute).view(1, nheads, 1, 1).expand(batch, nheads, seqlen_q, 1)
+        attention = torch.softmax(torch.cat([scores, sink.masked_fill(~real, float("-inf"))], dim=-1), dim=-1)
+        attention = attention[..., :seqlen_k].nan_to_num(0.0)  # (rows with neither keys nor a sink: 0)
+    else:
+        attention = torch.softmax(scores, dim=-1)
     # A row that sees no key softmaxes -inf everywhere into NaN; its output is defined as 0.
     attention = attention.masked_fill(~visible, 0.0)
     if dropout_p > 0.0:

@@ -7,9 +7,9 @@ each element's decision is a pure function of ``(seed, offset)``.
 
 Dropout draws 8 random bits per attention element and gets 16 elements from one Philox evaluation
 (four 32-bit words, four bytes each), FlashAttention-2's economy: Philox is integer work, and one
-evaluation per element cost more than the tensor-core math it gated. ``dropout_p`` is therefore rounded
-to a multiple of 2**-8 (``quantize_dropout_p``); an element is kept when its byte is >= ``dropout_p * 2**8``,
-so the rate is exactly the rounded p (and the output is rescaled by the rounded p).
+evaluation per element cost more than the tensor-core math it gated. Which bytes keep their element is
+flash_attn's rule (``params.dropout_threshold``): the kept fraction is ``dropout_p`` rounded down to the
+bytes' resolution, and the kept weights are rescaled by ``1 / (1 - dropout_p)`` as given.
 
 Which 16 elements share an evaluation follows the kernels' register layout: on Hopper a thread of the
 MMA accumulator holds, of each row, the column pairs ``8i + 2c + {0, 1}`` for one ``c < 4``. So counter
@@ -24,6 +24,8 @@ with ``row = 64 * ceil(seqlen_k / 64)``. Its Philox counter is ``4 * (offset // 
 from __future__ import annotations
 
 import torch
+
+from tileattn.params import dropout_threshold
 
 _MASK32 = 0xFFFFFFFF
 _ROUND_A = 0xD2511F53
@@ -80,13 +82,6 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 
 
 DROPOUT_BITS = 8
-_LEVELS = 1 << DROPOUT_BITS
-
-
-def quantize_dropout_p(dropout_p: float) -> float:
-    """``dropout_p`` rounded to the multiple of 2**-8 that the 8-bit draws realise (at most
-    1 - 2**-8, so that something is always kept)."""
-    return min(round(dropout_p * _LEVELS), _LEVELS - 1) / _LEVELS
 
 
 def dropout_offsets(
@@ -104,14 +99,14 @@ def dropout_offsets(
 
 
 def dropout_keep(seed: int, offsets: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Boolean keep-mask: an element is kept when its 8 random bits are >= dropout_p * 2**8
-    (dropout_p already quantized)."""
+    """Boolean keep-mask: an element is kept when its 8 random bits are at least
+    ``params.dropout_threshold(dropout_p)``."""
     offsets = offsets.to(torch.int64)
     words = philox4_uint32(seed, 4 * (offsets // 64) + (offsets % 8) // 2)
     i = (offsets % 64) // 8
     word = torch.where(i < 4, torch.where(i < 2, words[0], words[1]), torch.where(i < 6, words[2], words[3]))
     bits = (word >> (8 * (2 * (i % 2) + offsets % 2))) & 0xFF
-    return bits >= round(dropout_p * _LEVELS)
+    return bits >= dropout_threshold(dropout_p)
 
 
 def new_seed() -> int:

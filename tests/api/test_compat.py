@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+import oracle
 import tileattn
 from helpers import on
 from tileattn.modules import FlashSelfAttention
+from tileattn.testing import check_close
 
 F16 = torch.float16
 I32 = torch.int32
@@ -103,15 +105,25 @@ def test_return_attn_probs_lse(backend):
     torch.testing.assert_close(lse_paged.double(), ref[0], atol=2e-3, rtol=1e-3)
 
 
-def test_return_attn_probs_with_dropout_keeps_s_dmask(backend):
+@pytest.mark.parametrize("seqlen_k, headdim, causal", [(13, 16, False), (300, 64, True), (130, 96, False)])
+def test_return_attn_probs_with_dropout_keeps_s_dmask(backend, seqlen_k, headdim, causal):
+    """S_dmask in flash_attn's scaling (what its tests' normalize_flash_attn_S undoes): per key block of
+    flash_attn's size (128 columns at head dim 16; 64 at 64 and 96 with dropout), the weights before
+    normalisation, exp(s - m) with m the running max from the last block back to this one; negated where
+    dropped. Against the oracle's probabilities so scaled; with several blocks, causal and not."""
     ctx, device = on(backend)
-    q = torch.randn(2, 13, 4, 16, dtype=F16, device=device)
+    q = torch.randn(2, 37, 4, headdim, dtype=F16, device=device)
+    k = torch.randn(2, seqlen_k, 2, headdim, dtype=F16, device=device)
     with ctx:
-        out, lse, s_dmask = tileattn.flash_attn_func(q, q, q, dropout_p=0.3, return_attn_probs=True)
-    assert s_dmask.shape == (2, 4, 13, 13) and s_dmask.dtype == torch.float32
+        out, lse, s_dmask = tileattn.flash_attn_func(q, k, k, dropout_p=0.3, causal=causal, return_attn_probs=True)
+    assert s_dmask.shape == (2, 4, 37, seqlen_k) and s_dmask.dtype == torch.float32
     assert (s_dmask < 0).any() and (s_dmask > 0).any()
-    # the kept probabilities are exp(s - lse): each row sums to 1 over kept and dropped entries
-    torch.testing.assert_close(s_dmask.abs().sum(-1), torch.ones_like(lse), atol=1e-3, rtol=0)
+    block_n = oracle.flash_attn_block_n(headdim, True, causal, (0, 0))
+    ref = oracle.flash_attn_unnormalized(oracle.attention(q, k, k, causal=causal).probs, block_n)
+    lowp = oracle.flash_attn_unnormalized(
+        oracle.attention(q, k, k, causal=causal, precision=None).probs.float(), block_n
+    )
+    check_close("S_dmask", s_dmask.abs(), ref, lowp)
 
 
 # --------------------------------------------------------------------------------------------------

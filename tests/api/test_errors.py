@@ -88,12 +88,6 @@ CASES = [
     ("dropout-1", _dense(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)"]),
     ("dropout-neg", _dense(dropout_p=-0.1), ValueError, ["dropout_p"]),
     ("dropout-str", _dense(dropout_p="0.1"), ValueError, ["dropout_p"]),
-    (
-        "dropout-below-resolution",
-        _dense(dropout_p=0.001),
-        ValueError,
-        ["dropout_p=0.001", "rounds to 0", "more than 1/512"],
-    ),
     ("scale-str", _dense(softmax_scale="x"), TypeError, ["softmax_scale"]),
     ("scale-nan", _dense(softmax_scale=float("nan")), TypeError, ["softmax_scale"]),
     ("window-int", _dense(window_size=3), ValueError, ["window_size", "pair"]),

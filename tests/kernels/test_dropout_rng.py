@@ -3,11 +3,13 @@ tileattn.rng's Philox replica bit for bit, and the tests' own mask from the defi
 the interpreter on CPU, or on the GPU."""
 
 import numpy as np
+import pytest
 import torch
 
 import dropout_ref
 from tileattn import rng
 from tileattn.kernels import common  # noqa: F401  (used by a kernel defined in a test)
+from tileattn.params import dropout_threshold
 
 
 def test_philox_replica_matches_triton():
@@ -49,11 +51,22 @@ def test_grouped_dropout_bits_match_the_replica():
     out = torch.zeros(16, 128, dtype=torch.int32, device=device)
     seed, sq, sk, nheads, b, h = 0x1234_5678_9ABC, 40, 300, 3, 1, 2
     row_groups = 4 * ((sk + 63) // 64)
-    p = rng.quantize_dropout_p(0.37)
-    _keep[(1,)](out, seed, (b * nheads + h) * sq * row_groups, row_groups, p, 64, BLOCK_M=16, BLOCK_N=128)
+    p = 0.37
+    threshold = float(dropout_threshold(p))
+    _keep[(1,)](out, seed, (b * nheads + h) * sq * row_groups, row_groups, threshold, 64, BLOCK_M=16, BLOCK_N=128)
     i, j = (3 + torch.arange(16)).view(-1, 1), (64 + torch.arange(128)).view(1, -1)
     expected = rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, sq, sk), p)
     assert torch.equal(out.cpu().bool(), expected)
     # and the mask written from the definition apart from tileattn.rng (the tests' dropout_ref)
     assert torch.equal(out.cpu().bool(), dropout_ref.keep_mask(seed, p, b + 1, nheads, sq, sk)[b, h, 3:19, 64:192])
-    assert p == 95 / 256 and rng.quantize_dropout_p(0.9999999) == 255 / 256
+
+
+@pytest.mark.parametrize(
+    "p, kept",
+    [(0.0, 256), (0.37, 161), (0.1, 230), (0.2, 205), (1e-6, 255), (0.9999999, 1)],
+)
+def test_dropout_threshold_is_flash_attns_rule(p, kept):
+    """flash_attn keeps a byte at most floor(255 · (1 - p)) with 1 - p in fp32 (0.8 in fp32 is a little above
+    0.8, so p = 0.2 keeps 205 byte values, where 255 · 0.8 in fp64 would give 204); the threshold here counts
+    the same bytes from the other end."""
+    assert 256 - dropout_threshold(p) == kept == dropout_ref.kept_bytes(p)

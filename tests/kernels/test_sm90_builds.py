@@ -363,6 +363,26 @@ def test_gluon_forward_builds_as_designed():
     assert len(three) == 4 and all(row["stack"] == 0 for row in three), three
 
 
+GLUON_SINK_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon(d, causal, sink=sink) for d in (128, 256) for causal in (False, True)
+             for sink in (False, True)]
+"""
+
+
+@pytest.mark.skipif(not TUNED_TRITON, reason="the Gluon kernels are built with Triton 3.6")
+def test_gluon_forward_with_sinks_builds_as_without():
+    """The Gluon forward with attention sinks (their logit joins each row's sum after the key loop) keeps the
+    build's design and spills no more than the same build without them."""
+    rows = _compiled(GLUON_SINK_CASES)
+    assert len(rows) == 8, rows
+    for plain, sink in zip(rows[::2], rows[1::2]):
+        assert not plain["sink"] and sink["sink"], (plain, sink)
+        _assert_warp_specialized(sink)
+        assert sink["stack"] <= plain["stack"], (plain, sink)
+
+
 GLUON_BWD_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

@@ -68,6 +68,19 @@ def test_opcheck_fwd_bwd_dense_and_varlen():
     )
 
 
+def test_opcheck_with_sinks():
+    """The ops with attention sinks (the last tensor input of tileattn::fwd before the FP8 descales; the
+    sinks' gradient tileattn::bwd's fourth output): schema, fake tensors and autograd through AOT dispatch."""
+    q, k, v = _t(2, 9, 4, 16, grad=True), _t(2, 7, 2, 16, grad=True), _t(2, 7, 2, 16, grad=True)
+    sink = torch.randn(4, device=DEVICE, requires_grad=True)
+    args = (q, k, v, None, None, None, 9, 7, 0.25, -1, 0, 0.0, 0.0, False, None, False, sink)
+    torch.library.opcheck(torch.ops.tileattn.fwd.default, args)
+    kc, vc = _t(2, 10, 2, 16), _t(2, 10, 2, 16)
+    args = (_t(2, 1, 4, 16), kc, vc, None, None, None, None, _i32([3, 7]), None, None, None, None)
+    args += (0.25, -1, 0, 0.0, True, 0, 1, None, None, sink.detach())
+    torch.library.opcheck(torch.ops.tileattn.fwd_kvcache.default, args)
+
+
 def test_opcheck_kvcache_and_paged_varlen():
     q = _t(2, 1, 4, 16)
     kc, vc = _t(2, 10, 2, 16), _t(2, 10, 2, 16)
@@ -85,13 +98,14 @@ def test_opcheck_kvcache_and_paged_varlen():
 
 
 class Block(torch.nn.Module):
-    """Pre-norm attention block calling the public functions."""
+    """Pre-norm attention block calling the public functions, with attention sinks (fp32, as gpt-oss's)."""
 
     def __init__(self, d=64, heads=4, kv_heads=2):
         super().__init__()
         self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
         self.qkv = torch.nn.Linear(d, (heads + 2 * kv_heads) * self.hd)
         self.out = torch.nn.Linear(d, d)
+        self.sink = torch.nn.Parameter(torch.randn(heads))
 
     def split(self, x):
         q, k, v = self.qkv(x).split([self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1)
@@ -103,8 +117,8 @@ class Block(torch.nn.Module):
 
     def attend(self, q, k, v, cu, max_len):
         if cu is None:
-            return tileattn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
-        return tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+            return tileattn.flash_attn_func(q, k, v, causal=True, softcap=5.0, learnable_sink=self.sink.float())
+        return tileattn.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True, s_aux=self.sink)
 
     def forward(self, x, cu=None, max_len=None):
         q, k, v = self.split(x)
@@ -116,8 +130,8 @@ class OracleBlock(Block):
 
     def attend(self, q, k, v, cu, max_len):
         if cu is None:
-            return oracle.attention(q, k, v, causal=True, softcap=5.0, precision=None).out
-        return oracle.attention_varlen(q, k, v, cu, cu, max_len, causal=True, precision=None).out
+            return oracle.attention(q, k, v, causal=True, softcap=5.0, precision=None, sink=self.sink).out
+        return oracle.attention_varlen(q, k, v, cu, cu, max_len, causal=True, precision=None, sink=self.sink).out
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])

@@ -13,6 +13,7 @@ table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``)
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
+``--sinks`` (attention sinks against the same calls without),
 ``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
 decoding beside GQA decoding), ``--cp`` (context parallelism across the host's GPUs: scaling against one
 GPU, exactness, the longest sequence), ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
@@ -432,6 +433,11 @@ def parse_args(argv=None):
     )
     ap.add_argument("--dropout-p", type=float, default=0.1, help="the dropout probability of --dropout")
     ap.add_argument(
+        "--sinks",
+        action="store_true",
+        help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B)",
+    )
+    ap.add_argument(
         "--host",
         action="store_true",
         help="host time per call at launch-bound sizes (BERT-large's attention, decode at 1 x 8k) against SDPA",
@@ -561,6 +567,16 @@ def main(argv=None) -> int:
         rows = run_dropout(time_ms, args.dropout_p, cases, args.tokens, args.hidden, dtype=dtype, device=device)
         append_results(args.out, rows)
         print(format_dropout(rows))
+        return 0
+    if args.sinks:
+        from tileattn.bench.sinks import format_sinks, run_sinks
+
+        cases = None
+        if args.headdim != [64, 128, 256] or args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] or args.quick:
+            cases = [(d, s, c) for d in args.headdim for s in args.seqlen for c in causals]
+        rows = run_sinks(time_ms, args.tokens, args.hidden, cases, dtype=dtype, device=device)
+        append_results(args.out, rows)
+        print(format_sinks(rows))
         return 0
     if args.features:
         if not _on_gpu(device, "--features"):

@@ -62,7 +62,7 @@ def _dkdv_tiles(
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
-    philox_seed, rng_base, row_groups, dropout_p,
+    philox_seed, rng_base, row_groups, drop_threshold, keep_scale,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -124,10 +124,12 @@ def _dkdv_tiles(
         p = tl.exp2(s - lse_b * common.LOG2E)  # 0 for rows with lse=+inf
         pv = p  # the weights dV sees: p with dropout applied
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, offs_m, n_start, row_groups, dropout_p, BLOCK_M, BLOCK_N)
+            keep = common.dropout_keep(
+                philox_seed, rng_base, offs_m, n_start, row_groups, drop_threshold, BLOCK_M, BLOCK_N
+            )
             if not Q_MAJOR:
                 keep = tl.trans(keep)
-            inv_keep = 1.0 / (1.0 - dropout_p)
+            inv_keep = keep_scale
             pv = tl.where(keep, p * inv_keep, 0.0)
             dp = tl.where(keep, dp * inv_keep, 0.0)
         ds = p * (dp - delta_b)
@@ -171,7 +173,7 @@ def _attn_bwd_dkdv(
     batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
     sm_scale, softcap,
     window_left, window_right,
-    dropout_p, philox_seed,
+    drop_threshold, keep_scale, philox_seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -253,7 +255,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, seqlen_k,
                     qk_scale, softcap_scale, softcap_log2, slope_log2,
                     window_left, window_right,
-                    philox_seed, rng_base, row_groups, dropout_p,
+                    philox_seed, rng_base, row_groups, drop_threshold, keep_scale,
                     HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
                     seg != 1, MASK_LEFT, MASK_RIGHT,
                     HAS_SOFTCAP, HAS_ALIBI,
@@ -278,7 +280,7 @@ def _dq_tiles(
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
-    philox_seed, rng_base, row_groups, dropout_p,
+    philox_seed, rng_base, row_groups, drop_threshold, keep_scale,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -311,8 +313,10 @@ def _dq_tiles(
         p = tl.exp2(s - lse2[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do, tl.trans(v))  # [BLOCK_M, BLOCK_N] = dO @ vᵀ
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            keep = common.dropout_keep(
+                philox_seed, rng_base, offs_m, start_n, row_groups, drop_threshold, BLOCK_M, BLOCK_N
+            )
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -335,7 +339,7 @@ def _attn_bwd_dq(
     batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
     sm_scale, softcap,
     window_left, window_right,
-    dropout_p, philox_seed,
+    drop_threshold, keep_scale, philox_seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -407,7 +411,7 @@ def _attn_bwd_dq(
                 seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope_log2,
                 window_left, window_right,
-                philox_seed, rng_base, row_groups, dropout_p,
+                philox_seed, rng_base, row_groups, drop_threshold, keep_scale,
                 HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
                 seg != 1, MASK_LEFT, MASK_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI,
@@ -438,7 +442,7 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launches preprocess, dK/dV and dQ with the tiles ``s`` gives (``configs.bwd_dkdv_config``,
     ``configs.bwd_dq_config``). Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv), contiguous, in
-    the inputs' dtype."""
+    the inputs' dtype, and the gradient of the attention sinks (``sink_grad``) or None."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(dout, q, k, v, out, lse, p, s)
     grads = _gluon_bwd(dout, q, k, v, out, lse, p, s)
@@ -449,6 +453,7 @@ def attn_bwd(
     batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
     nheads_k = k4.shape[2]
     delta = _delta(o4, do4, lse, p, s)
+    dsink = sink_grad(lse, delta, p)
     rows = q4.shape[1]
 
     alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
@@ -457,7 +462,7 @@ def attn_bwd(
         batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
         p.softmax_scale, p.softcap,
         p.window_left, p.window_right,
-        p.dropout_p, p.philox_seed,
+        float(p.drop_threshold), p.keep_scale, p.philox_seed,
     )  # fmt: skip
     flags = dict(
         HEAD_DIM=headdim, BLOCK_D=p.block_d,
@@ -513,7 +518,7 @@ def attn_bwd(
     )  # fmt: skip
     if dq_acc is not None:
         dq4.copy_(dq_acc)
-        return dq, dk, dv
+        return dq, dk, dv, dsink
 
     cfg = bwd_dq_config(p, s)
     if p.is_varlen:
@@ -542,7 +547,19 @@ def attn_bwd(
         ),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, dsink
+
+
+def sink_grad(lse: torch.Tensor, delta: torch.Tensor, p: AttnParams) -> torch.Tensor | None:
+    """The attention sinks' gradient, fp32 ``(nheads,)``, or None without them. A sink's probability in a
+    row is ``exp(sink - lse)`` (the LSE includes the sink) and it has no value, so dL/dsink sums
+    ``-exp(sink - lse) · Δ`` over the head's rows, Δ = rowsum(dO ∘ O) (rows that see nothing have LSE +inf:
+    0). Two reads of the per-row LSE and Δ, no pass over the head dim."""
+    if p.learnable_sink is None:
+        return None
+    sink = p.learnable_sink.view(-1, 1) if p.is_varlen else p.learnable_sink.view(1, -1, 1)
+    weighted = torch.exp(sink - lse) * delta
+    return -(weighted.sum(1) if p.is_varlen else weighted.sum((0, 2)))
 
 
 def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, p: AttnParams, s: Settings) -> torch.Tensor:
@@ -567,8 +584,8 @@ def _gluon_bwd(
     lse: torch.Tensor,
     p: AttnParams,
     s: Settings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(dq, dk, dv) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` (with dropout:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(dq, dk, dv, dsink) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` (with dropout:
     ``s.bwd_gluon_dropout``) has the head dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
     in order), else None."""
     cfg = (s.bwd_gluon_dropout if p.dropout_p > 0 else s.bwd_gluon).get(q.shape[-1])
@@ -586,7 +603,8 @@ def _gluon_bwd(
         return None
     delta = _delta(o4, do4, lse, p, s)
     dq, dk, dv = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, rows=rows, **hopper.config_options(cfg))
-    return (dq[0], dk[0], dv[0]) if p.is_varlen else (dq, dk, dv)
+    dsink = sink_grad(lse, delta, p)
+    return (dq[0], dk[0], dv[0], dsink) if p.is_varlen else (dq, dk, dv, dsink)
 
 
 def _dense_as_packed(
@@ -602,5 +620,5 @@ def _dense_as_packed(
     """The backward of ``forward._dense_as_packed``: a dense batch too large for the grid's z axis."""
     rows = [t.reshape(-1, *t.shape[2:]) for t in (dout, q, k, v, out)]
     lse = lse.transpose(0, 1).reshape(lse.shape[1], -1)  # (nheads, batch * seqlen_q)
-    dq, dk, dv = attn_bwd(*rows, lse, common.packed_lengths(p, q.device), s)
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    dq, dk, dv, dsink = attn_bwd(*rows, lse, common.packed_lengths(p, q.device), s)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dsink

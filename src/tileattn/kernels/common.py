@@ -511,6 +511,19 @@ def online_softmax(s, m_i, l_i, acc, scale, P_LOG2: tl.constexpr = 0):
 
 
 @triton.jit
+def add_sink(m_i, l_i, sink_ptrs, P_LOG2: tl.constexpr = 0):
+    """Adds attention sinks to finished rows of the online softmax (log2 domain): the logit at
+    ``sink_ptrs`` (natural log, per row or one for all; no value vector) becomes one more term of the
+    denominator. Returns ``(m, l, alpha)``: the new max and sum, and the factor by which the caller
+    rescales its accumulator. A row that saw no key gets ``l = 2**P_LOG2`` at ``m = sink`` (output 0, LSE
+    the sink); a sink of -inf changes nothing. ``P_LOG2``: the scale the sum carries (FP8's p)."""
+    sink = tl.load(sink_ptrs) * LOG2E
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new + P_LOG2), alpha
+
+
+@triton.jit
 def to_e4m3(x, ROUND_FIRST: tl.constexpr):
     """fp32 ``x`` in float8 e4m3, saturated at ±448 and rounded to nearest (the GPU's conversion,
     ``cvt.rn.satfinite``). With ROUND_FIRST the saturation and rounding are done in fp32 first (ties away
@@ -544,7 +557,9 @@ def segment(seg: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
-def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def dropout_keep(
+    seed, rng_base, offs_m, start_n, row_groups, drop_threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Keep-mask ``[BLOCK_M, BLOCK_N]`` of Philox dropout for rows ``offs_m`` and columns
     ``start_n + arange(BLOCK_N)`` (start_n and BLOCK_N multiples of 64) of one (batch, head); see
     ``tileattn.rng`` for the mapping, which this helper and the torch replica share.
@@ -567,5 +582,5 @@ def dropout_keep(seed, rng_base, offs_m, start_n, row_groups, dropout_p, BLOCK_M
     )  # [BLOCK_M, J, I, C]: word i // 2
     shift = ((i % 2) * 2)[:, :, :, :, None] * 8 + tl.arange(0, 2)[None, None, None, None, :] * 8
     bits = ((word[:, :, :, :, None] >> shift.to(tl.uint32)) & 0xFF).to(tl.float32)  # [BLOCK_M, J, I, C, H]
-    # dropout_p is a multiple of 2**-8 (tileattn.rng.quantize_dropout_p), so the threshold is exact
-    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= dropout_p * 256.0
+    # a byte at or above the threshold (``AttnParams.drop_threshold``, flash_attn's rule) is kept
+    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= drop_threshold

@@ -2,7 +2,7 @@
 
 Every feature is a constexpr flag of the one kernel ``_attn_fwd``: windows and causal (MASK_LEFT /
 MASK_RIGHT), softcap, ALiBi, dropout, GQA (a runtime group size), packed varlen batches (IS_VARLEN),
-FlashMask (HAS_FLASHMASK) and FP8 inputs (IS_FP8).
+FlashMask (HAS_FLASHMASK), attention sinks (HAS_SINK) and FP8 inputs (IS_FP8).
 
 FP8 (e4m3 q, k, v with descales, ``AttnParams.descales``): both matmuls run on FP8 tensor cores with fp32
 accumulation. The scores are scaled by q_descale·k_descale with the softmax scale; p is rounded to e4m3
@@ -31,7 +31,7 @@ def _fwd_tiles(
     seqlen_q, seqlen_k,
     qk_scale, softcap_scale, softcap_log2, slope_log2,
     window_left, window_right,
-    philox_seed, rng_base, row_groups, dropout_p,
+    philox_seed, rng_base, row_groups, drop_threshold,
     HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
@@ -80,7 +80,7 @@ def _fwd_tiles(
         else:
             p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
         if HAS_DROPOUT:
-            keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, dropout_p, BLOCK_M, BLOCK_N)
+            keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, drop_threshold, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         if IS_FP8:
             acc = tl.dot(common.to_e4m3(p, INTERPRET), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
@@ -96,7 +96,7 @@ P_LOG2 = tl.constexpr(8)
 # a fresh dropout seed per call must not select a different specialisation (seed % 16 == 0)
 @triton.jit(do_not_specialize=["philox_seed"])
 def _attn_fwd(
-    Q, K, V, Out, Lse, Alibi, Descales, CuSeqlensQ, CuSeqlensK, TileEnds,
+    Q, K, V, Out, Lse, Alibi, Descales, Sink, CuSeqlensQ, CuSeqlensK, TileEnds,
     Bounds, Runs, Counts, stride_bh, stride_bc, stride_rh, stride_ch, n_list,  #
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -107,11 +107,11 @@ def _attn_fwd(
     batch, nheads, group_size, max_seqlen_q, max_seqlen_k,
     sm_scale, softcap,
     window_left, window_right,
-    dropout_p, philox_seed,
+    drop_threshold, keep_scale, philox_seed,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DEFER_SCALE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     IS_FP8: tl.constexpr, V_T: tl.constexpr, INTERPRET: tl.constexpr,
@@ -199,7 +199,7 @@ def _attn_fwd(
                 seqlen_q, seqlen_k,
                 qk_scale, softcap_scale, softcap_log2, slope_log2,
                 window_left, window_right,
-                philox_seed, rng_base, row_groups, dropout_p,
+                philox_seed, rng_base, row_groups, drop_threshold,
                 HEAD_DIM, PAD_D, BLOCK_M, BLOCK_N,
                 seg != 1, MASK_LEFT, MASK_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
@@ -207,16 +207,19 @@ def _attn_fwd(
                 USE_TMA, WARP_SPEC, IS_FP8, V_T, VT_TMA, INTERPRET,
             )  # fmt: skip
 
-    # A row that saw no key has l_i == 0: its output is 0 and its LSE +inf, so that the backward
-    # pass's exp(s - lse) is 0 for it (the flash_attn convention).
+    if HAS_SINK:  # the head's sink joins the denominator (FP8: at p's 2**P_LOG2 scale)
+        m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h, P_LOG2 if IS_FP8 else 0)
+        acc = acc * alpha[:, None]
+    # A row that saw no key (nor a sink) has l_i == 0: its output is 0 and its LSE +inf, so that the
+    # backward pass's exp(s - lse) is 0 for it (the flash_attn convention).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if IS_FP8:  # (p and l carry 2**P_LOG2, which acc / l cancels)
-        acc = acc * (v_descale / (l_safe * (1.0 - dropout_p)))[:, None]
+        acc = acc * (v_descale * keep_scale / l_safe)[:, None]
         lse = tl.where(seen, (m_i + tl.log2(l_safe) - P_LOG2) * common.LN2, float("inf"))
     else:
         if HAS_DROPOUT:
-            acc = acc / (l_safe * (1.0 - dropout_p))[:, None]
+            acc = acc * (keep_scale / l_safe)[:, None]
         else:
             acc = acc / l_safe[:, None]
         lse = tl.where(seen, (m_i + tl.log2(l_safe)) * common.LN2, float("inf"))
@@ -282,7 +285,8 @@ def attn_fwd(
     FWD(
         grid,
         (
-            q4, k4, v4, o4, lse, alibi, p.descales if p.is_fp8 else lse, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+            q4, k4, v4, o4, lse, alibi, p.descales if p.is_fp8 else lse,
+            p.learnable_sink if p.learnable_sink is not None else lse, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
             *mask_args,
             *p.strides(q4),
             *p.strides(k4),
@@ -293,7 +297,7 @@ def attn_fwd(
             batch, nheads, nheads // k4.shape[2], p.seqlen_q, p.seqlen_k,
             p.softmax_scale, p.softcap,
             p.window_left, p.window_right,
-            p.dropout_p, p.philox_seed,
+            float(p.drop_threshold), p.keep_scale, p.philox_seed,
         ),
         dict(
             HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -301,7 +305,7 @@ def attn_fwd(
             HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, DEFER_SCALE=p.defer_scale,
             HAS_DROPOUT=p.dropout_p > 0,
             HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
-            IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
+            HAS_SINK=p.learnable_sink is not None, IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
             USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
             IS_FP8=p.is_fp8, V_T=v_t, INTERPRET=s.interpret,
         ),

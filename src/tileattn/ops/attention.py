@@ -45,6 +45,7 @@ def _attn_params(
     deterministic: bool,
     startend_row_indices: Tensor | None,
     mask_causal: bool,
+    learnable_sink: Tensor | None = None,
     descales: Tensor | None = None,
 ) -> AttnParams:
     varlen = cu_seqlens_q is not None
@@ -75,6 +76,7 @@ def _attn_params(
         mask_causal=mask_causal,
         flashmask=fm,
         descales=descales,
+        learnable_sink=learnable_sink,
     )
 
 
@@ -123,6 +125,7 @@ def forward_impl(
     deterministic: bool,
     startend_row_indices: Tensor | None = None,
     mask_causal: bool = False,
+    learnable_sink: Tensor | None = None,
     descales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -148,20 +151,31 @@ def forward_impl(
         deterministic,
         startend_row_indices,
         mask_causal,
+        learnable_sink,
         descales,
     )
     if backend.nothing_to_attend(q, k) or tokens_k == 0:
-        out, lse = torch.zeros_like(q, dtype=_out_dtype(q)), p.new_lse(p.as_4d(q)).fill_(float("inf"))
+        out, lse = torch.zeros_like(q, dtype=_out_dtype(q)), _no_keys_lse(p, q)
     else:
         if tokens_k < k.shape[0]:  # the kernels see the sequences' rows only (_used_rows)
             k, v = k[:tokens_k], v[:tokens_k]
         with backend.on_device(q):
             out, lse = backend.implementation(q).attn_fwd(q, k, v, p, configs.current(q.device))
-    if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key
+    if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key, nor the sinks
         out[tokens_q:] = 0
         lse[:, tokens_q:] = float("inf")
     rng_state = torch.tensor([seed, 0], dtype=torch.int64) if seed else torch.zeros(2, dtype=torch.int64)
     return _like(out, q), lse, rng_state
+
+
+def _no_keys_lse(p: AttnParams, q: Tensor) -> Tensor:
+    """The LSE of a call in which no row sees a key: +inf (the flash_attn convention), or with attention
+    sinks each row's sink, the only term of its softmax's denominator."""
+    lse = p.new_lse(p.as_4d(q))
+    if p.learnable_sink is None:
+        return lse.fill_(float("inf"))
+    sink = p.learnable_sink.view(-1, 1) if p.is_varlen else p.learnable_sink.view(1, -1, 1)
+    return lse.copy_(sink.expand_as(lse))
 
 
 def _out_dtype(q: Tensor) -> torch.dtype:
@@ -203,9 +217,12 @@ def backward_impl(
     deterministic: bool,
     startend_row_indices: Tensor | None = None,
     mask_causal: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
+    learnable_sink: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsink)``: dsink fp32 ``(nheads,)`` with attention sinks, else an empty tensor."""
+    dsink = _no_dsink(learnable_sink)
     if backend.nothing_to_attend(q, k):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
     p = _attn_params(
         q,
         alibi_slopes,
@@ -222,16 +239,17 @@ def backward_impl(
         deterministic,
         startend_row_indices,
         mask_causal,
+        learnable_sink,
     )
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if tokens_q == 0 or tokens_k == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if tokens_q == 0 or tokens_k == 0:  # (a row whose softmax holds its sink alone has Δ = 0: dsink 0)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
     if tokens_q == q.shape[0] and tokens_k == k.shape[0]:
         with backend.on_device(q):
-            dq, dk, dv = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
-        return _like(dq, q), _like(dk, k), _like(dv, v)
+            dq, dk, dv, ds = backend.implementation(q).attn_bwd(dout, q, k, v, out, lse, p, configs.current(q.device))
+        return _like(dq, q), _like(dk, k), _like(dv, v), dsink if ds is None else ds
     # padding rows after the last sequence: the kernels see the sequences' rows only (_used_rows), and the
     # padding's gradients are 0
     used_q, used_k = slice(0, tokens_q), slice(0, tokens_k)
@@ -241,11 +259,19 @@ def backward_impl(
             configs.current(q.device),
         )  # fmt: skip
     padded = []
-    for g, t, used in zip(grads, (q, k, v), (used_q, used_k, used_k)):
+    for g, t, used in zip(grads[:3], (q, k, v), (used_q, used_k, used_k)):
         full = torch.zeros_like(t)
         full[used] = g
         padded.append(full)
-    return tuple(padded)
+    return (*padded, dsink if grads[3] is None else grads[3])
+
+
+def _no_dsink(learnable_sink: Tensor | None) -> Tensor:
+    """dsink where nothing reaches the sinks' gradient: zeros of their shape, or an empty tensor without them
+    (a custom op returns tensors only)."""
+    if learnable_sink is None:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.zeros_like(learnable_sink)
 
 
 attn_bwd = torch.library.custom_op("tileattn::bwd", backward_impl, mutates_args=())
@@ -253,29 +279,33 @@ attn_bwd = torch.library.custom_op("tileattn::bwd", backward_impl, mutates_args=
 
 @attn_bwd.register_fake
 def _(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    sink = args[16] if len(args) > 16 else None  # (learnable_sink, after the 16 arguments before it)
+    dsink = torch.empty_like(sink) if sink is not None else torch.empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *options = inputs
     out, lse, rng_state = output
-    # the tensors among the options: alibi_slopes, cu_seqlens_q, cu_seqlens_k and startend_row_indices
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3], options[11])
+    options += [None] * (15 - len(options))  # (learnable_sink and descales have defaults)
+    # the tensors among the options: alibi_slopes, cu_seqlens_q, cu_seqlens_k, startend_row_indices and
+    # learnable_sink
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, *options[:3], options[11], options[13])
     ctx.options = options[3:11] + options[12:13]
-    ctx.fp8 = len(options) > 13 and options[13] is not None
+    ctx.fp8 = options[14] is not None
     # the backward runs with the forward's settings: autograd may run it on another thread, where an
     # override (a context variable) of the calling thread is not set
     ctx.settings = configs.current(q.device)
 
 
 def _grads(bwd, ctx, dout):
-    """(dq, dk, dv, None...) for the forward's 17 inputs, from what ``_setup_context`` saved."""
+    """(dq, dk, dv, None..., dsink, None) for the forward's 18 inputs, from what ``_setup_context`` saved."""
     if ctx.fp8:
         raise NotImplementedError(FP8_BACKWARD)
-    *saved, startend_row_indices = ctx.saved_tensors
+    *saved, startend_row_indices, learnable_sink = ctx.saved_tensors
     with configs.override(ctx.settings):
-        dq, dk, dv = bwd(dout, *saved, *ctx.options[:8], startend_row_indices, *ctx.options[8:])
-    return (dq, dk, dv) + (None,) * 14
+        dq, dk, dv, dsink = bwd(dout, *saved, *ctx.options[:8], startend_row_indices, *ctx.options[8:], learnable_sink)
+    return (dq, dk, dv) + (None,) * 13 + (dsink if learnable_sink is not None else None, None)
 
 
 def _backward(ctx, dout, _dlse, _drng):
@@ -294,18 +324,39 @@ class EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, *options):
         out, lse, rng_state = forward_impl(q, k, v, *options)
         _setup_context(ctx, (q, k, v, *options), (out, lse, rng_state))
+        ctx.inputs = len(options)
         return out, lse, rng_state
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse, _drng):
-        return _grads(backward_impl, ctx, dout)
+        return _grads(backward_impl, ctx, dout)[: 3 + ctx.inputs]
 
 
-def attn_probs(q: Tensor, k: Tensor, lse: Tensor, rng_state: Tensor, p: AttnParams) -> Tensor:
-    """S_dmask of ``return_attn_probs`` with dropout (materialised N×N, for tests)."""
+def s_dmask_block_n(device: torch.device, headdim: int, dropout: bool, causal: bool) -> int:
+    """The key-block size of flash_attn 2.8's CUDA kernels for this head dim (its ``_get_block_size_n``):
+    the blocks by which S_dmask is scaled as flash_attn scales it (``cpu.attn_probs``)."""
+    major, minor = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    if headdim <= 32:
+        return 128
+    if headdim <= 64:
+        return 64 if dropout else 128
+    if headdim <= 96:
+        return 64
+    if headdim <= 128:
+        if major == 8 and minor > 0:  # sm86 / sm89
+            return 64 if (not dropout and causal) else 32
+        return 32 if dropout else 64
+    return 64
+
+
+def attn_probs(q: Tensor, k: Tensor, rng_state: Tensor, p: AttnParams) -> Tensor:
+    """S_dmask of ``return_attn_probs`` with dropout, in flash_attn's scaling (``cpu.attn_probs``;
+    materialised N×N, for tests)."""
     p.philox_seed = int(rng_state[0])
-    return cpu.attn_probs(q.detach(), k.detach(), lse, p)
+    causal = p.window_right == 0 and p.window_left < 0
+    block_n = s_dmask_block_n(q.device, q.shape[-1], p.dropout_p > 0, causal)
+    return cpu.attn_probs(q.detach(), k.detach(), p, block_n)
 
 
 def no_probs(q: Tensor) -> Tensor:
@@ -330,6 +381,7 @@ def op_options(p: AttnParams) -> tuple:
         p.deterministic,
         p.startend_row_indices,
         p.mask_causal,
+        p.learnable_sink,
         p.descales,
     )
 
@@ -338,9 +390,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, p: AttnParams) -> tuple[Tensor, Ten
     """``(out, softmax_lse, rng_state)`` from ``tileattn::fwd``, which carries the autograd, or in eager
     mode on plain tensors the same implementation without the op's dispatch (``backend.direct``): through
     ``EagerAttention`` where a gradient may be asked for, else directly."""
-    if not backend.direct(q, k, v):
+    sink = p.learnable_sink
+    if not backend.direct(q, k, v, sink):
         return torch.ops.tileattn.fwd(q, k, v, *op_options(p))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    wants_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    if wants_grad and torch.is_grad_enabled():
         return EagerAttention.apply(q, k, v, *op_options(p))
     return forward_impl(q, k, v, *op_options(p))  # (nothing to differentiate: no autograd node to make)
 
@@ -351,7 +405,7 @@ def backward(
     """``(dq, dk, dv)`` from ``tileattn::bwd`` (or its implementation directly, as ``forward``) for a
     forward that returned ``out``, ``lse`` and ``rng_state`` with the same ``p``."""
     op = backward_impl if backend.direct(dout, q, k, v, out, lse) else torch.ops.tileattn.bwd
-    return op(dout, q, k, v, out, lse, rng_state, *op_options(p)[:-1])
+    return op(dout, q, k, v, out, lse, rng_state, *op_options(p)[:-1])[:3]
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool):
@@ -360,4 +414,4 @@ def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool)
     out, lse, rng_state = forward(q, k, v, p)
     if not return_attn_probs:
         return out
-    return out, lse, attn_probs(q, k, lse, rng_state, p) if p.dropout_p > 0 else no_probs(q)
+    return out, lse, attn_probs(q, k, rng_state, p) if p.dropout_p > 0 else no_probs(q)

@@ -404,7 +404,7 @@ def backward_impl(
             part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # this rank's dK/dV of the block
             for c, p in calls:
                 rows = slice(c.q0, c.q1)
-                dq_c, dk_c, dv_c = impl.attn_bwd(
+                dq_c, dk_c, dv_c, _ = impl.attn_bwd(
                     dout[:, rows],
                     q[:, rows],
                     block[0, :, c.k0 : c.k1],

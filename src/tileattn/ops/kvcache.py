@@ -58,6 +58,7 @@ def fwd_kvcache_impl(
     q_span: int,
     k_descale: Tensor | None = None,
     v_descale: Tensor | None = None,
+    learnable_sink: Tensor | None = None,
     plans: dict | None = None,
     seqlens_value: int | None = None,
     replay: bool = False,
@@ -70,7 +71,8 @@ def fwd_kvcache_impl(
     tensors' values on the host, or alone before the kernels check those); and ``replay``, that the
     caller passed its arguments as given (no copies) and may replay this call's launches for later calls
     of its signature (``replay_kvcache``). FP8 caches come with ``k_descale`` and ``v_descale``, fp32
-    ``(batch, nheads_k)`` contiguous. The module docstring says how index values are checked."""
+    ``(batch, nheads_k)`` contiguous; attention sinks with ``learnable_sink``, fp32 ``(nheads,)``
+    contiguous. The module docstring says how index values are checked."""
     batch, seqlen_q = q.shape[:2]
     device = q.device
     seqlen_new = 0 if k is None else k.shape[1]
@@ -124,6 +126,7 @@ def fwd_kvcache_impl(
         window_right=window_right,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        learnable_sink=learnable_sink,
     )
     rotary = (rotary_cos, rotary_sin, rotary_interleaved) if rotary_cos is not None else None
     with backend.on_device(q):
@@ -172,6 +175,7 @@ def replay_kvcache(
     k_descale: Tensor | None,
     v_descale: Tensor | None,
     want_lse: bool,
+    learnable_sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """``fwd_kvcache_impl`` for a call whose signature's table ``plans`` holds a replayable step
     (``CacheLayout.replay``: an eager call of this metadata ran with its values checked in the kernels,
@@ -193,7 +197,7 @@ def replay_kvcache(
     with backend.on_device(q):
         return step.replay(
             q, k_cache, v_cache, seqlens, cache_leftpad, cache_batch_idx, block_table, k_descale, v_descale,
-            alibi_slopes, errors.record(device), mirror, want_lse,
+            alibi_slopes, errors.record(device), mirror, want_lse, learnable_sink,
         )  # fmt: skip
 
 
@@ -234,9 +238,10 @@ def fwd_paged_varlen_impl(
     window_left: int,
     window_right: int,
     softcap: float,
+    learnable_sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``tileattn::fwd_paged_varlen`` op: ``(out, softmax_lse)``, the LSE fp32 ``(nheads, total_q)``
-    as the varlen training forward's (+inf for rows that see no key)."""
+    as the varlen training forward's (+inf for rows that see no key, the sink's logit with sinks)."""
     batch = cu_seqlens_q.numel() - 1
     device = q.device
     capacity = block_table.shape[1] * k.shape[1]
@@ -283,6 +288,7 @@ def fwd_paged_varlen_impl(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         cu_seqlens_q=cu_seqlens_q,
+        learnable_sink=learnable_sink,
     )
     if q.numel() == 0 or batch == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=device), p.new_lse(p.as_4d(q)).fill_(float("inf"))

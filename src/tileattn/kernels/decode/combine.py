@@ -19,12 +19,12 @@ RECORD_WORDS = tl.constexpr(params.RECORD_WORDS)
 
 @triton.jit
 def _combine(
-    OutP, LseP, Out, Lse, SplitOffsets, Record, Mirror,
+    OutP, LseP, Out, Lse, SplitOffsets, Record, Mirror, Sink,
     stride_ps, stride_ls,
     n_rows, nheads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr, MIRROR: tl.constexpr,
+    USE_PDL: tl.constexpr, VAR_SPLITS: tl.constexpr, MIRROR: tl.constexpr, HAS_SINK: tl.constexpr = False,
 ):  # fmt: skip
     """Merges split partials of rows [pid·BLOCK_R, ...) of the contiguous output, viewed as rows of
     HEAD_DIM in (batch, token, head) order; LSE is (batch, head, token) (varlen: batch 1, tokens = total).
@@ -39,7 +39,10 @@ def _combine(
 
     MIRROR: program 0 also copies the device's error record ``Record`` (``RECORD_WORDS`` int64 words, final
     once the kernels before this one have run) into ``Mirror``, its pinned host copy (plain stores into
-    host memory the device addresses, no atomics), in place of an asynchronous copy after the call."""
+    host memory the device addresses, no atomics), in place of an asynchronous copy after the call.
+
+    HAS_SINK: the attention sinks ``Sink`` (fp32, one logit per query head) join every row's softmax
+    denominator as one more term (no value), also for rows whose splits saw no key."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if MIRROR:
@@ -70,9 +73,14 @@ def _combine(
         other=float("-inf"),
     )  # [BLOCK_R, SPLITS_PAD]
     m = tl.max(lse, 1)
+    if HAS_SINK:
+        sink = tl.load(Sink + h, mask=mask_r, other=float("-inf"))
+        m = tl.maximum(m, sink)
     seen = m > float("-inf")
     m_safe = tl.where(seen, m, 0.0)
     total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
+    if HAS_SINK:
+        total += tl.exp(sink - m_safe)
     total_safe = tl.where(seen, total, 1.0)
     mask_d = offs_d < HEAD_DIM
     rows = offs_r.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]  # [BLOCK_R, BLOCK_D]

@@ -368,7 +368,7 @@ def mla_fwd(
     block_r, chunk_s = combine.combine_tiles(num_parts + 1, head_dim_v, s.decode)
     combine.LAUNCHER(
         (cdiv(n_rows, block_r), 1, 1),
-        (out_p, lse_p, out, lse, num_splits, lse, lse)
+        (out_p, lse_p, out, lse, num_splits, lse, lse, lse)
         + (per_slot * head_dim_v, per_slot, n_rows, nheads, seqlen_q, num_parts + 1),
         {
             "HEAD_DIM": head_dim_v,

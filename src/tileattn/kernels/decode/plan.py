@@ -271,6 +271,7 @@ def plan_launches(
             "KV_FP8": c.k_descale is not None,
             "WIDEN": {"q": 0, "f16": 1}[d.fp8_widen],
             "CHECK": c.call if c.record is not None else 0,
+            "HAS_SINK": p.learnable_sink is not None,
         },
         num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
@@ -293,6 +294,7 @@ def plan_launches(
             "USE_PDL": pdl,
             "VAR_SPLITS": False,
             "MIRROR": c.record is not None and c.mirror is not None,
+            "HAS_SINK": p.learnable_sink is not None,
         },
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
@@ -371,6 +373,7 @@ def attn_fwd_kvcache(
         p.alibi_slopes,
         c.record,
         c.mirror,
+        p.learnable_sink,
     )
 
 
@@ -407,7 +410,7 @@ class Step:
 
     def __call__(
         self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q, q_rotary, k_descale,
-        v_descale, alibi_slopes, record, mirror=None,
+        v_descale, alibi_slopes, record, mirror=None, sink=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         device = q.device
         out = torch.empty_like(q, memory_format=_FLAT)  # contiguous: _combine addresses it flat
@@ -415,13 +418,13 @@ class Step:
         partials = torch.empty(self.split_size, device=device, dtype=torch.float32) if self.split_at else None
         self._launch(
             q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q,
-            q_rotary, k_descale, v_descale, alibi_slopes, record, mirror,
+            q_rotary, k_descale, v_descale, alibi_slopes, record, mirror, sink,
         )  # fmt: skip
         return out, lse
 
     def replay(
         self, q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, k_descale, v_descale, alibi_slopes,
-        record, mirror, want_lse: bool,
+        record, mirror, want_lse: bool, sink=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """An eager call (not under graph capture) on the current CUDA stream (or the interpreter) with one
         allocation, the output. With splits, the partials, and the LSE unless ``want_lse``, go to this
@@ -443,16 +446,16 @@ class Step:
             lse = partials[self.lse_at :].view(self.lse_shape)
         self._launch(
             q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, None, None,
-            k_descale, v_descale, alibi_slopes, record, mirror,
+            k_descale, v_descale, alibi_slopes, record, mirror, sink,
         )  # fmt: skip
         return out, lse if want_lse else None
 
     def _launch(
         self, q, k_cache, v_cache, out, lse, partials, seqlens, leftpad, batch_idx, block_table, cu_seqlens_q,
-        q_rotary, k_descale, v_descale, alibi_slopes, record, mirror,
+        q_rotary, k_descale, v_descale, alibi_slopes, record, mirror, sink,
     ) -> None:  # fmt: skip
         """The launches into ``out`` and ``lse`` (``partials``: the split kernel's fp32 buffer of at least
-        ``split_size``, or None without splits)."""
+        ``split_size``, or None without splits; ``sink``: the attention sinks, or None)."""
         q4, o4 = (q.unsqueeze(0), out.unsqueeze(0)) if self.varlen else (q, out)
         if partials is not None:
             o_target, l_target = partials[self.split_at : self.split_size], partials
@@ -474,9 +477,15 @@ class Step:
                 *(q_rotary[:2] if q_rotary is not None else (seqlens, seqlens)),
                 *((k_descale, v_descale) if k_descale is not None else (lse, lse)),
                 record if record is not None else seqlens,
+                sink if sink is not None else lse,
             )
         )
         if self.merge is not None:
-            self.merge((o_target, l_target, o4, lse, lse, *((record, mirror) if self.to_host else (lse, lse))))
+            self.merge(
+                (
+                    o_target, l_target, o4, lse, lse, *((record, mirror) if self.to_host else (lse, lse)),
+                    sink if sink is not None else lse,
+                )
+            )  # fmt: skip
         elif self.to_host:
             mirror.copy_(record, non_blocking=True)

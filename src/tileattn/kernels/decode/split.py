@@ -166,7 +166,7 @@ def _check_entry(
 @triton.jit(do_not_specialize=["new_tokens"])
 def _attn_fwd_kvcache(
     Q, K, V, Out, Lse,
-    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin, KDescale, VDescale, Record,
+    Alibi, SeqlensK, LeftPad, BatchIdx, Table, CuSeqlensQ, Cos, Sin, KDescale, VDescale, Record, Sink,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -186,7 +186,7 @@ def _attn_fwd_kvcache(
     LAUNCH_DEPENDENTS: tl.constexpr, DEFER_SCALE: tl.constexpr,
     ROTARY_Q: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
     TABLE_TO_L2: tl.constexpr, UNIT: tl.constexpr, WAIT_PRIOR: tl.constexpr, KV_FP8: tl.constexpr,
-    WIDEN: tl.constexpr, CHECK: tl.constexpr,
+    WIDEN: tl.constexpr, CHECK: tl.constexpr, HAS_SINK: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -219,7 +219,10 @@ def _attn_fwd_kvcache(
 
     CHECK (a ``params.CALL_*``; 0: none): the call defers its index checks to the kernels, which write
     the first bad value into the error record ``Record`` (``_check_entry``, after the entry's work; the
-    reads stay clamped as above)."""
+    reads stay clamped as above).
+
+    HAS_SINK: the attention sinks ``Sink`` (fp32, one logit per query head) join the denominator of each
+    row's softmax (without SPLIT; with it ``_combine`` adds them)."""
     if LAUNCH_DEPENDENTS:  # the combine, launched as a dependent, may start (it waits for our writes)
         tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -384,6 +387,9 @@ def _attn_fwd_kvcache(
             DEFER_SCALE, UNIT, KV_FP8, WIDEN,
         )  # fmt: skip
 
+    if HAS_SINK and not SPLIT:  # (with splits the combine adds the sinks, once)
+        m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h)
+        acc = acc * alpha[:, None]
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if KV_FP8:

@@ -42,7 +42,6 @@ the head dim; the 1-D LSE/Δ copies come from rows laid out for them (``gluon.ro
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from triton.experimental import gluon
@@ -412,7 +411,7 @@ def _launch(
             nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
             lse_stride, p.softmax_scale * LOG2E,
             p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
-            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, math.ceil(p.dropout_p * 256), 1.0 / (1.0 - p.dropout_p),
+            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, p.drop_threshold, p.keep_scale,
         ),
         dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,

@@ -40,6 +40,7 @@ from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, cdiv
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E_K = gl.constexpr(LOG2E)  # (the kernels read constexpr globals only)
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 BLOCK_MS = (128, 192)  # a work item's query rows: two or three consumer warpgroups
@@ -88,7 +89,7 @@ def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
 @gluon.jit
 def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
      nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -168,9 +169,16 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
+def _consume(
+    args,
+    MASK_LEFT: gl.constexpr,
+    MASK_RIGHT: gl.constexpr,
+    VARLEN: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    WG: gl.constexpr,
+):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+     Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
      nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -242,11 +250,19 @@ def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl
             it += n_tiles
             done += 1
 
-            # A row that saw no key has l == 0: output 0, LSE +inf (the portable kernels' convention)
+            m_i = m_i * qk_scale  # (log2 domain; -inf where no key was seen)
+            if HAS_SINK:  # the head's sink joins the denominator: rows that saw no key get LSE = sink
+                sink = gl.load(Sink + h) * LOG2E_K
+                m_new = gl.maximum(m_i, sink)
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.exp2(sink - m_new)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                m_i = m_new
+            # A row that saw no key (nor a sink) has l == 0: output 0, LSE +inf (the portable kernels' convention)
             seen = l_i > 0.0
             l_safe = gl.where(seen, l_i, 1.0)
             out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-            lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * LN2, float("inf"))
+            lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
             # (packed batches: batch strides 0 and rows from the sequence's first, q0)
             r0 = q0 if VARLEN else 0
             o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
@@ -258,24 +274,33 @@ def _consume(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl
 
 
 @gluon.jit
-def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, 0)
+def _consume_default(
+    args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr
+):
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 0)
 
 
 @gluon.jit
-def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, WG: gl.constexpr):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, WG)
+def _consume_worker(
+    args,
+    MASK_LEFT: gl.constexpr,
+    MASK_RIGHT: gl.constexpr,
+    VARLEN: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    WG: gl.constexpr,
+):
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, WG)
 
 
 @gluon.jit
 def _fwd_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, CuQ, CuK,
+    q_desc, k_desc, v_desc, Out, Lse, CuQ, CuK, Sink,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False,
 ):  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -298,16 +323,16 @@ def _fwd_kernel(
         mbarrier.init(v_free.index(i), count=CONSUMERS)
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-            Out, Lse, CuQ, CuK, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
+            Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
             nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
             (v_batch_rows, v_head_rows, v_head_cols))  # fmt: skip
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 2)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 1)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 2)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
             ],
             [4, 4, 1],
@@ -316,8 +341,8 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, 1)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 1)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
             ],
             [4, 1],
@@ -375,12 +400,12 @@ def attn_fwd(
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse, lse)
     LAUNCHER(
         grid,
-        (q_desc, k_desc, v_desc, out, lse, cu_q, cu_k,
+        (q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, p.learnable_sink if p.learnable_sink is not None else lse,
          *p.strides(out), *p.lse_strides(lse), lse.stride(-1),
          nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
          p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:]),
         dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
-             CONSUMERS=consumers),
+             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None),
         num_warps=4, maxnreg=168 if consumers == 2 else 128,  # (the register file over 12 or 16 warps)
     )  # fmt: skip
     return out, lse
