@@ -3,9 +3,12 @@ from ``tileattn.rng`` so that a mistake there or in the kernels' offsets cannot 
 Philox4x32-10 on numpy uint64 (whole 64-bit products, no 16-bit halves), element ``(b, h, i, j)`` at offset
 ``((b * nheads + h) * seqlen_q + i) * row + j`` with ``row = 64 * ceil(seqlen_k / 64)``, one evaluation per 16
 elements (counter ``4 * (offset // 64) + (offset % 8) // 2``; word ``(offset % 64) // 16``, byte
-``2 * ((offset % 64) // 8 % 2) + offset % 2``), kept when the byte is at least ``dropout_p * 256``."""
+``2 * ((offset % 64) // 8 % 2) + offset % 2``), kept when the byte is at least ``255 - floor(255 · (1 - p))``
+with ``1 - p`` in fp32 (flash_attn's count of kept bytes, ``tileattn.params.dropout_threshold``'s statement)."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -27,9 +30,13 @@ def philox4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
     return x
 
 
+def kept_bytes(dropout_p: float) -> int:
+    """How many of the 256 byte values keep their element: ``floor(255 · (1 - p)) + 1``, ``1 - p`` in fp32."""
+    return math.floor(float(np.float32(1.0) - np.float32(dropout_p)) * 255.0) + 1 if dropout_p > 0 else 256
+
+
 def keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-    """Bool ``(batch, nheads, seqlen_q, seqlen_k)`` on the CPU, True where an element is kept (``dropout_p`` a
-    multiple of 2**-8, as the calls round it)."""
+    """Bool ``(batch, nheads, seqlen_q, seqlen_k)`` on the CPU, True where an element is kept."""
     b, h, i, j = np.ix_(*(np.arange(n, dtype=np.uint64) for n in (batch, nheads, seqlen_q, seqlen_k)))
     row = np.uint64(64 * -(-seqlen_k // 64))
     offset = ((b * np.uint64(nheads) + h) * np.uint64(seqlen_q) + i) * row + j
@@ -38,4 +45,4 @@ def keep_mask(seed: int, dropout_p: float, batch: int, nheads: int, seqlen_q: in
     word = np.choose(within // 16, words)
     shift = (8 * (2 * (within // 8 % 2) + within % 2)).astype(np.uint64)
     byte = (word >> shift) & np.uint64(0xFF)
-    return torch.from_numpy(byte >= np.uint64(round(dropout_p * 256)))
+    return torch.from_numpy(byte >= np.uint64(256 - kept_bytes(dropout_p)))

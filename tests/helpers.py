@@ -155,12 +155,9 @@ def check_attention(name, out, grads, q, k, v, dout, ref_kwargs, check_grads=Tru
     """Checks ``out`` and ``grads = (dq, dk, dv)`` of an attention call on ``q, k, v`` (and ``dout``)
     with the tolerance rule: against ``oracle.attention`` in fp64 (on fp64 copies of the inputs, so its
     gradients are not rounded either), where the PyTorch error is the oracle's in the inputs' precision.
-    ``ref_kwargs``: the call's keyword arguments (``dropout_mask`` with dropout: the oracle rescales by the
-    rate the call realises, ``dropout_p`` rounded to a multiple of 2**-8 as tileattn.rng documents); ``varlen``:
-    for a packed call, ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (``oracle.attention_varlen``);
-    ``lowp_kwargs``: more arguments of the low-precision run (FP8's ``probs_dtype``)."""
-    if ref_kwargs.get("dropout_p"):
-        ref_kwargs = dict(ref_kwargs, dropout_p=min(round(ref_kwargs["dropout_p"] * 256), 255) / 256)
+    ``ref_kwargs``: the call's keyword arguments (``dropout_mask`` with dropout); ``varlen``: for a packed
+    call, ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (``oracle.attention_varlen``); ``lowp_kwargs``:
+    more arguments of the low-precision run (FP8's ``probs_dtype``)."""
 
     def run(*qkv, **kwargs):
         if varlen is None:
