@@ -14,7 +14,6 @@ import dropout_ref
 import oracle
 import tileattn
 from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon, record_calls
-from tileattn import rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
 from tileattn.testing import check_close
