@@ -9,7 +9,11 @@ with ``flash_attn_func``: the output (gathered back with ``zigzag_unshard``) and
 agree within the rounding of the dtype.
 
     python examples/context_parallel.py                      # 2 GPUs (NCCL) if the host has them, else 2 CPU processes
-    python examples/context_parallel.py --world 3 --scheme ulysses --seqlen 384
+    python examples/context_parallel.py --world 4 --scheme ulysses --seqlen 384   # 8 heads, 2 per rank
+
+Ulysses splits the heads: its world size must divide the layer's 8 query heads and be a multiple or a
+divisor of its 2 kv heads (1, 2, 4 or 8); ring and zigzag take any world size. Zigzag cuts the sequence
+in 2 x world equal chunks, ring and Ulysses in world.
 """
 
 from __future__ import annotations
@@ -34,8 +38,27 @@ SCHEMES = {
 }
 
 
+NHEADS, NHEADS_K = 8, 2  # the layer's query and kv heads (GQA)
+
+
+def refusal(world: int, scheme: str, seqlen: int) -> str | None:
+    """Why ``world`` ranks cannot run ``scheme`` on ``seqlen`` tokens with this layer, or None."""
+    if world < 1:
+        return f"--world must be at least 1, got {world}"
+    chunks = 2 * world if scheme == "zigzag" else world
+    if seqlen < 1 or seqlen % chunks:
+        return f"--seqlen {seqlen}: {scheme} over {world} ranks cuts the sequence in {chunks} equal chunks"
+    if scheme == "ulysses" and (NHEADS % world or (NHEADS_K % world and world % NHEADS_K)):
+        return (
+            f"--world {world}: Ulysses gives each rank nheads / world of the layer's {NHEADS} heads ({NHEADS_K} kv "
+            f"heads), so the world size must divide {NHEADS} and be a multiple or a divisor of {NHEADS_K}: 1, 2, 4 "
+            "or 8 (ring and zigzag take any)"
+        )
+    return None
+
+
 class Attention(nn.Module):
-    def __init__(self, d_model=256, nheads=8, nheads_k=2):
+    def __init__(self, d_model=256, nheads=NHEADS, nheads_k=NHEADS_K):
         super().__init__()
         self.nheads, self.nheads_k, self.headdim = nheads, nheads_k, d_model // nheads
         self.wq = nn.Linear(d_model, d_model, bias=False)
@@ -59,6 +82,8 @@ def rank_main(rank: int, world: int, store: str, scheme: str, seqlen: int, queue
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if not cuda:  # the ranks share the cores: a thread each (more would wait on each other)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dtype = torch.bfloat16 if cuda else torch.float32
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     fn, shard, unshard = SCHEMES[scheme]
@@ -102,12 +127,19 @@ def run(world: int = 2, scheme: str = "zigzag", seqlen: int = 256) -> tuple[floa
     return out_err, grad_err
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--scheme", choices=list(SCHEMES), default="zigzag")
-    ap.add_argument("--seqlen", type=int, default=256, help="tokens of the whole sequence")
-    args = ap.parse_args()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--world", type=int, default=2, help="ranks: GPUs if the host has as many, else CPU processes (default: 2)"
+    )
+    ap.add_argument(
+        "--scheme", choices=list(SCHEMES), default="zigzag", help="how the ranks split the work (default: zigzag)"
+    )
+    ap.add_argument("--seqlen", type=int, default=256, help="tokens of the whole sequence (default: 256)")
+    args = ap.parse_args(argv)
+    why = refusal(args.world, args.scheme, args.seqlen)
+    if why:  # (before any process starts)
+        ap.error(why)
     out_err, grad_err = run(args.world, args.scheme, args.seqlen)
     if out_err > 4 or grad_err > 16:
         raise SystemExit("context-parallel layer disagrees with the single-process layer")

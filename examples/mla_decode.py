@@ -151,8 +151,12 @@ def run(device, dtype: torch.dtype, steps: int = 12, page_size: int = 16, seed: 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    ap.add_argument("--steps", type=int, default=12, help="decoding steps after the prompts (0 to 400)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if PyTorch sees a GPU, else cpu)",
+    )
+    ap.add_argument("--steps", type=int, default=12, help="decoding steps after the prompts, 0 to 400 (default: 12)")
     args = ap.parse_args(argv)
     try:
         device = torch.device(args.device)

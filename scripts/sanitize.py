@@ -222,7 +222,7 @@ def gluon_calls() -> None:
             p = AttnParams(2, sq, sk, d, d**-0.5, window_right=0 if causal else -1)
             settings = configs.current(torch.device(dev))
             out, lse = forward.attn_fwd(q, k, v, p, settings)
-            delta = portable._delta(out, do, lse, p, settings)
+            delta = portable.delta(out, do, lse, p, settings)
             for dq_tma in (True, False):
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
             if d in hopper_bwd.SPLIT_HEAD_DIMS:  # the split build's dQ chunks of 32 on a ring of 2, first chunk early

@@ -38,3 +38,9 @@ def test_readme_names_files_and_commands_that_exist():
 
     for command in re.findall(r"python -m tileattn\.bench([^`\n]*)", README):
         parse_args(command.split())
+
+
+def test_readme_installs_the_cpu_build_of_torch_from_its_index():
+    """The CPU install line selects PyTorch's CPU wheel index: PyPI's ``torch`` is the CUDA build."""
+    line = re.search(r"`pip install torch[^`]*`", README)
+    assert line and "--index-url https://download.pytorch.org/whl/cpu" in line.group(0), line

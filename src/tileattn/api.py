@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from tileattn import checks, fp8, kvcache
+from tileattn import backend, checks, fp8, kvcache
 from tileattn.backend import cpu_backend
 from tileattn.checks import resolve_scale
 from tileattn.ops import attention
-from tileattn.params import AttnParams
+from tileattn.params import AttnParams, remember
 
 __all__ = [
     "cpu_backend",
@@ -128,6 +128,56 @@ _RETURNS_DOC = """
 """
 
 
+# Calls checked before, by signature (``signature``): a model's layers share one. Beyond the limit the oldest go.
+_MAX_CALLS = 1024
+calls: dict[tuple, attention.Call] = {}
+
+
+def signature(tensors: tuple, scalars: tuple, window_size: object) -> tuple | None:
+    """The key of a call's metadata, all that its checks and launch plans read: each tensor by shape,
+    strides, dtype, device and 16-byte alignment (Triton specialises on it), None as None; the options by
+    value and type (True == 1 and 1.0 == 1 as keys). None: no key (a tensor subclass or a non-tensor where
+    a tensor goes, a window_size that is not a tuple of two ints): such a call is checked in full."""
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int:
+        return None
+    tensor = torch.Tensor
+    metas = []
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+        elif type(t) is tensor:
+            metas.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
+        else:
+            return None
+    return (*metas, scalars, tuple(map(type, scalars)), left, right)
+
+
+def known(key: tuple | None) -> attention.Call | None:
+    """The call remembered under ``key``, or None (also for a key holding an unhashable value)."""
+    if key is None:
+        return None
+    try:
+        return calls.get(key)
+    except TypeError:
+        return None
+
+
+def new_call(key: tuple | None, p: AttnParams, given: tuple, used: tuple) -> attention.Call:
+    """The eager ``attention.Call`` of a checked call, remembered under ``key`` where later calls of its
+    signature may skip the checks: the checks used the tensors as given (``used`` are ``given``: no copy
+    made contiguous, no FP8 input dequantized)."""
+    call = attention.Call(p, p.flashmask is None and not backend.nothing_to_attend(*used[:2]))
+    if key is not None and all(a is b for a, b in zip(given, used)):
+        try:
+            remember(calls, key, call, _MAX_CALLS)
+        except TypeError:  # (an unhashable value: not kept)
+            pass
+    return call
+
+
 def dense_call(
     q: object,
     k: object,
@@ -195,22 +245,38 @@ def flash_attn_func(
     learnable_sink: torch.Tensor | None = None,
     s_aux: torch.Tensor | None = None,
 ):
-    q, k, v, p = dense_call(
-        q,
-        k,
-        v,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        (q_descale, k_descale, v_descale),
-        (learnable_sink, s_aux),
-    )
-    return attention.run(q, k, v, p, return_attn_probs)
+    sink = learnable_sink if learnable_sink is not None else s_aux
+    direct = backend.direct(q, k, v, alibi_slopes, sink)
+    key = None
+    if direct and q_descale is None and k_descale is None and v_descale is None:
+        key = signature(
+            (q, k, v, alibi_slopes, learnable_sink, s_aux),
+            (dropout_p, softmax_scale, causal, softcap, deterministic, return_attn_probs),
+            window_size,
+        )
+    call = known(key)
+    if call is None:
+        given = (q, k, v, alibi_slopes)
+        q, k, v, p = dense_call(
+            q,
+            k,
+            v,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            (q_descale, k_descale, v_descale),
+            (learnable_sink, s_aux),
+        )
+        if not direct:
+            return attention.run(q, k, v, p, return_attn_probs)
+        call = new_call(key, p, given, (q, k, v, p.alibi_slopes))
+    p = call.params(alibi_slopes, None, None, sink, call.p.descales, 0)
+    return call.run(q, k, v, p, return_attn_probs)
 
 
 flash_attn_func.__doc__ = (
@@ -409,26 +475,42 @@ def flash_attn_varlen_func(
         )
         out, lse = paged_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options)
         return (out, lse, attention.no_probs(q)) if return_attn_probs else out
-    q, k, v, p = varlen_call(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
-        (q_descale, k_descale, v_descale),
-        (learnable_sink, s_aux),
-    )
-    return attention.run(q, k, v, p, return_attn_probs)
+    sink = learnable_sink if learnable_sink is not None else s_aux
+    direct = backend.direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sink)
+    key = None
+    if direct and q_descale is None and k_descale is None and v_descale is None:
+        key = signature(
+            (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink, s_aux),
+            (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, softcap, deterministic, return_attn_probs),
+            window_size,
+        )
+    call = known(key)
+    if call is None:
+        given = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        q, k, v, p = varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            (q_descale, k_descale, v_descale),
+            (learnable_sink, s_aux),
+        )
+        if not direct:
+            return attention.run(q, k, v, p, return_attn_probs)
+        call = new_call(key, p, given, (q, k, v, p.alibi_slopes, p.cu_seqlens_q, p.cu_seqlens_k))
+    p = call.params(alibi_slopes, cu_seqlens_q, cu_seqlens_k, sink, call.p.descales, 0)
+    return call.run(q, k, v, p, return_attn_probs)
 
 
 flash_attn_varlen_func.__doc__ = (
@@ -451,7 +533,8 @@ flash_attn_varlen_func.__doc__ = (
     + """        block_table: int32 ``(batch, max_pages)``: paged prefill. k and v are then page pools
             ``(num_pages, page_block_size, nheads_k, headdim)`` and sequence b's keys are the first
             ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages. Forward only, as in
-            flash_attn 2.8.3 (whose varlen backward takes no block_table); no dropout. The entries
+            flash_attn 2.8.3 (whose varlen backward takes no block_table): inputs may require grad, and a
+            backward that reaches the call raises NotImplementedError; no dropout. The entries
             covering a sequence's keys must be pages of the pool: for CUDA tensors the kernel checks
             them, and the next call on the device raises a bad one (``flash_attn_with_kvcache`` says
             how; ``tileattn.check_errors()``), for CPU tensors they are read on the host first.

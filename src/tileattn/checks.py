@@ -83,13 +83,21 @@ def check_inputs(
     return first.dtype, first.device
 
 
-def check_heads(nheads: int, nheads_k: int, headdim: int, headdim_k: int, headdim_v: int) -> None:
+def check_heads(
+    nheads: int, nheads_k: int, headdim: int, headdim_k: int, headdim_v: int, names: tuple[str, ...] = ("q", "k", "v")
+) -> None:
+    """Head counts and head dims of the caller's arguments ``names`` (query, key, value: e.g. k_cache)."""
+    q, k, v = names
     if nheads < 1 or nheads_k < 1:
-        raise InvalidArgument(f"nheads and nheads_k must be at least 1, got nheads={nheads}, nheads_k={nheads_k}")
+        raise InvalidArgument(
+            f"nheads ({q}'s heads) and nheads_k ({k}'s) must be at least 1, got nheads={nheads}, nheads_k={nheads_k}"
+        )
     if nheads % nheads_k != 0:
-        raise InvalidArgument(f"nheads ({nheads}) must be divisible by nheads_k ({nheads_k}) for MQA/GQA")
+        raise InvalidArgument(
+            f"nheads ({nheads}, {q}'s heads) must be divisible by nheads_k ({nheads_k}, {k}'s) for MQA/GQA"
+        )
     if headdim_k != headdim or headdim_v != headdim:
-        raise InvalidArgument(f"q, k and v must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
+        raise InvalidArgument(f"{q}, {k} and {v} must share the head dim, got {headdim}, {headdim_k}, {headdim_v}")
     if not 1 <= headdim <= MAX_HEADDIM:
         raise InvalidArgument(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
 

@@ -36,6 +36,7 @@ from tileattn.ops import attention
 from tileattn.params import AttnParams
 
 __all__ = [
+    "USE_TRITON_ROCM",
     "_flash_attn_backward",
     "_flash_attn_forward",
     "_flash_attn_varlen_backward",
@@ -51,6 +52,10 @@ __all__ = [
     "maybe_contiguous",
     "round_multiple",
 ]
+
+# flash_attn's switch to its ROCm Triton backend (FLASH_ATTENTION_TRITON_AMD_ENABLE), which newer flash_attn tests
+# import to skip CUDA-extension cases; tileattn has no such backend
+USE_TRITON_ROCM = False
 
 
 def maybe_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -247,6 +252,8 @@ def _flash_attn_varlen_forward(
             alibi_slopes=alibi_slopes,
             deterministic=False,
             return_attn_probs=False,
+            learnable_sink=None,  # (flash_attn's internal forward takes no sinks)
+            s_aux=None,
         )
         out, lse = api.paged_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, options)
         return out, lse, attention.no_probs(out), _no_rng_state()

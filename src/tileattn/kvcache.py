@@ -19,6 +19,8 @@ holds in each case).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -29,6 +31,61 @@ from tileattn.ops import kvcache as ops
 from tileattn.params import remember
 
 
+class _NoBackward(torch.autograd.Function):
+    """Ties a forward-only call's outputs to its inputs that require grad: a backward that reaches them
+    raises ``message``, instead of a silent gradient of zero (or none)."""
+
+    @staticmethod
+    def forward(ctx, message: str, num_outputs: int, *tensors: Tensor):
+        ctx.message = message
+        return tensors[:num_outputs]  # (returned as they are: autograd makes views, no copy)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.message)
+
+
+def forward_only(message: str, names: tuple[str, ...]):
+    """Decorates a function without a backward: when grad mode is on and an argument in ``names`` (or a
+    tensor value of a dict argument in ``names``) requires grad, it runs as under ``torch.no_grad()`` and its
+    outputs raise ``NotImplementedError(message)`` if and when a backward reaches them."""
+
+    def decorate(fn):
+        params = list(inspect.signature(fn).parameters)
+        places = [(params.index(name), name) for name in names]
+
+        def needing_grad(given) -> list[Tensor]:
+            tensors = (t for value in given for t in (value.values() if isinstance(value, dict) else (value,)))
+            return [t for t in tensors if isinstance(t, Tensor) and t.requires_grad]
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if torch.is_grad_enabled():  # (a plain loop: this runs on every decode step's host path)
+                n = len(args)
+                for i, name in places:
+                    value = args[i] if i < n else kwargs.get(name)
+                    if getattr(value, "requires_grad", False) or (isinstance(value, dict) and needing_grad([value])):
+                        return tied(args, kwargs, n)
+            return fn(*args, **kwargs)
+
+        def tied(args, kwargs, n):
+            inputs = needing_grad(args[i] if i < n else kwargs.get(name) for i, name in places)
+            with torch.no_grad():
+                result = fn(*args, **kwargs)
+            outs = result if isinstance(result, tuple) else (result,)
+            outs = _NoBackward.apply(message, len(outs), *outs, *inputs)
+            return tuple(outs) if isinstance(result, tuple) else outs[0]
+
+        return run
+
+    return decorate
+
+
+@forward_only(
+    "flash_attn_with_kvcache has no backward (it is for inference, as in flash_attn): call it under "
+    "torch.no_grad() or torch.inference_mode(), or train with flash_attn_func / flash_attn_varlen_func",
+    ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "alibi_slopes", "learnable_sink", "s_aux"),
+)
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -107,7 +164,9 @@ def flash_attn_with_kvcache(
             ``s_aux`` is the same argument under vLLM's name); forward only here, as the whole call.
 
     Returns:
-        ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``.
+        ``out (batch, seqlen_q, nheads, headdim)``, or ``(out, softmax_lse)``. There is no backward, as in
+        flash_attn: inputs may require grad, and a backward that reaches the outputs raises
+        NotImplementedError.
 
     Metadata is validated before the caches are written, and index values too for CPU tensors or with
     ``TILEATTN_SYNC_CHECKS=1``; CUDA calls check index values in their kernels (``cache_seqlens`` above;
@@ -298,7 +357,7 @@ def _check_call(
         )
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
-    checks.check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3])
+    checks.check_heads(nheads, nheads_k, headdim, k_cache.shape[3], v_cache.shape[3], ("q", "k_cache", "v_cache"))
     if has_new:
         seqlen_new = k.shape[1]
         expected = (batch, seqlen_new, nheads_k, headdim)
@@ -401,6 +460,12 @@ class _Call(NamedTuple):
         return tuple(self.ones if d is None else d.contiguous() for d in (k_descale, v_descale))
 
 
+@forward_only(
+    "flash_attn_varlen_func with block_table (paged prefill) has no backward through the pages, as in "
+    "flash_attn 2.8.3, whose varlen backward takes no block_table: differentiate a call with k and v packed "
+    "by cu_seqlens_k instead, or run the paged call under torch.no_grad()",
+    ("q", "k", "v", "p_options"),
+)
 def paged_varlen_fwd(
     q: Tensor,
     k: Tensor,
@@ -430,12 +495,6 @@ def paged_varlen_fwd(
     if p_options["dropout_p"] != 0.0:
         raise NotImplementedError(
             "flash_attn_varlen_func: dropout with a paged KV cache (block_table) is not supported"
-        )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError(
-            "flash_attn_varlen_func with block_table is forward only (no backward through pages), as in flash_attn "
-            "2.8.3, whose varlen backward takes no block_table; run it under torch.no_grad() or pass tensors that "
-            "do not require grad"
         )
     _, scale, left, right, softcap = checks.check_options(
         0.0,

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from tileattn import checks
 from tileattn.kernels import configs
+from tileattn.kvcache import forward_only
 from tileattn.ops import mla as ops
 from tileattn.params import MLASettings, cdiv
 
@@ -140,6 +141,11 @@ def schedule(seqlens: Tensor, num_parts: int, m: MLASettings) -> tuple[Tensor, T
     return metadata.to(torch.int32), num_splits.to(torch.int32)
 
 
+@forward_only(
+    "flash_mla_with_kvcache has no backward (it is for decoding, as FlashMLA's): call it under torch.no_grad() "
+    "or torch.inference_mode()",
+    ("q", "k_cache"),
+)
 def flash_mla_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -174,7 +180,8 @@ def flash_mla_with_kvcache(
     Returns:
         ``out (batch, seqlen_q, nheads_q, head_dim_v)`` in q's dtype, and with return_lse the fp32
         ``lse (batch, nheads_q, seqlen_q)`` (natural log; +inf for rows that see no key, whose output
-        is 0).
+        is 0). There is no backward, as in FlashMLA: inputs may require grad, and a backward that reaches
+        the outputs raises NotImplementedError.
 
     cache_seqlens and block_table are checked as ``flash_attn_with_kvcache``'s index tensors are: by the
     kernel for CUDA tensors (a length below 0 or past the capacity, or a block-table entry outside the

@@ -6,7 +6,8 @@
   ``flash_attn.layers.rotary``, ``flash_attn.ops.triton.rotary``, ``flash_attn.modules.mha`` and
   ``flash_attn.utils.generation`` (``InferenceParams``) import lazily, by name, as modules served by
   tileattn's ``interface`` (or ``api`` + ``kvcache``), ``bert_padding``, ``rotary`` and ``modules``; each
-  has a ``__spec__``, so ``importlib.util.find_spec("flash_attn")`` answers before and after the import;
+  has a ``__spec__``, so ``importlib.util.find_spec("flash_attn")`` answers before and after the import
+  (``flash_attn.ops.triton.rotary.rotary_kernel`` is tileattn's Triton rotary kernel, ``ALIASES``);
 - a distribution ``flash_attn`` version ``2.8.3`` (the API tileattn follows) is visible to
   ``importlib.metadata`` (``version("flash_attn")``, ``version("flash-attn")``, ``distribution``,
   ``packages_distributions()``), which is how Hugging Face transformers decides that
@@ -80,6 +81,10 @@ SERVED: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None]] = {
 # A serving module that does not exist (yet) is replaced by these modules, serving these names.
 FALLBACKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "tileattn.interface": (("tileattn.api", "tileattn.kvcache"), FUNCTIONS),
+}
+# Names a served module holds under another name in tileattn: (tileattn module, name), imported on first access.
+ALIASES: dict[str, tuple[str, str]] = {
+    "flash_attn.ops.triton.rotary.rotary_kernel": ("tileattn.kernels.rotary", "_rotary_kernel"),  # a Triton JIT
 }
 _PACKAGES = {name.rpartition(".")[0] for name in SERVED if "." in name}
 
@@ -197,6 +202,9 @@ class ShimFinder(importlib.metadata.DistributionFinder, importlib.abc.Loader):
             )
             if value is not _MISSING:
                 return value
+            if f"{name}.{attr}" in ALIASES:
+                source, source_name = ALIASES[f"{name}.{attr}"]
+                return getattr(importlib.import_module(source), source_name)
             raise AttributeError(f"module {name!r} (served by tileattn.shim) has no attribute {attr!r}")
 
         def __dir__() -> list[str]:

@@ -299,13 +299,15 @@ def test_flash_attn_runtime_errors_are_runtime_errors():
 
 def test_paged_varlen_backward_refused_as_in_flash_attn():
     """flash_attn 2.8.3's varlen backward (mha_varlen_bwd) takes no block_table, so FlashAttnVarlenFunc
-    cannot differentiate a paged call; tileattn refuses it up front with a message that says so."""
+    cannot differentiate a paged call, but runs its forward; tileattn runs the forward too (the same
+    output as under no_grad) and refuses the backward with a message that says so."""
     q = torch.randn(4, 2, 16, dtype=F16, requires_grad=True)
     pool = torch.randn(2, 4, 2, 16, dtype=F16)
     cu = _cu([4])
     table = torch.tensor([[0]], dtype=I32)
-    with pytest.raises(NotImplementedError, match="forward only .*flash_attn 2.8.3"):
-        tileattn.flash_attn_varlen_func(q, pool, pool, cu, cu, 4, 4, block_table=table)
+    out = tileattn.flash_attn_varlen_func(q, pool, pool, cu, cu, 4, 4, block_table=table)
     with torch.no_grad():
-        out = tileattn.flash_attn_varlen_func(q, pool, pool, cu, cu, 4, 4, block_table=table)
-    assert out.shape == q.shape
+        plain = tileattn.flash_attn_varlen_func(q, pool, pool, cu, cu, 4, 4, block_table=table)
+    assert out.shape == q.shape and torch.equal(out.detach(), plain) and not plain.requires_grad
+    with pytest.raises(NotImplementedError, match="block_table .*no backward.*flash_attn 2.8.3"):
+        out.sum().backward()

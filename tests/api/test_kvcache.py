@@ -136,13 +136,62 @@ def test_paged_varlen_prefill(backend, page, causal):
     check_close("paged varlen", out, ref, lowp)
 
 
-def test_paged_varlen_is_forward_only():
-    q = torch.randn(4, 2, 16, dtype=F16, requires_grad=True)
-    kp = torch.randn(2, 16, 2, 16, dtype=F16)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
-    table = torch.tensor([[0]], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="forward only"):
-        tileattn.flash_attn_varlen_func(q, kp, kp, cu, cu, 4, 4, block_table=table)
+@pytest.mark.parametrize("needs_grad", ["q", "kv", "sink"])
+def test_paged_varlen_runs_forward_with_grad_and_refuses_backward(backend, needs_grad):
+    """Inputs that require grad (as flash_attn's tests pass them): the forward runs as under no_grad and
+    matches the oracle; a backward that reaches the paged call raises, naming block_table, while other
+    branches of the graph still differentiate."""
+    ctx, device = on(backend)
+    page, lk = 8, [9, 20]
+    kp = torch.randn(6, page, 2, 16, dtype=F16, device=device)
+    vp = torch.randn_like(kp)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=device)
+    q = torch.randn(7, 4, 16, dtype=F16, device=device)
+    cu_q = torch.tensor([0, 5, 7], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 29], dtype=torch.int32, device=device)
+    k, v = (torch.cat([dense_view(t, table, 3 * page)[b, :n] for b, n in enumerate(lk)]) for t in (kp, vp))
+    sink = torch.randn(4, device=device) if needs_grad == "sink" else None
+    ref = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True, sink=sink)
+    lowp = oracle.attention_varlen(q, k, v, cu_q, cu_k, max(lk), causal=True, sink=sink, precision=None)
+    for t in {"q": (q,), "kv": (kp, vp), "sink": (sink,)}[needs_grad]:
+        t.requires_grad_(True)
+    with ctx:
+        out, lse, _ = tileattn.flash_attn_varlen_func(
+            q, kp, vp, cu_q, cu_k, 5, max(lk), causal=True, block_table=table, return_attn_probs=True,
+            learnable_sink=sink,
+        )  # fmt: skip
+    assert out.requires_grad and lse.requires_grad
+    check_close("paged varlen, inputs that require grad", out.detach(), ref.out, lowp.out)
+    for output in (out, lse):
+        with pytest.raises(NotImplementedError, match="block_table"):
+            output.sum().backward()
+    if needs_grad == "q":  # the gradient of q through another branch is untouched
+        (q * 2).sum().backward()
+        assert torch.equal(q.grad, torch.full_like(q, 2))
+
+
+@pytest.mark.parametrize("needs_grad", ["q", "new", "cache", "sink"])
+def test_kvcache_runs_forward_with_grad_and_refuses_backward(backend, needs_grad):
+    """flash_attn_with_kvcache has no backward: with inputs that require grad the append and the forward
+    run and match the reference, and a backward that reaches the call raises (not a gradient that misses
+    the cache's part of the scores, nor none at all), on every path."""
+    ctx, device = on(backend)
+    q, kc, vc, args = _inputs(2, 2, {"causal": True, "rotary": "neox"}, None, device)
+    if needs_grad == "sink":
+        args["learnable_sink"] = torch.randn(q.shape[2], device=device)
+    ref = kvcache_ref(q, kc, vc, **_ref_args(args))
+    lowp = kvcache_ref(q, kc, vc, precision=None, **_ref_args(args))
+    grads = {"q": (q,), "new": (args["k"], args["v"]), "cache": (kc, vc), "sink": (args.get("learnable_sink"),)}
+    for t in grads[needs_grad]:
+        t.requires_grad_(True)
+    with ctx:
+        out, lse = tileattn.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **args)
+    check_close("kvcache, inputs that require grad", out.detach(), ref.out, lowp.out)
+    assert torch.equal(kc.detach(), ref.k_cache) and torch.equal(vc.detach(), ref.v_cache)
+    assert kc.grad_fn is None and vc.grad_fn is None  # the caches stay leaves (no graph through the append)
+    for output in (out, lse):
+        with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache has no backward"):
+            output.sum().backward()
 
 
 @st.composite

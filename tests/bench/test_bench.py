@@ -142,13 +142,23 @@ def test_decode_fa4_rows_need_flash_attn_cute():
 
 
 def test_cli_keeps_its_options_and_defaults():
-    """The grid's, --decode's, --features' and --varlen's options parse as before; the new modes are off
-    unless asked for."""
-    from tileattn.bench.__main__ import parse_args
+    """The grid's, --decode's, --features' and --varlen's options parse as before; the grid's settings not
+    given are the device's (the papers' grid on a GPU, a small one on CPU), those given are noted; the
+    new modes are off unless asked for."""
+    from tileattn.bench.__main__ import grid_defaults, parse_args
 
+    gpu = grid_defaults("cuda", quick=False)
+    assert gpu["headdim"] == [64, 128, 256] and gpu["seqlen"] == [512, 1024, 2048, 4096, 8192, 16384]
+    assert (gpu["tokens"], gpu["hidden"], gpu["causal"], gpu["mode"]) == (16384, 2048, "both", "fwd+bwd")
+    assert grid_defaults("cuda", quick=True) | dict(headdim=None, seqlen=None) == gpu | dict(headdim=None, seqlen=None)
+    cpu = grid_defaults("cpu", quick=False)
+    assert (cpu["headdim"], cpu["seqlen"], cpu["tokens"], cpu["hidden"]) == ([64], [512, 2048], 2048, 256)
+    assert grid_defaults("cpu", quick=True) == cpu | dict(causal="yes", mode="fwd")
+    args = parse_args(["--device", "cpu"])
+    assert all(getattr(args, key) == value for key, value in cpu.items()) and args.given == set()
+    args = parse_args(["--device", "cpu", "--quick", "--seqlen", "64", "--causal", "no"])
+    assert (args.seqlen, args.causal, args.mode, args.given) == ([64], "no", "fwd", {"seqlen", "causal"})
     args = parse_args([])
-    assert args.headdim == [64, 128, 256] and args.seqlen == [512, 1024, 2048, 4096, 8192, 16384]
-    assert (args.tokens, args.hidden, args.causal, args.mode) == (16384, 2048, "both", "fwd+bwd")
     assert str(args.out) == "bench_results/results.jsonl" and args.backends is None and args.dtype is None
     assert not any((args.quick, args.plot, args.varlen, args.decode, args.features))
     assert not any((args.decode_ab, args.host, args.dropout, args.masks, args.cp)) and args.world is None
@@ -274,11 +284,13 @@ def test_host_on_the_cpu_path():
     )
     assert [(r["case"], r["backend"]) for r in rows] == [
         ("training", "tileattn fwd"),
-        ("training", "tileattn fwd+bwd"),
-        ("training", "tileattn fwd+bwd p=0.1"),
         ("training", "sdpa fwd"),
+        ("training", "tileattn varlen fwd"),
+        ("training", "tileattn fwd p=0.1"),
+        ("training", "tileattn fwd+bwd"),
         ("training", "sdpa fwd+bwd"),
-        ("training", "sdpa fwd+bwd p=0.1"),
+        ("training", "tileattn varlen fwd+bwd"),
+        ("training", "tileattn fwd+bwd p=0.1"),
         ("decode", "tileattn"),
         ("decode", "tileattn, new cache_seqlens"),
         ("decode", "tileattn paged16"),
@@ -286,6 +298,10 @@ def test_host_on_the_cpu_path():
         ("decode", "sdpa"),
     ]
     assert all(r["host_us"] > 0 and r["device_us"] is None for r in rows)
+    # each tileattn training call over SDPA's of its kind (no dropout SDPA off CUDA: no ratio there)
+    ratios = {r["backend"]: r.get("ratio") for r in rows if r["case"] == "training"}
+    assert ratios["tileattn fwd"] > 0 and ratios["tileattn varlen fwd+bwd"] > 0
+    assert ratios["tileattn fwd+bwd p=0.1"] is None
     assert "tileattn paged16" in format_host(rows)
 
 
@@ -316,10 +332,11 @@ def test_dropout_on_the_cpu_path(tmp_path):
     assert main(["--decode-ab", "--device", "cpu"]) == 1 and main(["--host", "--device", "cpu"]) == 1
 
 
-def test_cp_on_cpu_processes(tmp_path):
+def test_cp_on_cpu_processes(tmp_path, capfd):
     """--cp on CPU processes (the default without GPUs, ``--device cpu`` with them): 2 gloo processes, every
     scheme timed against the single-process anchor and matching the single-process output exactly enough
-    (fp32: far below a bf16 ulp)."""
+    (fp32: far below a bf16 ulp), a line as each is timed, and the table saying what CPU efficiencies
+    measure."""
     from tileattn.bench.__main__ import main
 
     out = tmp_path / "r.jsonl"
@@ -329,6 +346,30 @@ def test_cp_on_cpu_processes(tmp_path):
         (s, n) for n in (64, 128) for s in ("zigzag", "ring", "ulysses", "gather-kv")
     ]
     assert all(r["world"] == 2 and r["ms"] > 0 and r["ulps"] < 0.01 for r in rows)
+    assert all(r["threads"] >= 1 and 0 < r["share"] and r["spread"] >= 0 and "noisy" in r for r in rows)
+    text = capfd.readouterr().out  # (the ranks' lines come from the spawned processes)
+    assert "On CPU the 2 ranks are processes" in text
+    assert all(f"cp {r['scheme']} {r['seqlen']} tokens: " in text for r in rows)
+
+
+def test_cp_noise_on_a_busy_machine():
+    """flag_noise marks CPU rows whose repeats spread or whose ranks starved beside other work (not GPU
+    rows, not a starved run on an otherwise idle machine); the note then says they measure the load."""
+    from tileattn.bench.context import cpu_note, flag_noise, format_context
+
+    def row(device="cpu", spread=0.02, share=0.95):
+        return dict(case="cp", scheme="zigzag", world=2, seqlen=512, anchor_ms=10.0, ms=12.0, efficiency=1.7,
+                    ulps=0.0, device=device, threads=1, spread=spread, share=share)  # fmt: skip
+
+    steady, spread, starved, gpu = row(), row(spread=0.3), row(share=0.3), row("cuda", share=0.3)
+    flag_noise([steady, spread, starved, gpu], load=0.1)
+    assert (steady["noisy"], spread["noisy"], starved["noisy"], "noisy" in gpu) == (False, True, False, False)
+    flag_noise([starved], load=3.0)
+    assert starved["noisy"]
+    assert "Rows marked noisy" not in cpu_note([steady]) and "not how GPUs scale" in cpu_note([steady])
+    note = cpu_note([steady, starved])
+    assert "measure the machine's load" in note and "30% of their time" in note
+    assert "1.70 noisy" in format_context([steady, starved]) and cpu_note([gpu]) is None
 
 
 def test_bench_uses_the_public_api_only():
@@ -564,3 +605,41 @@ def test_masks_harness_on_the_cpu_path():
     rows = [dict(row, backend="tileattn"), dict(row, backend="flex", fwd_tflops=200.0, bwd_tflops=200.0)]
     table = format_masks(rows)
     assert "1.50x" in table and "1.00x" in table
+
+
+def test_progress_lines_off_a_terminal(monkeypatch):
+    """Off a terminal a run prints a line as each step starts: its number of the total, its name, the time
+    elapsed and, once a step is done, the estimate (mean step time times the steps left)."""
+    import io
+
+    from tileattn.bench import progress
+
+    clock = iter([0.0, 0.0, 10.0, 30.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    with progress.Progress(4, "timing", stream=out) as bar:
+        bar.step("hd64 4x512")
+        bar.step("hd64 1x2048")
+        bar.log("a message")
+        bar.step("hd64 causal 4x512")
+    assert out.getvalue().splitlines() == [
+        "[1/4] timing: hd64 4x512 (0:00 elapsed)",
+        "[2/4] timing: hd64 1x2048 (0:10 elapsed, about 0:30 left)",
+        "a message",
+        "[3/4] timing: hd64 causal 4x512 (0:30 elapsed, about 0:30 left)",
+    ]
+
+
+def test_the_grid_shows_progress(tmp_path, capsys):
+    """A grid run on CPU off a terminal prints a line per peak-memory measurement and per case before it
+    runs, so a long run is never silent."""
+    from tileattn.bench.__main__ import main
+
+    argv = ["--device", "cpu", "--headdim", "16", "--seqlen", "32", "64", "--tokens", "64", "--hidden", "32"]
+    assert main([*argv, "--causal", "yes", "--mode", "fwd", "--threads", "1", "--out", str(tmp_path / "r.jsonl")]) == 0
+    text = capsys.readouterr().out
+    assert "[1/4] peak memory: hd16 causal 2x32 tileattn" in text
+    assert "[4/4] peak memory: hd16 causal 1x64 eager" in text
+    assert "[1/2] timing: hd16 causal 2x32" in text and "[2/2] timing: hd16 causal 1x64" in text
+    assert text.index("[2/2] timing") < text.index("| case")
+

@@ -206,13 +206,6 @@ def test_example_decoding_matches_the_oracle(backend):
                 check(seq, logits[row], f"step {t}")
 
 
-def test_example_command_line_on_cpu():
-    """``python examples/paged_decode.py`` as printed (a few steps): it checks itself and says so."""
-    res = run_example("paged_decode", "--device", "cpu", "--steps", "5")
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "cached decoding matches the uncached model" in res.stdout
-
-
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -35,6 +35,25 @@ NOT_PROVIDED = [
     "flash_attn.cute",
 ]
 
+# What flash_attn 2.8.x's own test files (tests/test_flash_attn.py, test_rotary.py, test_util.py,
+# layers/test_rotary.py, as of 2.8.3 and the development tree after it) import from the served modules
+FLASH_ATTN_TEST_IMPORTS = {
+    "flash_attn": list(shim.FUNCTIONS),
+    "flash_attn.bert_padding": ["pad_input", "unpad_input"],
+    "flash_attn.flash_attn_interface": ["_get_block_size_n", "USE_TRITON_ROCM", "_flash_attn_varlen_forward"],
+    "flash_attn.layers.rotary": [
+        "RotaryEmbedding",
+        "apply_rotary_emb",
+        "apply_rotary_emb_func",
+        "apply_rotary_emb_kv_",
+        "apply_rotary_emb_qkv_",
+        "apply_rotary_emb_torch",
+    ],
+    "flash_attn.ops.triton.rotary": ["rotary_kernel"],
+    "flash_attn.modules.mha": ["MHA"],
+    "flash_attn.utils.generation": ["InferenceParams"],
+}
+
 
 def _flash_attn_modules() -> list[str]:
     return [n for n in sys.modules if n.split(".")[0] == "flash_attn"]
@@ -137,6 +156,21 @@ def test_interface_serves_tileattn_interface(installed):
         if not name.startswith("__"):
             assert getattr(flash_attn_interface, name) is value, name
 
+
+@pytest.mark.parametrize("module", list(FLASH_ATTN_TEST_IMPORTS))
+def test_names_flash_attn_tests_import_exist(installed, module):
+    """flash_attn's test files import through the shim; USE_TRITON_ROCM is False (tileattn has no ROCm
+    Triton backend, so their CUDA branches run), rotary_kernel is the Triton kernel apply_rotary_emb runs.
+    (``flash_attn_interface.flash_attn_gpu``, the compiled extension's raw entry points, is not served.)"""
+    names = FLASH_ATTN_TEST_IMPORTS[module]
+    exec(f"from {module} import {', '.join(names)}", {})
+    served = importlib.import_module(module)
+    if module == "flash_attn.flash_attn_interface":
+        assert served.USE_TRITON_ROCM is False
+    if module == "flash_attn.ops.triton.rotary":
+        from tileattn.kernels import rotary
+
+        assert served.rotary_kernel is rotary._rotary_kernel
 
 def test_interface_fallback(installed, monkeypatch):
     """While tileattn.interface does not exist, flash_attn_interface serves flash_attn's seven functions

@@ -6,14 +6,18 @@ The default is the FlashAttention papers' setting: batch * seqlen = 16k tokens, 
 Before anything is timed, each backend's output is checked against the reference with the project's
 tolerance rule. Results are appended to a JSON-lines file; ``--plot`` draws PNG charts from it.
 
-On a machine without a GPU, ``--quick`` compares the CPU path with eager attention (forward time and
-peak memory, under a minute on two idle cores), so the command always does something useful. On CPU
-the backends of a case are timed in turns with as many threads as the machine has idle cores, and the
-table flags ratios that a busy machine makes noisy (``tileattn.bench.cpu_grid``).
+On a machine without a GPU the default is a small grid of the CPU path against eager attention (head
+dim 64, 512 and 2048 tokens, causal and not, forward and backward time and the forward's peak memory:
+about a minute on two cores), and ``--quick`` its causal forward (about 20 seconds), so the command
+always does something useful. On CPU the backends of a case are timed in turns with as many threads as
+the machine has idle cores, and the table flags ratios that a busy machine makes noisy
+(``tileattn.bench.cpu_grid``). A run shows its progress: a bar with the case and an estimate of the time
+left on a terminal, a line per case elsewhere.
 
 Other measurements, one flag each: ``--features`` (each feature against the dense speed), ``--varlen``
 (packed against padded batches), ``--dropout`` (attention dropout against none and FlashAttention-2's),
-``--sinks`` (attention sinks against the same calls without),
+``--sinks`` (attention sinks against the same calls without), ``--e2e`` (training steps of Hugging Face models
+against SDPA),
 ``--fp8`` (the FP8 forward against bf16 and the FP8 matmul ceiling, and FP8 accuracy), ``--mla`` (MLA
 decoding beside GQA decoding), ``--cp`` (context parallelism across the host's GPUs: scaling against one
 GPU, exactness, the longest sequence), ``--decode`` (KV-cache decoding, GB/s), ``--decode-ab`` (the decode rows as an interleaved A/B against
@@ -39,6 +43,7 @@ import tileattn
 from tileattn.bench.backends import BACKENDS, Unavailable, check_backend, slice_refs
 from tileattn.bench.cpu_grid import noise_note, others_load, peak_mib, pick_threads, summarize, time_in_turns
 from tileattn.bench.decode import AB_DEFAULT_LAYOUTS, AB_LAYOUTS, DECODE_BACKENDS
+from tileattn.bench.progress import Progress
 
 GPU_DEFAULT_BACKENDS = ["tileattn", "fa4", "flash_attn", "sdpa-cudnn", "sdpa-flash", "flex"]
 CPU_BUDGET_S = 4.0  # seconds of rounds per case and mode on CPU (at least three rounds)
@@ -348,59 +353,114 @@ def plot(results: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+# The grid's settings when not given: the papers' grid on a GPU; on CPU one that ends in about a minute on
+# two cores (the CPU path against eager at 2k tokens); --quick: a shorter preset on each.
+GRID_DEFAULTS = {
+    "cuda": dict(headdim=[64, 128, 256], seqlen=[512, 1024, 2048, 4096, 8192, 16384], tokens=16384, hidden=2048,
+                 causal="both", mode="fwd+bwd"),
+    "cpu": dict(headdim=[64], seqlen=[512, 2048], tokens=2048, hidden=256, causal="both", mode="fwd+bwd"),
+}  # fmt: skip
+QUICK = {"cuda": dict(headdim=[128], seqlen=[1024, 4096]), "cpu": dict(causal="yes", mode="fwd")}
+
+
+def grid_defaults(device: str, quick: bool) -> dict:
+    """The grid's settings on ``device`` ("cuda" or "cpu") where the command line gives none."""
+    return GRID_DEFAULTS[device] | (QUICK[device] if quick else {})
+
+
+def _default(option: str) -> str:
+    """The help's words for a grid setting's default on each device."""
+    words = [GRID_DEFAULTS[device][option] for device in ("cuda", "cpu")]
+    gpu, cpu = (" ".join(map(str, w)) if isinstance(w, list) else str(w) for w in words)
+    return f"default: {gpu}" if gpu == cpu else f"default: {gpu} on a GPU, {cpu} on CPU"
+
+
 def parse_args(argv=None):
+    """The command line; the grid's settings not given are ``grid_defaults``' for the device, and
+    ``args.given`` names those given."""
     ap = argparse.ArgumentParser(prog="python -m tileattn.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small preset (on CPU: CPU path vs eager)")
-    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    ap.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
-    ap.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
-    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short preset: on a GPU head dim 128 at 1k and 4k tokens; on CPU the CPU grid's forward, causal "
+        "only, in under a minute (default: off)",
+    )
+    ap.add_argument("--headdim", type=int, nargs="+", help=f"head dims of the grid ({_default('headdim')})")
+    ap.add_argument("--seqlen", type=int, nargs="+", help=f"tokens per sequence ({_default('seqlen')})")
+    ap.add_argument("--tokens", type=int, help=f"batch * seqlen, the tokens of each case ({_default('tokens')})")
+    ap.add_argument("--hidden", type=int, help=f"nheads * headdim ({_default('hidden')})")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], help=f"causal cases ({_default('causal')})")
     ap.add_argument(
         "--mode",
         choices=["fwd", "bwd", "fwd+bwd"],
-        default=None,
-        help="what the table shows; the backward is timed alone, over a retained graph (default fwd+bwd; "
-        "fwd for --quick on CPU)",
+        help="what the table shows; the backward is timed alone, over a retained graph (default: fwd+bwd; fwd "
+        "for --quick on CPU)",
     )
-    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
-    ap.add_argument("--backends", nargs="+", default=None, choices=list(BACKENDS))
-    ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if there is a GPU")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on a GPU, fp32 on CPU")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        choices=list(BACKENDS),
+        metavar="NAME",
+        help=f"of {', '.join(BACKENDS)} (default: {' '.join(GPU_DEFAULT_BACKENDS)} on a GPU, those installed; "
+        "tileattn eager on CPU)",
+    )
+    ap.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if there is a GPU, else cpu")
     ap.add_argument(
         "--threads",
         type=int,
-        default=None,
         help="CPU only: PyTorch threads to time with (default: PyTorch's, capped by the cores the load average "
         "leaves idle)",
     )
-    ap.add_argument("--out", type=Path, default=Path("bench_results/results.jsonl"))
-    ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_results/results.jsonl"),
+        help="JSON-lines file the rows are appended to, with a CSV beside it (default: %(default)s)",
+    )
+    ap.add_argument("--plot", action="store_true", help="draw PNG charts from --out into its folder (default: off)")
     ap.add_argument(
         "--varlen",
         action="store_true",
-        help="time a packed batch of mixed lengths (64..4096) against padded batches instead",
+        help="time a packed batch of mixed lengths (64..4096) against padded batches instead (default: off)",
     )
     ap.add_argument(
         "--decode",
         action="store_true",
-        help="decode: one query token against long KV caches (contiguous and paged), GB/s of K+V read",
+        help="GPU: one query token against long KV caches (contiguous and paged), GB/s of K+V read (default: off)",
     )
     ap.add_argument(
         "--features",
         action="store_true",
-        help="tileattn with causal, GQA, windows, varlen and padded head dims against its dense speed",
+        help="GPU: tileattn with causal, GQA, windows, varlen and padded head dims against its dense speed "
+        "(default: off)",
     )
     ab = ap.add_argument_group("--decode-ab: the decode rows timed in turn with their anchors, over rounds")
-    ab.add_argument("--decode-ab", action="store_true", help="interleaved CUDA-graph A/B of decode layouts")
-    ab.add_argument("--rounds", type=int, default=5, help="rounds in which the graphs take turns")
-    ab.add_argument("--replays", type=int, default=5, help="graph replays per graph and round (their median)")
-    ab.add_argument("--layouts", nargs="+", default=list(AB_DEFAULT_LAYOUTS), choices=list(AB_LAYOUTS))
+    ab.add_argument(
+        "--decode-ab", action="store_true", help="GPU: interleaved CUDA-graph A/B of decode layouts (default: off)"
+    )
+    ab.add_argument(
+        "--rounds", type=int, default=5, help="rounds in which the graphs take turns (default: %(default)s)"
+    )
+    ab.add_argument(
+        "--replays", type=int, default=5, help="graph replays per graph and round, their median (default: %(default)s)"
+    )
+    ab.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(AB_DEFAULT_LAYOUTS),
+        choices=list(AB_LAYOUTS),
+        metavar="LAYOUT",
+        help=f"the layouts timed, of {', '.join(map(repr, AB_LAYOUTS))} (default: "
+        f"{' '.join(map(repr, AB_DEFAULT_LAYOUTS))})",
+    )
     ab.add_argument(
         "--anchors",
         nargs="+",
         default=["sdpa-cudnn"],
         choices=list(DECODE_BACKENDS),
-        help="timed in every layout's rounds",
+        metavar="NAME",
+        help=f"timed in every layout's rounds, of {', '.join(map(repr, DECODE_BACKENDS))} (default: sdpa-cudnn)",
     )
     ab.add_argument(
         "--rows", nargs="+", metavar="BxN", help="batch x cache length rows, as 64x4096 (default: --decode's)"
@@ -408,49 +468,88 @@ def parse_args(argv=None):
     ap.add_argument(
         "--masks",
         action="store_true",
-        help="FlashMask: each mask builder against FlexAttention and SDPA with the dense mask (8k and 32k tokens)",
+        help="GPU, FlashMask: each mask builder against FlexAttention and SDPA with the dense mask (8k and 32k "
+        "tokens; default: off)",
     )
     ap.add_argument(
         "--fp8",
         action="store_true",
-        help="FP8 forward against bf16 and the FP8 matmul ceiling (1k-16k tokens), FP8 accuracy, FP8-cache decoding",
+        help="GPU: FP8 forward against bf16 and the FP8 matmul ceiling (1k-16k tokens), FP8 accuracy, FP8-cache "
+        "decoding (default: off)",
     )
     ap.add_argument(
         "--mla",
         action="store_true",
-        help="MLA decoding (FlashMLA's memory- and compute-bound cases) beside GQA decoding of the same caches",
+        help="GPU: MLA decoding (FlashMLA's memory- and compute-bound cases) beside GQA decoding of the same "
+        "caches (default: off)",
     )
     ap.add_argument(
         "--cp",
         action="store_true",
-        help="context parallelism over every GPU of the host (or 2 CPU processes): scaling, exactness, longest",
+        help="context parallelism over every GPU of the host (or 2 CPU processes): scaling, exactness, longest "
+        "(default: off)",
     )
-    ap.add_argument("--world", type=int, default=None, help="the ranks of --cp (default: every GPU)")
+    ap.add_argument("--world", type=int, help="the ranks of --cp (default: every GPU, or 2 CPU processes)")
     ap.add_argument(
         "--dropout",
         action="store_true",
-        help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it",
+        help="attention dropout: tileattn with and without it against SDPA's FlashAttention-2 with it (default: off)",
     )
-    ap.add_argument("--dropout-p", type=float, default=0.1, help="the dropout probability of --dropout")
+    ap.add_argument(
+        "--dropout-p", type=float, default=0.1, help="the dropout probability of --dropout (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--e2e",
+        action="store_true",
+        help="training steps of Hugging Face models (BERT-large full/padded/packed, GPT-2, a Llama-style GQA model): "
+        "real tokens/s on tileattn against SDPA",
+    )
     ap.add_argument(
         "--sinks",
         action="store_true",
-        help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B)",
+        help="attention sinks: the same calls with and without one, forward, forward + backward and decode (A/B; "
+        "default: off)",
     )
     ap.add_argument(
         "--host",
         action="store_true",
-        help="host time per call at launch-bound sizes (BERT-large's attention, decode at 1 x 8k) against SDPA",
+        help="GPU: host time per call at launch-bound sizes (BERT-large's attention, decode at 1 x 8k) against SDPA "
+        "(default: off)",
     )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: PyTorch sees no CUDA GPU here; leave --device out to run on the CPU")
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be at least 1, got {args.threads}")
-    if args.mode is None:
-        on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
-        args.mode = "fwd" if args.quick and on_cpu else "fwd+bwd"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.given = set()
+    for option, value in grid_defaults(device, args.quick).items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+        else:
+            args.given.add(option)
     return args
+
+
+def _label(case) -> str:
+    batch, seqlen, _, headdim, causal = case[:5]
+    return f"hd{headdim}{' causal' if causal else ''} {batch}x{seqlen}"
+
+
+def _peaks(cases, backends, dtype, threads) -> dict[tuple, float]:
+    """``peak_mib`` of the cases, with a progress bar (one step a case and backend)."""
+    order = [f"{_label(c)} {name}" for c in cases for name in backends]
+    print("peak memory of each forward, in a child process", flush=True)
+    with Progress(len(order), "peak memory") as bar:
+        bar.step(order[0])
+        coming = iter(order[1:])
+
+        def measured(key):
+            step = next(coming, None)
+            if step is not None:
+                bar.step(step)
+
+        return peak_mib([c[:5] for c in cases], backends, dtype, threads, measured)
 
 
 def _on_gpu(device: str, flag: str) -> bool:
@@ -462,12 +561,6 @@ def _on_gpu(device: str, flag: str) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.quick:
-        if device == "cuda":
-            args.headdim, args.seqlen = [128], [1024, 4096]
-        else:  # tileattn's CPU path against eager, forward only: under a minute on two idle cores
-            args.headdim, args.seqlen, args.tokens, args.hidden = [64], [512, 2048], 2048, 256
-            args.causal = "yes"
     dtype_name = args.dtype or ("bf16" if device == "cuda" else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     backends = args.backends or (GPU_DEFAULT_BACKENDS if device == "cuda" else ["tileattn", "eager"])
@@ -520,8 +613,8 @@ def main(argv=None) -> int:
             return 1
         from tileattn.bench.masks import format_masks, run_masks
 
-        seqlens = args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else [8192, 32768]
-        headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128
+        seqlens = args.seqlen if "seqlen" in args.given else [8192, 32768]
+        headdim = args.headdim[0] if "headdim" in args.given else 128
         rows = run_masks(time_ms, seqlens, headdim, args.hidden, dtype=dtype)
         append_results(args.out, rows)
         print(format_masks(rows))
@@ -531,9 +624,7 @@ def main(argv=None) -> int:
             return 1
         from tileattn.bench.fp8 import accuracy_rows, decode_rows, format_accuracy, format_decode, format_fp8, run_fp8
 
-        seqlens = (
-            args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else [1024, 2048, 4096, 8192, 16384]
-        )
+        seqlens = args.seqlen if "seqlen" in args.given else [1024, 2048, 4096, 8192, 16384]
         rows = run_fp8(time_ms, seqlens, args.headdim, hidden=args.hidden)
         rows += accuracy_rows() + decode_rows(time_ms)
         append_results(args.out, rows)
@@ -553,7 +644,7 @@ def main(argv=None) -> int:
     if args.cp:
         from tileattn.bench.context import format_context, run_context
 
-        seqlens = args.seqlen if args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] else None
+        seqlens = args.seqlen if "seqlen" in args.given else None
         rows = run_context(args.world, seqlens, device=args.device)
         append_results(args.out, rows)
         print(format_context(rows))
@@ -562,17 +653,24 @@ def main(argv=None) -> int:
         from tileattn.bench.dropout import DROPOUT_CASES, format_dropout, run_dropout
 
         cases = DROPOUT_CASES
-        if args.headdim != [64, 128, 256] or args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] or args.quick:
+        if "headdim" in args.given or "seqlen" in args.given or args.quick:
             cases = [(d, s, c) for d in args.headdim for s in args.seqlen for c in causals]
         rows = run_dropout(time_ms, args.dropout_p, cases, args.tokens, args.hidden, dtype=dtype, device=device)
         append_results(args.out, rows)
         print(format_dropout(rows))
         return 0
+    if args.e2e:
+        from tileattn.bench.e2e import format_e2e, run_e2e
+
+        rows = run_e2e(device, small=device != "cuda")
+        append_results(args.out, rows)
+        print(format_e2e(rows))
+        return 0
     if args.sinks:
         from tileattn.bench.sinks import format_sinks, run_sinks
 
         cases = None
-        if args.headdim != [64, 128, 256] or args.seqlen != [512, 1024, 2048, 4096, 8192, 16384] or args.quick:
+        if "headdim" in args.given or "seqlen" in args.given or args.quick:
             cases = [(d, s, c) for d in args.headdim for s in args.seqlen for c in causals]
         rows = run_sinks(time_ms, args.tokens, args.hidden, cases, dtype=dtype, device=device)
         append_results(args.out, rows)
@@ -583,7 +681,7 @@ def main(argv=None) -> int:
             return 1
         from tileattn.bench.features import format_features, run_features
 
-        headdims = args.headdim if args.headdim != [64, 128, 256] else [128, 64]
+        headdims = args.headdim if "headdim" in args.given else [128, 64]
         rows = []
         for d in headdims:  # appended head dim by head dim, so an interrupted run keeps its results
             new = run_features(time_ms, d, 4096, args.tokens, args.hidden, dtype=dtype)
@@ -595,7 +693,7 @@ def main(argv=None) -> int:
         from tileattn.bench.varlen import format_varlen, run_varlen
 
         rows = []
-        headdim = args.headdim[0] if args.headdim != [64, 128, 256] else 128
+        headdim = args.headdim[0] if "headdim" in args.given else 128
         for causal in causals:
             r, lengths = run_varlen(
                 time_ms, device, dtype, args.tokens, headdim, max(1, args.hidden // headdim), causal
@@ -606,12 +704,6 @@ def main(argv=None) -> int:
         print(format_varlen(rows))
         return 0
     rows = []
-    try:
-        from rich.progress import Progress
-
-        progress_ctx = Progress(transient=True)
-    except ImportError:
-        progress_ctx = None
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def record(case_rows):
@@ -620,23 +712,18 @@ def main(argv=None) -> int:
 
     run = functools.partial(run_case, backends=backends, device=device, modes=modes)
     threads = torch.get_num_threads()
+    print(f"{len(cases)} cases x {len(backends)} backends ({', '.join(backends)}), {args.mode}", flush=True)
     if device == "cpu":
         default_threads, (threads, why) = threads, pick_threads(args.threads)
         torch.set_num_threads(threads)
         print(f"CPU: {threads} thread(s), {why}; backends timed in turns, medians of the rounds", flush=True)
-        print("peak memory of each forward, in a child process ...", flush=True)
-        peak = peak_mib([c[:5] for c in cases], backends, dtype, threads)
+        peak = _peaks(cases, backends, dtype, threads)
         run = functools.partial(run_case_cpu, backends=backends, modes=modes, threads=threads, peak=peak)
     try:
-        if progress_ctx is not None:
-            with progress_ctx as bar:
-                task = bar.add_task("benchmarking", total=len(cases))
-                for case in cases:
-                    record(run(case, progress=lambda msg: bar.console.log(msg)))
-                    bar.advance(task)
-        else:
+        with Progress(len(cases), "timing") as bar:
             for case in cases:
-                record(run(case, progress=print))
+                bar.step(_label(case))
+                record(run(case, progress=bar.log))
     finally:
         if device == "cpu":
             torch.set_num_threads(default_threads)

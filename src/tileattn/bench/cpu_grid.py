@@ -175,18 +175,24 @@ for batch, seqlen, nheads, headdim, causal in {cases!r}:
 """
 
 
-def peak_mib(cases: list[tuple], names: list[str], dtype: torch.dtype, threads: int) -> dict[tuple, float]:
+def peak_mib(
+    cases: list[tuple], names: list[str], dtype: torch.dtype, threads: int, measured: Callable | None = None
+) -> dict[tuple, float]:
     """``{(batch, seqlen, nheads, headdim, causal, name): MiB}``: the resident memory one forward adds at
     its peak, each measured in turn in one child process (NaN where Linux's /proc is missing or the child
-    fails). ``cases``: ``(batch, seqlen, nheads, headdim, causal)``."""
+    fails). ``cases``: ``(batch, seqlen, nheads, headdim, causal)``; ``measured(key)`` is called as each
+    measurement arrives."""
     script = _PEAK_SCRIPT.format(threads=threads, names=list(names), cases=[tuple(c) for c in cases], dtype=dtype)
     # glibc: blocks of 64 KiB and more are mapped on their own and unmapped when freed, so one call's
     # freed memory is not reused, unseen, by the next one
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     found = {}
     if os.path.exists("/proc/self/clear_refs"):
-        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-        for line in res.stdout.splitlines():
-            *key, mib = json.loads(line)
-            found[tuple(key)] = mib
+        cmd = [sys.executable, "-c", script]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env) as child:
+            for line in child.stdout:
+                *key, mib = json.loads(line)
+                found[tuple(key)] = mib
+                if measured is not None:
+                    measured(tuple(key))
     return {(*c, n): found.get((*c, n), float("nan")) for c in cases for n in names}

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tileattn.kernels import common, flashmask
 from tileattn.kernels.configs import bwd_dkdv_config, bwd_dq_config
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, Settings, cdiv
 
 
@@ -439,65 +439,150 @@ def attn_bwd(
     lse: torch.Tensor,
     p: AttnParams,
     s: Settings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches preprocess, dK/dV and dQ with the tiles ``s`` gives (``configs.bwd_dkdv_config``,
-    ``configs.bwd_dq_config``). Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv), contiguous, in
-    the inputs' dtype, and the gradient of the attention sinks (``sink_grad``) or None."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launches the backward with the tiles ``s`` gives: ``plan_bwd``'s plan for this call, run once.
+    Layouts as in ``forward.attn_fwd``; returns (dq, dk, dv), in the inputs' dtype and strides, and the
+    gradient of the attention sinks (``sink_grad``) or None."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(dout, q, k, v, out, lse, p, s)
-    grads = _gluon_bwd(dout, q, k, v, out, lse, p, s)
-    if grads is not None:
-        return grads
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (p.as_4d(t) for t in (q, k, v, out, dout, dq, dk, dv))
-    batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
-    nheads_k = k4.shape[2]
-    delta = _delta(o4, do4, lse, p, s)
-    dsink = sink_grad(lse, delta, p)
-    rows = q4.shape[1]
+    return plan_bwd(dout, q, k, v, out, lse, p, s).run(dout, q, k, v, out, lse, p)
 
-    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
-    # the arguments after the pointers and strides, as both kernels take them
-    sizes_and_scalars = (
-        batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
-        p.softmax_scale, p.softcap,
-        p.window_left, p.window_right,
-        float(p.drop_threshold), p.keep_scale, p.philox_seed,
-    )  # fmt: skip
-    flags = dict(
-        HEAD_DIM=headdim, BLOCK_D=p.block_d,
-        MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
-        HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
-        HAS_DROPOUT=p.dropout_p > 0,
-        HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
-        IS_VARLEN=p.is_varlen,
+
+def plan_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+    s: Settings,
+):
+    """What a backward with this call's metadata launches under settings ``s``, decided once: Δ's
+    preprocess, then the Gluon backward's plan on sm90 where it computes the call
+    (``kernels.gluon.backward.Plan``; settings ``s.bwd_gluon``, with dropout ``s.bwd_gluon_dropout``), else
+    the portable dK/dV and dQ passes (``BwdPlan``). ``plan.run(dout, q, k, v, out, lse, p)`` runs it for any
+    call with the same metadata (dout's strides and alignment included). Not for dense batches past
+    ``s.grid_z_batch`` (``attn_bwd`` runs those as packed)."""
+    cfg = (s.bwd_gluon_dropout if p.dropout_p > 0 else s.bwd_gluon).get(q.shape[-1])
+    if cfg is not None and not p.deterministic and q.is_cuda and lse.is_contiguous():
+        from tileattn.kernels import gluon
+
+        if gluon.available():
+            from tileattn.kernels.gluon import backward as hopper
+
+            q4, k4, v4, do4 = (p.as_4d(t) for t in (q, k, v, dout))
+            rows = hopper.eligible_rows(q4, k4, v4, do4, p)
+            if rows is not None:
+                plan = hopper.Plan(q4, k4, v4, do4, lse, p, rows, **hopper.config_options(cfg))
+                return GluonBwdPlan(plan, _Delta(p.as_4d(out), do4, lse, p, s), p)
+    return BwdPlan(dout, q, k, v, out, lse, p, s)
+
+
+class _Delta:
+    """Δ = rowsum(dO ∘ O) of one call signature (``_bwd_preprocess``), shaped and strided as the LSE."""
+
+    __slots__ = ("launch", "lse_shape")
+
+    def __init__(self, o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, p: AttnParams, s: Settings):
+        rows = o4.shape[1]
+        block_pre = 16 if s.interpret else 64
+        self.lse_shape = lse.shape
+        self.launch = Launch(
+            PREPROCESS,
+            (cdiv(rows, block_pre), o4.shape[2], o4.shape[0]),
+            (*o4.stride()[:3], *do4.stride()[:3], *p.lse_strides(lse), rows),
+            dict(HEAD_DIM=o4.shape[3], BLOCK_D=p.block_d, BLOCK_M=block_pre),
+        )
+
+    def __call__(self, o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        delta = torch.empty_like(lse)
+        self.launch((o4, do4, delta))
+        return delta
+
+
+def delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, p: AttnParams, s: Settings) -> torch.Tensor:
+    """Δ = rowsum(dO ∘ O) in fp32, shaped and strided as ``lse`` (``_bwd_preprocess``), for one call."""
+    o4, do4 = p.as_4d(out), p.as_4d(dout)
+    return _Delta(o4, do4, lse, p, s)(o4, do4, lse)
+
+
+class GluonBwdPlan:
+    """Δ's preprocess, then the Gluon backward's plan (``plan_bwd``)."""
+
+    __slots__ = ("delta", "plan", "varlen")
+
+    def __init__(self, plan, delta: _Delta, p: AttnParams):
+        self.plan, self.delta, self.varlen = plan, delta, p.is_varlen
+
+    def run(self, dout, q, k, v, out, lse, p: AttnParams):
+        o4, do4 = (out.unsqueeze(0), dout.unsqueeze(0)) if self.varlen else (out, dout)
+        delta = self.delta(o4, do4, lse)
+        dq, dk, dv = self.plan.run(do4, q, k, v, lse, delta, p)
+        return dq, dk, dv, sink_grad(lse, delta, p)
+
+
+class BwdPlan:
+    """The portable backward of one call signature: Δ's preprocess, the dK/dV pass (which may add dQ too,
+    by fp32 atomic or TMA reduce-adds) and the dQ pass, their tiles, grids, constexprs and fixed arguments
+    decided once (``plan_bwd``); ``run`` allocates and launches, reading only the call's tensors and seed."""
+
+    __slots__ = (
+        "delta", "dkdv", "dq", "dq_atomic", "varlen", "batch", "mask", "dkdv_tiles", "dq_tiles", "dkdv_fixed",
+        "dq_fixed",
     )  # fmt: skip
 
-    cfg = bwd_dkdv_config(p, s)
-    # dQ from the dK/dV pass through fp32 adds (not with deterministic: their order varies), or a dQ pass
-    dq_atomic = 0 if p.deterministic else cfg.dq_atomic
-    dq_acc = None
-    if dq_atomic:
-        dq_acc = torch.empty(q4.shape, device=q4.device, dtype=torch.float32)
-        # TMA reduce-adds need sm90+ and aligned rows, else the dQ pass (faster than atomic adds); the
-        # interpreter does not emulate them and runs the atomic adds in their place
-        if dq_atomic == 2 and s.interpret:
-            dq_atomic = 1
-        elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
-            dq_atomic, dq_acc = 0, None
-        if dq_acc is not None:
-            dq_acc.zero_()
-    if p.is_varlen:
-        grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
-    else:
-        grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
-    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_k, batch, cfg.block_n, s.varlen_scan_batch)
-    DKDV(
-        grid,
-        (
-            q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
-            dq_acc if dq_acc is not None else dk4,
-            *flashmask.launch_args(p, cfg.block_m, cfg.block_n, True, grid[0] * grid[2], lse),
+    def __init__(self, dout, q, k, v, out, lse, p: AttnParams, s: Settings):
+        q4, k4, v4, do4, o4 = (p.as_4d(t) for t in (q, k, v, dout, out))
+        # (the gradients as torch.empty_like makes them from q, k and v: their strides where those are dense)
+        dq4, dk4, dv4 = (p.as_4d(torch.empty_like(t, device="meta")) for t in (q, k, v))
+        batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
+        nheads_k = k4.shape[2]
+        self.varlen, self.batch = p.is_varlen, batch
+        self.delta = _Delta(o4, do4, lse, p, s)
+        self.mask = p.flashmask is not None
+        # the arguments after the pointers and strides, as both kernels take them (the seed comes per call)
+        sizes_and_scalars = (
+            batch, nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k,
+            p.softmax_scale, p.softcap,
+            p.window_left, p.window_right,
+            float(p.drop_threshold), p.keep_scale,
+        )  # fmt: skip
+        flags = dict(
+            HEAD_DIM=headdim, BLOCK_D=p.block_d,
+            MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
+            HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None,
+            HAS_DROPOUT=p.dropout_p > 0,
+            HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
+            IS_VARLEN=p.is_varlen,
+        )  # fmt: skip
+        no_mask = (0, 0, 0, 0, 1)  # (a FlashMask schedule's strides and run count without one)
+
+        cfg = bwd_dkdv_config(p, s)
+        # dQ from the dK/dV pass through fp32 adds (not with deterministic: their order varies), or a dQ pass
+        dq_atomic = 0 if p.deterministic else cfg.dq_atomic
+        dq_acc = None
+        if dq_atomic:
+            dq_acc = torch.empty(q4.shape, device=q4.device, dtype=torch.float32)
+            # TMA reduce-adds need sm90+ and aligned rows, else the dQ pass (faster than atomic adds); the
+            # interpreter does not emulate them and runs the atomic adds in their place
+            if dq_atomic == 2 and s.interpret:
+                dq_atomic = 1
+            elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
+                dq_atomic, dq_acc = 0, None
+        self.dq_atomic = dq_atomic
+        if p.is_varlen:
+            grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
+        else:
+            grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
+        _, batch_pad = common.varlen_schedule(p.cu_seqlens_k, batch, cfg.block_n, s.varlen_scan_batch)
+        self.dkdv_tiles = (
+            cfg.block_n if p.is_varlen and batch_pad == 0 else 0,
+            cfg.block_m,
+            cfg.block_n,
+            grid[0] * grid[2],
+        )
+        self.dkdv_fixed = (
             *p.strides(q4),
             *p.strides(k4),
             *p.strides(v4),
@@ -508,29 +593,32 @@ def attn_bwd(
             *p.lse_strides(lse),
             p.alibi_batch_stride(),
             *sizes_and_scalars,
-        ),
-        dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic, BATCH_PAD=batch_pad,
-            **flags,
-        ),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-    )  # fmt: skip
-    if dq_acc is not None:
-        dq4.copy_(dq_acc)
-        return dq, dk, dv, dsink
-
-    cfg = bwd_dq_config(p, s)
-    if p.is_varlen:
-        grid = (cdiv(rows, cfg.block_m) + batch, nheads, 1)
-    else:
-        grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
-    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
-    DQ(
-        grid,
-        (
-            q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
-            *flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse),
+        )
+        self.dkdv = Launch(
+            DKDV, grid, no_mask + self.dkdv_fixed,
+            dict(
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                Q_MAJOR=cfg.q_major, USE_TMA=common.use_tma(cfg, q4, do4), DQ_ATOMIC=dq_atomic,
+                BATCH_PAD=batch_pad, **flags,
+            ),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        )  # fmt: skip
+        self.dq = None
+        if dq_atomic:
+            return
+        cfg = bwd_dq_config(p, s)
+        if p.is_varlen:
+            grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
+        else:
+            grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+        _, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
+        self.dq_tiles = (
+            cfg.block_m if p.is_varlen and batch_pad == 0 else 0,
+            cfg.block_m,
+            cfg.block_n,
+            grid[0] * grid[2],
+        )
+        self.dq_fixed = (
             *p.strides(q4),
             *p.strides(k4),
             *p.strides(v4),
@@ -539,15 +627,48 @@ def attn_bwd(
             *p.lse_strides(lse),
             p.alibi_batch_stride(),
             *sizes_and_scalars,
-        ),
-        dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            USE_TMA=common.use_tma(cfg, k4, v4), BATCH_PAD=batch_pad,
-            **flags,
-        ),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-    )  # fmt: skip
-    return dq, dk, dv, dsink
+        )
+        self.dq = Launch(
+            DQ, grid, no_mask + self.dq_fixed,
+            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_TMA=common.use_tma(cfg, k4, v4), BATCH_PAD=batch_pad, **flags),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        )  # fmt: skip
+
+    def run(self, dout, q, k, v, out, lse, p: AttnParams):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if self.varlen:
+            q4, k4, v4, o4, do4, dq4, dk4, dv4 = (t.unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv))
+        else:
+            q4, k4, v4, o4, do4, dq4, dk4, dv4 = q, k, v, out, dout, dq, dk, dv
+        delta = self.delta(o4, do4, lse)
+        dsink = sink_grad(lse, delta, p)
+        alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
+        dq_acc = None
+        if self.dq_atomic:
+            dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
+        tensors = (q4, k4, v4, do4, dk4, dv4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k)
+        seed = (p.philox_seed,)
+        self._launch(self.dkdv, DKDV, self.dkdv_tiles, self.dkdv_fixed, p.cu_seqlens_k, tensors,
+                     (dq_acc if dq_acc is not None else dk4,), lse, p, True, seed)  # fmt: skip
+        if dq_acc is not None:
+            dq4.copy_(dq_acc)
+            return dq, dk, dv, dsink
+        tensors = (q4, k4, v4, do4, dq4, lse, delta, alibi, p.cu_seqlens_q, p.cu_seqlens_k)
+        self._launch(self.dq, DQ, self.dq_tiles, self.dq_fixed, p.cu_seqlens_q, tensors, (), lse, p, False, seed)
+        return dq, dk, dv, dsink
+
+    def _launch(self, launch, launcher, tiles, fixed, cu_seqlens, tensors, extra, lse, p, by_keys, seed) -> None:
+        """One pass: its tile schedule of a large packed batch, then the launch (a FlashMask's schedule
+        through the ``Launcher``, which keys its ints as Triton specialises them)."""
+        tile_ends = cu_seqlens
+        if tiles[0]:
+            tile_ends, _ = common.varlen_schedule(cu_seqlens, self.batch, tiles[0], 0)
+        tensors = tensors + (tile_ends,) + extra
+        if not self.mask:
+            launch(tensors + (lse, lse, lse), seed)
+            return
+        mask_args = flashmask.launch_args(p, tiles[1], tiles[2], by_keys, tiles[3], lse)
+        launcher(launch.grid, tensors + mask_args + fixed + seed, launch.constexprs, **launch.options)
 
 
 def sink_grad(lse: torch.Tensor, delta: torch.Tensor, p: AttnParams) -> torch.Tensor | None:
@@ -560,51 +681,6 @@ def sink_grad(lse: torch.Tensor, delta: torch.Tensor, p: AttnParams) -> torch.Te
     sink = p.learnable_sink.view(-1, 1) if p.is_varlen else p.learnable_sink.view(1, -1, 1)
     weighted = torch.exp(sink - lse) * delta
     return -(weighted.sum(1) if p.is_varlen else weighted.sum((0, 2)))
-
-
-def _delta(o4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor, p: AttnParams, s: Settings) -> torch.Tensor:
-    """Δ = rowsum(dO ∘ O) in fp32, shaped and strided as ``lse`` (``_bwd_preprocess``)."""
-    delta = torch.empty_like(lse)
-    rows = o4.shape[1]
-    block_pre = 16 if s.interpret else 64
-    PREPROCESS(
-        (cdiv(rows, block_pre), o4.shape[2], o4.shape[0]),
-        (o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], *p.lse_strides(delta), rows),
-        dict(HEAD_DIM=o4.shape[3], BLOCK_D=p.block_d, BLOCK_M=block_pre),
-    )
-    return delta
-
-
-def _gluon_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    p: AttnParams,
-    s: Settings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(dq, dk, dv, dsink) from the Gluon backward (``kernels.gluon.backward``) where ``s.bwd_gluon`` (with dropout:
-    ``s.bwd_gluon_dropout``) has the head dim and the kernel can compute the call (sm90, Triton 3.6, not ``deterministic``: its dQ adds vary
-    in order), else None."""
-    cfg = (s.bwd_gluon_dropout if p.dropout_p > 0 else s.bwd_gluon).get(q.shape[-1])
-    if cfg is None or p.deterministic or not q.is_cuda or not lse.is_contiguous():
-        return None
-    from tileattn.kernels import gluon
-
-    if not gluon.available():
-        return None
-    from tileattn.kernels.gluon import backward as hopper
-
-    q4, k4, v4, o4, do4 = (p.as_4d(t) for t in (q, k, v, out, dout))
-    rows = hopper.eligible_rows(q4, k4, v4, do4, p)
-    if rows is None:
-        return None
-    delta = _delta(o4, do4, lse, p, s)
-    dq, dk, dv = hopper.attn_bwd(do4, q4, k4, v4, lse, delta, p, rows=rows, **hopper.config_options(cfg))
-    dsink = sink_grad(lse, delta, p)
-    return (dq[0], dk[0], dv[0], dsink) if p.is_varlen else (dq, dk, dv, dsink)
 
 
 def _dense_as_packed(

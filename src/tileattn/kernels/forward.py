@@ -19,7 +19,7 @@ import triton.language as tl
 
 from tileattn.kernels import common, flashmask
 from tileattn.kernels.configs import fwd_config
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, Settings, cdiv
 
 
@@ -238,14 +238,24 @@ FWD = Launcher(_attn_fwd)  # (kernels.launch: the build chosen once per launch k
 def attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches ``_attn_fwd`` with the tiles ``s`` gives (``configs.fwd_config``). Dense tensors are
-    ``(batch, seqlen, nheads, headdim)``; varlen tensors (``p.cu_seqlens_q`` set) are ``(total, nheads,
-    headdim)``. Returns ``(out, lse)`` with lse fp32 ``(batch, nheads, seqlen_q)`` dense or ``(nheads,
+    """Launches the forward with the tiles ``s`` gives: ``plan_fwd``'s plan for this call, run once. Dense
+    tensors are ``(batch, seqlen, nheads, headdim)``; varlen tensors (``p.cu_seqlens_q`` set) are ``(total,
+    nheads, headdim)``. Returns ``(out, lse)`` with lse fp32 ``(batch, nheads, seqlen_q)`` dense or ``(nheads,
     total_q)`` varlen."""
     if not p.is_varlen and p.batch > s.grid_z_batch:
         return _dense_as_packed(q, k, v, p, s)
+    return plan_fwd(q, k, v, p, s).run(q, k, v, p)
+
+
+def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s: Settings):
+    """What a forward with this call's metadata launches under settings ``s``, decided once: the Gluon
+    forward's plan on sm90 where it computes the call (``kernels.gluon.forward.Plan``), else ``FwdPlan``.
+    ``plan.run(q, k, v, p)`` runs it for any call with the same metadata (shapes, strides, dtypes, 16-byte
+    alignments, options, device); only p's tensors and dropout seed are read then. Not for dense batches
+    past ``s.grid_z_batch`` (``attn_fwd`` runs those as packed)."""
     q4, k4, v4 = (p.as_4d(t) for t in (q, k, v))
-    if q.shape[-1] in s.fwd_gluon and q.is_cuda:
+    headdim = q.shape[-1]
+    if headdim in s.fwd_gluon and q.is_cuda:
         from tileattn.kernels import gluon
 
         if gluon.available():
@@ -255,51 +265,71 @@ def attn_fwd(
             if rows is not None:
                 keys = p.seqlen_k  # the keys a query block (a long-loop work item's rows) sees at most
                 if p.window_left >= 0 and p.window_right >= 0:
-                    keys = min(keys, p.window_left + p.window_right + s.fwd_gluon[q.shape[-1]].block_m)
-                short = keys < s.gluon_short_seqlen_k and q.shape[-1] in s.fwd_gluon_short
-                cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[q.shape[-1]]
-                programs = None if short else hopper.ONE_PER_TILE
-                out, lse = hopper.attn_fwd(
-                    q4, k4, v4, p, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
-                    programs=programs, rows=rows,
+                    keys = min(keys, p.window_left + p.window_right + s.fwd_gluon[headdim].block_m)
+                short = keys < s.gluon_short_seqlen_k and headdim in s.fwd_gluon_short
+                cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[headdim]
+                return hopper.Plan(
+                    q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+                    programs=None if short else hopper.ONE_PER_TILE,
                 )  # fmt: skip
-                return (out[0] if p.is_varlen else out), lse
-    out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if p.is_fp8 else q.dtype)
-    o4 = p.as_4d(out)
-    batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
-    lse = p.new_lse(q4)
-    cfg = fwd_config(p, s)
-    v_t = p.is_fp8 and s.fp8_v_transposed
-    if v_t:
-        v4 = _transposed(v4)
-    use_tma = common.use_tma(cfg, k4, v4)
-    if cfg.tma and not use_tma:
-        cfg = fwd_config(p, s, tma_ok=False)
-    if p.is_varlen:
-        grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
-    else:
-        grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
-    alibi = p.alibi_slopes if p.alibi_slopes is not None else lse
-    tile_ends, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
-    mask_args = flashmask.launch_args(p, cfg.block_m, cfg.block_n, False, grid[0] * grid[2], lse)
-    FWD(
-        grid,
-        (
-            q4, k4, v4, o4, lse, alibi, p.descales if p.is_fp8 else lse,
-            p.learnable_sink if p.learnable_sink is not None else lse, p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
-            *mask_args,
+    return FwdPlan(q4, k4, v4, p, s)
+
+
+class FwdPlan:
+    """The portable forward of one call signature: tiles, grid, constexprs and the launch's fixed
+    arguments, decided once (``plan_fwd``); ``run`` allocates the outputs and launches, reading only the
+    call's tensors (q, k, v, ALiBi slopes, sinks, FP8 descales, cu_seqlens, FlashMask) and dropout seed."""
+
+    __slots__ = (
+        "launch",
+        "fixed",
+        "mask_tiles",
+        "out_shape",
+        "out_dtype",
+        "lse_shape",
+        "varlen",
+        "v_t",
+        "batch",
+        "tiles",
+    )
+
+    def __init__(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, s: Settings):
+        batch, nheads, headdim = p.batch, q4.shape[2], q4.shape[3]
+        self.varlen, self.batch = p.is_varlen, batch
+        self.out_shape = q4.shape[1:] if p.is_varlen else q4.shape
+        self.out_dtype = torch.bfloat16 if p.is_fp8 else q4.dtype
+        self.lse_shape = p.lse_shape(q4)
+        cfg = fwd_config(p, s)
+        self.v_t = v_t = p.is_fp8 and s.fp8_v_transposed
+        if v_t:
+            v4 = _transposed(v4)
+        use_tma = common.use_tma(cfg, k4, v4)
+        if cfg.tma and not use_tma:
+            cfg = fwd_config(p, s, tma_ok=False)
+        if p.is_varlen:
+            grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
+        else:
+            grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
+        _, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
+        # (varlen batches past the register scan: the tiles' prefix sums, made per call on the device)
+        self.tiles = cfg.block_m if p.is_varlen and batch_pad == 0 else 0
+        o_strides = _contiguous_strides(self.out_shape, p)
+        lse_strides = (
+            (0, self.lse_shape[1]) if p.is_varlen else (self.lse_shape[1] * self.lse_shape[2], self.lse_shape[2])
+        )
+        fixed = (
             *p.strides(q4),
             *p.strides(k4),
             *(_vt_strides(v4, p) if v_t else p.strides(v4)),
-            *p.strides(o4),
-            *p.lse_strides(lse),
+            *o_strides,
+            *lse_strides,
             p.alibi_batch_stride(),
             batch, nheads, nheads // k4.shape[2], p.seqlen_q, p.seqlen_k,
             p.softmax_scale, p.softcap,
             p.window_left, p.window_right,
-            float(p.drop_threshold), p.keep_scale, p.philox_seed,
-        ),
-        dict(
+            float(p.drop_threshold), p.keep_scale,
+        )  # fmt: skip
+        constexprs = dict(
             HEAD_DIM=headdim, BLOCK_D=p.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0,
             HAS_SOFTCAP=p.softcap > 0, HAS_ALIBI=p.alibi_slopes is not None, DEFER_SCALE=p.defer_scale,
@@ -308,10 +338,51 @@ def attn_fwd(
             HAS_SINK=p.learnable_sink is not None, IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
             USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
             IS_FP8=p.is_fp8, V_T=v_t, INTERPRET=s.interpret,
-        ),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-    )  # fmt: skip
-    return out, lse
+        )  # fmt: skip
+        self.fixed = fixed
+        # a FlashMask's schedule (its tensors and ints, ``flashmask.launch_args``) comes with each call's mask
+        self.mask_tiles = (cfg.block_m, cfg.block_n, False, grid[0] * grid[2]) if p.flashmask is not None else None
+        no_mask = (0, 0, 0, 0, 1)  # (the schedule's strides and run count without one)
+        self.launch = Launch(
+            FWD, grid, no_mask + fixed, constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
+        )  # fmt: skip
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = q.device
+        out = torch.empty(self.out_shape, device=device, dtype=self.out_dtype)
+        lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
+        q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out)) if self.varlen else (q, k, v, out)
+        if self.v_t:
+            v4 = _transposed(v4)
+        tile_ends = p.cu_seqlens_q
+        if self.tiles:
+            tile_ends, _ = common.varlen_schedule(p.cu_seqlens_q, self.batch, self.tiles, 0)
+        tensors = (
+            q4, k4, v4, o4, lse,
+            p.alibi_slopes if p.alibi_slopes is not None else lse,
+            p.descales if p.descales is not None else lse,
+            p.learnable_sink if p.learnable_sink is not None else lse,
+            p.cu_seqlens_q, p.cu_seqlens_k, tile_ends,
+        )  # fmt: skip
+        if self.mask_tiles is None:
+            self.launch(tensors + (lse, lse, lse), (p.philox_seed,))
+        else:  # (through the Launcher, which keys the schedule's ints as Triton specialises them)
+            mask_args = flashmask.launch_args(p, *self.mask_tiles, lse)
+            launch = self.launch
+            FWD(launch.grid, tensors + mask_args + self.fixed + (p.philox_seed,), launch.constexprs, **launch.options)
+        return out, lse
+
+
+def _contiguous_strides(shape: tuple, p: AttnParams) -> tuple[int, int, int]:
+    """``p.strides`` of a contiguous tensor of ``shape`` (varlen: ``(total, nheads, d)``)."""
+    if p.is_varlen:
+        total, nheads, d = shape
+        return 0, nheads * d, d
+    _, seqlen, nheads, d = shape
+    return seqlen * nheads * d, nheads * d, d
 
 
 def _transposed(v4: torch.Tensor) -> torch.Tensor:

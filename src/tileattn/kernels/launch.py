@@ -255,3 +255,24 @@ class Bound:
             self.launcher.verify(self.kernel, self.grid, args, self.constexprs, self.options)
         device, stream = self._stream
         self._launch(*self.grid, stream(device()), *self._head, *args, *self.tail)
+
+
+class Launch:
+    """One launch of a plan: the kernel's grid, constexprs and the arguments after the leading ones fixed,
+    the leading (tensor) arguments given per call, and a trailing part per call too where the kernel's last
+    arguments vary (a dropout seed). The first call launches through the ``Launcher``; later calls launch
+    the build that call bound (``Bound``), valid because a plan is only reused for calls whose arguments
+    have the same dtypes, alignments and values (its key)."""
+
+    __slots__ = ("launcher", "grid", "fixed", "constexprs", "options", "bound")
+
+    def __init__(self, launcher: Launcher, grid: tuple, fixed: tuple, constexprs: dict, **options):
+        self.launcher, self.grid, self.fixed = launcher, grid, fixed
+        self.constexprs, self.options = constexprs, options
+        self.bound = None
+
+    def __call__(self, tensors: tuple, tail: tuple = ()) -> None:
+        if self.bound is not None:
+            self.bound(tensors + self.fixed + tail)
+        else:
+            self.bound = self.launcher.bind(self.grid, tensors + self.fixed + tail, self.constexprs, **self.options)

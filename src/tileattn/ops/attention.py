@@ -17,11 +17,16 @@ from torch import Tensor
 
 from tileattn import backend, checks, cpu, flashmask, rng
 from tileattn.kernels import configs
-from tileattn.params import AttnParams
+from tileattn.params import AttnParams, Settings, remember
 
 # what a backward through FP8 inputs raises (tileattn.fp8 too, where it dequantizes them)
 FP8_BACKWARD = (
     "backward through float8_e4m3fn inputs is not supported: FP8 attention is forward only (train in bf16 or fp16)"
+)
+
+DROPOUT_CAPTURE = (
+    "dropout_p > 0 under CUDA graph capture: the dropout seed is drawn on the host, so every replay would drop the "
+    "same elements; capture with dropout_p=0 or run the dropout call outside the graph"
 )
 
 # FlashMasks in the kernels' form, remembered per startend_row_indices tensor while it is alive and unmodified
@@ -130,10 +135,7 @@ def forward_impl(
 ) -> tuple[Tensor, Tensor, Tensor]:
     tokens_q, tokens_k = _tokens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if dropout_p > 0 and backend.capturing(q.device):
-        raise NotImplementedError(
-            "dropout_p > 0 under CUDA graph capture: the dropout seed is drawn on the host, so every replay "
-            "would drop the same elements; capture with dropout_p=0 or run the dropout call outside the graph"
-        )
+        raise NotImplementedError(DROPOUT_CAPTURE)
     seed = rng.new_seed() if dropout_p > 0 else 0
     p = _attn_params(
         q,
@@ -415,3 +417,144 @@ def run(q: Tensor, k: Tensor, v: Tensor, p: AttnParams, return_attn_probs: bool)
     if not return_attn_probs:
         return out
     return out, lse, attn_probs(q, k, rng_state, p) if p.dropout_p > 0 else no_probs(q)
+
+
+# --------------------------------------------------------------------------------------------------
+# The eager path: one call signature checked once, its launches planned once
+# --------------------------------------------------------------------------------------------------
+
+
+class Call:
+    """One signature of the training attention (``flash_attn_func``, ``flash_attn_varlen_func`` and their
+    packed forms, ``flashmask_attention``): its validated ``AttnParams`` (the template: a call replaces its
+    tensors, ``params``), checked once by the API for every later call with the same metadata, and the
+    kernels' plans (``kernels.forward.plan_fwd``, ``kernels.backward.plan_bwd``) per settings, row counts
+    and, for the backward, dO's layout. ``run`` is an eager call on plain tensors: one autograd node
+    (``PlannedAttention``) where a gradient may be asked for, none otherwise, around the plans' launches;
+    the CPU path runs its blockwise implementation instead. Calls with a FlashMask, dense batches past the
+    grid's limit and calls without rows or keys keep their checks but run unplanned."""
+
+    __slots__ = ("p", "fwd_plans", "bwd_plans", "planned", "dropout")
+
+    def __init__(self, p: AttnParams, planned: bool):
+        self.p, self.planned, self.dropout = p, planned, p.dropout_p > 0
+        self.fwd_plans: dict = {}
+        self.bwd_plans: dict = {}
+
+    def params(self, alibi_slopes, cu_seqlens_q, cu_seqlens_k, learnable_sink, descales, seed: int) -> AttnParams:
+        """This call's AttnParams: the template's options with the call's tensors and dropout seed."""
+        p = object.__new__(AttnParams)
+        p.__dict__.update(self.p.__dict__)
+        p.alibi_slopes, p.cu_seqlens_q, p.cu_seqlens_k = alibi_slopes, cu_seqlens_q, cu_seqlens_k
+        p.learnable_sink, p.descales, p.philox_seed = learnable_sink, descales, seed
+        return p
+
+    def run(self, q, k, v, p: AttnParams, return_attn_probs: bool):
+        """The public functions' eager call: ``out``, or ``(out, softmax_lse, S_dmask)`` (``run``'s)."""
+        sink = p.learnable_sink
+        if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
+            sink = p.learnable_sink = sink.float().contiguous()  # (checks.check_sink's; a gradient flows back)
+        wants_grad = q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+        if self.dropout:
+            if backend.capturing(q.device):
+                raise NotImplementedError(DROPOUT_CAPTURE)
+            p.philox_seed = rng.new_seed()
+        if wants_grad and torch.is_grad_enabled():
+            out, lse = PlannedAttention.apply(q, k, v, sink, self, p)
+        else:
+            out, lse = self.forward(q, k, v, p)
+        if not return_attn_probs:
+            return out
+        rng_state = torch.tensor([p.philox_seed, 0], dtype=torch.int64)
+        return out, lse, attn_probs(q, k, rng_state, p) if p.dropout_p > 0 else no_probs(q)
+
+    def forward(self, q, k, v, p: AttnParams) -> tuple[Tensor, Tensor]:
+        if not self.planned:
+            out, lse, rng_state = forward_impl(q, k, v, *op_options(p))
+            p.philox_seed = int(rng_state[0])  # (the seed it drew, which the backward regenerates the mask from)
+            return out, lse
+        tokens_q, tokens_k = _tokens(q, k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k)
+        if tokens_k == 0:
+            return torch.zeros_like(q, dtype=_out_dtype(q)), _no_keys_lse(p, q)
+        if tokens_k < k.shape[0]:  # the kernels see the sequences' rows only (_used_rows)
+            k, v = k[:tokens_k], v[:tokens_k]
+        device = q.device
+        settings = configs.current(device)
+        impl = backend.implementation(q)
+        with backend.on_device(q):
+            if impl is cpu or (not p.is_varlen and p.batch > settings.grid_z_batch):
+                out, lse = impl.attn_fwd(q, k, v, p, settings)
+            else:
+                key = (settings, tokens_k)
+                plan = self.fwd_plans.get(key)
+                if plan is None:
+                    from tileattn.kernels import forward as kernels  # (Triton loads on first use)
+
+                    plan = remember(self.fwd_plans, key, kernels.plan_fwd(q, k, v, p, settings), 8)
+                out, lse = plan.run(q, k, v, p)
+        if tokens_q < q.shape[0]:  # padding rows after the last sequence see no key, nor the sinks
+            out[tokens_q:] = 0
+            lse[:, tokens_q:] = float("inf")
+        return _like(out, q), lse
+
+    def backward(self, dout, q, k, v, out, lse, p: AttnParams, settings: Settings):
+        """``(dq, dk, dv, dsink)`` of a forward this call ran with ``p`` under ``settings``."""
+        if not self.planned:
+            with configs.override(settings):
+                return backward_impl(dout, q, k, v, out, lse, torch.tensor([p.philox_seed, 0]), *op_options(p)[:-1])
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        tokens_q, tokens_k = _tokens(q, k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k)
+        if tokens_q == 0 or tokens_k == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _no_dsink(p.learnable_sink)
+        whole = tokens_q == q.shape[0] and tokens_k == k.shape[0]
+        if not whole:  # padding rows after the last sequence: the kernels see the sequences' rows only
+            rows_q, rows_k = slice(0, tokens_q), slice(0, tokens_k)
+            args = (dout[rows_q], q[rows_q], k[rows_k], v[rows_k], out[rows_q], lse[:, rows_q].contiguous())
+        else:
+            args = (dout, q, k, v, out, lse)
+        impl = backend.implementation(q)
+        with backend.on_device(q):
+            if impl is cpu or (not p.is_varlen and p.batch > settings.grid_z_batch):
+                grads = impl.attn_bwd(*args, p, settings)
+            else:
+                key = (settings, tokens_q, tokens_k, dout.stride(), dout.data_ptr() % 16, out.stride())
+                plan = self.bwd_plans.get(key)
+                if plan is None:
+                    from tileattn.kernels import backward as kernels
+
+                    plan = remember(self.bwd_plans, key, kernels.plan_bwd(*args, p, settings), 8)
+                grads = plan.run(*args, p)
+        dq, dk, dv, dsink = grads
+        if dsink is None:
+            dsink = _no_dsink(p.learnable_sink)
+        if whole:
+            return _like(dq, q), _like(dk, k), _like(dv, v), dsink
+        padded = []
+        for g, t, used in zip((dq, dk, dv), (q, k, v), (rows_q, rows_k, rows_k)):
+            full = torch.zeros_like(t)
+            full[used] = g
+            padded.append(full)
+        return (*padded, dsink)
+
+
+class PlannedAttention(torch.autograd.Function):
+    """The eager call's autograd node: ``Call.forward`` and ``Call.backward`` (the settings of the forward,
+    as autograd may run the backward on another thread, where an override of the calling thread is not
+    set). Inputs q, k, v and the sinks (or None); the LSE is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, call: Call, p: AttnParams):
+        out, lse = call.forward(q, k, v, p)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call, ctx.p, ctx.settings = call, p, configs.current(q.device)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        if ctx.p.is_fp8:
+            raise NotImplementedError(FP8_BACKWARD)
+        dq, dk, dv, dsink = ctx.call.backward(dout, *ctx.saved_tensors, ctx.p, ctx.settings)
+        return dq, dk, dv, dsink if ctx.p.learnable_sink is not None else None, None, None

@@ -12,9 +12,9 @@ import triton.language as tl
 
 from tileattn.kernels import common
 from tileattn.kernels.decode import record
-from tileattn.kernels.decode.plan import Launch, remember_plan
+from tileattn.kernels.decode.plan import remember_plan
 from tileattn.kernels.decode.rotary import rotated
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import padded_headdim
 
 

@@ -18,7 +18,7 @@ from triton.runtime import driver
 
 from tileattn.kernels import common
 from tileattn.kernels.decode import combine, paging, split
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch
 from tileattn.params import (
     REPLAY,
     AttnParams,
@@ -38,26 +38,6 @@ _MAX_PLANS = 64  # plans kept per call signature and settings; beyond that the o
 def remember_plan(table: dict, key, value):
     """``table[key] = value`` in a plan table of at most ``_MAX_PLANS`` entries."""
     return remember(table, key, value, _MAX_PLANS)
-
-
-class Launch:
-    """One launch of a plan: the kernel's scalar arguments and constexprs fixed, its tensor arguments
-    given per call. The first call launches through the ``Launcher``; later calls launch the build that
-    call bound (``launch.Bound``), valid because a plan is only reused for calls whose tensors have the
-    same dtypes and alignments (its key)."""
-
-    __slots__ = ("launcher", "grid", "fixed", "constexprs", "options", "bound")
-
-    def __init__(self, launcher: Launcher, grid: tuple, fixed: tuple, constexprs: dict, **options):
-        self.launcher, self.grid, self.fixed = launcher, grid, fixed
-        self.constexprs, self.options = constexprs, options
-        self.bound = None
-
-    def __call__(self, tensors: tuple) -> None:
-        if self.bound is not None:
-            self.bound(tensors + self.fixed)
-        else:
-            self.bound = self.launcher.bind(self.grid, tensors + self.fixed, self.constexprs, **self.options)
 
 
 @functools.cache

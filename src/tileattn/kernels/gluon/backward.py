@@ -60,7 +60,7 @@ from tileattn.kernels.gluon.backward_common import LOG2E_C, WG_KEYS, add_dq, loa
 from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, tile_layout, tma_rows
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import ROW_LAYOUT, dense_rows, packed_rows, row_start
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, KernelConfig, cdiv
 
 HEAD_DIMS = (64, 128, 256)
@@ -315,41 +315,136 @@ def attn_bwd(
     reduce-add under them); dq_chunk: the split build's dQ columns per product and add, one of
     ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what
     ``eligible_rows`` returned for these tensors (made here if None)."""
-    batch, seqlen_q, nheads, headdim = q4.shape
-    split = headdim in SPLIT_HEAD_DIMS
-    if block_n is None:
-        block_n = WG_KEYS if split else 2 * WG_KEYS
-    if split and block_n != WG_KEYS:
-        raise ValueError(f"block_n must be {WG_KEYS} at head dim {headdim} (the split build), got {block_n}")
-    if not split and block_n != 2 * WG_KEYS:
-        raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
-    if split and block_m != 64:
-        raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
-    if dq_first and not split:
-        raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
-    if split and dq_chunk not in DQ_CHUNKS:
-        raise ValueError(f"dq_chunk must be one of {DQ_CHUNKS} (the split build), got {dq_chunk}")
-    if lse_load not in LSE_LOADS:
-        raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
-    if not (lse.is_contiguous() and delta.is_contiguous()):
-        raise ValueError("lse and delta must be contiguous")
-    lse_shape = (nheads, seqlen_q) if p.is_varlen else (batch, nheads, seqlen_q)
-    if lse.shape != lse_shape or delta.shape != lse.shape:
-        names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
-        raise ValueError(f"lse and delta must be {names} = {lse_shape}")
-    dropout, lse_tma = p.dropout_p > 0, lse_load != "load"
-    dq_cols = dq_chunk if split else headdim // 2  # (the columns of one dQ product and add)
-    while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
-        stages -= 1  # (dropout's draws take the room of a stage at head dim 128)
-    if shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
-        raise ValueError(f"block_m={block_m} at head dim {headdim} needs more shared memory than an SM has")
-    dq_acc = torch.zeros(q4.shape, device=q4.device, dtype=torch.float32)
-    dk = torch.empty(k4.shape, device=k4.device, dtype=k4.dtype)
-    dv = torch.empty(v4.shape, device=v4.device, dtype=v4.dtype)
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
-    _launch(rows, lse, delta, dq_acc, dk, dv, p, block_m, stages, dq_tma, lse_load, dq_first, dq_cols)
-    return dq_acc.to(q4.dtype), dk, dv
+    plan = Plan(
+        q4, k4, v4, do4, lse, p, rows, block_m=block_m, block_n=block_n, stages=stages, dq_tma=dq_tma,
+        lse_load=lse_load, dq_first=dq_first, dq_chunk=dq_chunk,
+    )  # fmt: skip
+    if delta.shape != lse.shape or not delta.is_contiguous():
+        names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
+        raise ValueError(f"lse and delta must be {names} = {tuple(lse.shape)}, contiguous")
+    dq, dk, dv = plan.run(do4, q4, k4, v4, lse, delta, p)
+    return dq.view(q4.shape), dk.view(k4.shape), dv.view(v4.shape)
+
+
+class Plan:
+    """The Gluon backward of one call signature (``attn_bwd``'s arguments): the build, grid, the TMA
+    descriptors' templates and the launch's fixed arguments, decided once; ``run(do, q, k, v, lse, delta,
+    p)`` allocates dQ's fp32 buffer and dK, dV and launches for a call with the same metadata (q, k, v and
+    dO as ``p.as_4d`` views them or not; the returned gradients are shaped as those given)."""
+
+    __slots__ = ("launch", "descs", "dq_desc", "lse_desc", "delta_desc", "dq_shape", "k_shape", "varlen",
+                 "block_m", "lse_load", "lse_tma")  # fmt: skip
+
+    def __init__(
+        self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do4: torch.Tensor, lse: torch.Tensor,
+        p: AttnParams, rows: tuple, *, block_m: int = 64, block_n: int | None = None, stages: int = 2,
+        dq_tma: bool = True, lse_load: str = "tma", dq_first: bool = False, dq_chunk: int = 64,
+    ):  # fmt: skip
+        batch, seqlen_q, nheads, headdim = q4.shape
+        split = headdim in SPLIT_HEAD_DIMS
+        if block_n is None:
+            block_n = WG_KEYS if split else 2 * WG_KEYS
+        if split and block_n != WG_KEYS:
+            raise ValueError(f"block_n must be {WG_KEYS} at head dim {headdim} (the split build), got {block_n}")
+        if not split and block_n != 2 * WG_KEYS:
+            raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
+        if split and block_m != 64:
+            raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
+        if dq_first and not split:
+            raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
+        if split and dq_chunk not in DQ_CHUNKS:
+            raise ValueError(f"dq_chunk must be one of {DQ_CHUNKS} (the split build), got {dq_chunk}")
+        if lse_load not in LSE_LOADS:
+            raise ValueError(f"lse_load must be one of {LSE_LOADS}, got {lse_load!r}")
+        if not lse.is_contiguous():
+            raise ValueError("lse must be contiguous")
+        lse_shape = (nheads, seqlen_q) if p.is_varlen else (batch, nheads, seqlen_q)
+        if lse.shape != lse_shape:
+            names = "(nheads, total_q)" if p.is_varlen else "(batch, nheads, seqlen_q)"
+            raise ValueError(f"lse and delta must be {names} = {lse_shape}")
+        dropout, lse_tma = p.dropout_p > 0, lse_load != "load"
+        dq_cols = dq_chunk if split else headdim // 2  # (the columns of one dQ product and add)
+        while stages > 1 and shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
+            stages -= 1  # (dropout's draws take the room of a stage at head dim 128)
+        if shared_bytes(block_m, headdim, stages, dq_tma, lse_tma, dropout, dq_cols) > SHARED_LIMIT:
+            raise ValueError(f"block_m={block_m} at head dim {headdim} needs more shared memory than an SM has")
+        self.varlen, self.block_m, self.lse_load, self.lse_tma = p.is_varlen, block_m, lse_load, lse_tma
+        self.dq_shape, self.k_shape = q4.shape, k4.shape
+        nheads_k = k4.shape[2]
+        q2, k2, v2, do2 = rows
+        q_layout = tile_layout(block_m, headdim, q2.matrix.dtype)
+        kv_layout = tile_layout(WG_KEYS, headdim, q2.matrix.dtype)
+        self.descs = (
+            TensorDescriptor.from_tensor(q2.matrix, [block_m, headdim], q_layout),
+            TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout),
+            TensorDescriptor.from_tensor(v2.matrix, [WG_KEYS, headdim], kv_layout),
+            TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout),
+        )
+        # (dQ's fp32 buffer, contiguous: flash_attn's layout, as the dQ adds address it; its template is made
+        # over a buffer of the same shape on the meta device, whose address is never read)
+        dq_rows = torch.empty(batch * seqlen_q, nheads * headdim, device="meta", dtype=torch.float32)
+        self.dq_desc = TensorDescriptor(dq_rows, list(dq_rows.shape), [nheads * headdim, 1], [block_m, dq_cols],
+                                        _dq_layout(block_m, dq_cols))  # fmt: skip
+        lse_rows, delta_rows, lse_stride = self._rows(lse, lse, p)
+        self.lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], ROW_LAYOUT)
+        self.delta_desc = self.lse_desc
+        fixed = (  # (dQ's buffer, dK and dV contiguous: their row and head strides)
+            nheads * headdim, nheads_k * headdim, headdim, nheads_k * headdim, headdim,
+            nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
+            lse_stride, p.softmax_scale * LOG2E,
+            p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
+        )  # fmt: skip
+        self.launch = Launch(
+            backward_split.LAUNCHER if split else LAUNCHER,
+            (cdiv(p.seqlen_k, WG_KEYS if split else 2 * WG_KEYS), nheads_k, p.batch),
+            fixed,
+            dict(
+                STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
+                LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0,
+                **(dict(DQ_FIRST=dq_first) if split else {}),
+            ),  # fmt: skip
+            num_warps=4,
+            maxnreg=168,
+        )  # fmt: skip
+
+    def _rows(self, lse: torch.Tensor, delta: torch.Tensor, p: AttnParams) -> tuple:
+        """LSE and Δ as flat rows of ``lse_stride`` elements, a tile's read by one 1-D copy (or by loads)."""
+        block_m = self.block_m
+        if p.is_varlen:
+            if self.lse_tma:
+                return packed_rows(lse, delta, p, block_m)
+            return lse.view(-1), delta.view(-1), lse.shape[1]
+        lse_rows, lse_stride = dense_rows(lse, block_m, aligned=self.lse_load == "tma")
+        delta_rows, _ = dense_rows(delta, block_m, aligned=self.lse_load == "tma")
+        return lse_rows, delta_rows, lse_stride
+
+    def run(self, do, q, k, v, lse: torch.Tensor, delta: torch.Tensor, p: AttnParams):
+        """``(dq, dk, dv)``, contiguous, shaped as q, k, v (dq in q's dtype)."""
+        device = q.device
+        dq_acc = torch.zeros(self.dq_shape, device=device, dtype=torch.float32)
+        dk = torch.empty(self.k_shape, device=device, dtype=k.dtype)
+        dv = torch.empty(self.k_shape, device=device, dtype=v.dtype)
+        lse_rows, delta_rows, _ = self._rows(lse, delta, p)
+        q_desc, k_desc, v_desc, do_desc = (_rebased(d, t) for d, t in zip(self.descs, (q, k, v, do)))
+        dq_desc = _rebased(self.dq_desc, dq_acc)
+        lse_desc, delta_desc = _rebased(self.lse_desc, lse_rows), _rebased(self.lse_desc, delta_rows)
+        cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse_rows, lse_rows)
+        self.launch(
+            (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
+             cu_q, cu_k),
+            (p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, p.drop_threshold, p.keep_scale),
+        )  # fmt: skip
+        return dq_acc.to(q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def _rebased(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
+    """``template`` over the data of ``t`` (``gluon.forward._rebased``)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(template.__dict__)
+    desc.base = t
+    return desc
 
 
 LSE_LOADS = ("tma", "load", "tma-unaligned")
@@ -368,58 +463,6 @@ def shared_bytes(
     total += 2 * block_m * dq_cols * 4 if dq_tma else 0
     total += 2 * stages * block_m * 4 if lse_tma else 0
     return total + (keys * block_m if dropout else 0)
-
-
-def _launch(
-    rows: tuple, lse: torch.Tensor, delta: torch.Tensor, dq_acc: torch.Tensor, dk: torch.Tensor,
-    dv: torch.Tensor, p: AttnParams, block_m: int, stages: int, dq_tma: bool, lse_load: str, dq_first: bool,
-    dq_cols: int,
-) -> None:  # fmt: skip
-    """The kernel alone on q, k, v and dO as ``rows`` (``TmaRows``): adds dQ (softmax_scale applied) into
-    the fp32 ``dq_acc`` (contiguous, shaped as q4, zeroed by the caller) and writes dk, dv (contiguous,
-    shaped as k4)."""
-    q2, k2, v2, do2 = rows
-    nheads, headdim = dq_acc.shape[2], dq_acc.shape[3]
-    nheads_k = dk.shape[2]
-    q_layout = tile_layout(block_m, headdim, q2.matrix.dtype)
-    kv_layout = tile_layout(WG_KEYS, headdim, q2.matrix.dtype)
-    q_desc = TensorDescriptor.from_tensor(q2.matrix, [block_m, headdim], q_layout)
-    do_desc = TensorDescriptor.from_tensor(do2.matrix, [block_m, headdim], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k2.matrix, [WG_KEYS, headdim], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v2.matrix, [WG_KEYS, headdim], kv_layout)
-    split = headdim in SPLIT_HEAD_DIMS
-    dq_rows = dq_acc.view(-1, nheads * headdim)  # (contiguous: flash_attn's layout, as the dQ adds address it)
-    dq_desc = TensorDescriptor.from_tensor(dq_rows, [block_m, dq_cols], _dq_layout(block_m, dq_cols))
-    # LSE and Δ as flat rows of lse_stride elements, a tile's read by one 1-D copy (or by loads)
-    lse_tma = lse_load != "load"
-    if p.is_varlen:
-        if lse_tma:
-            lse_rows, delta_rows, lse_stride = packed_rows(lse, delta, p, block_m)
-        else:
-            lse_rows, delta_rows, lse_stride = lse.view(-1), delta.view(-1), lse.shape[1]
-    else:
-        lse_rows, lse_stride = dense_rows(lse, block_m, aligned=lse_load == "tma")
-        delta_rows, _ = dense_rows(delta, block_m, aligned=lse_load == "tma")
-    lse_desc = TensorDescriptor(lse_rows, [lse_rows.numel()], [1], [block_m], ROW_LAYOUT)
-    delta_desc = TensorDescriptor(delta_rows, [delta_rows.numel()], [1], [block_m], ROW_LAYOUT)
-    cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse_rows, lse_rows)
-    (backward_split.LAUNCHER if split else LAUNCHER)(
-        (cdiv(p.seqlen_k, WG_KEYS if split else 2 * WG_KEYS), nheads_k, p.batch),
-        (
-            q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
-            cu_q, cu_k, dq_acc.stride(1), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2),
-            nheads, nheads // nheads_k, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
-            lse_stride, p.softmax_scale * LOG2E,
-            p.softmax_scale, *q2[1:], *do2[1:], *k2[1:], *v2[1:],
-            p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, p.drop_threshold, p.keep_scale,
-        ),
-        dict(
-            STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
-            LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0, **(dict(DQ_FIRST=dq_first) if split else {}),
-        ),  # fmt: skip
-        num_warps=4,
-        maxnreg=168,
-    )  # fmt: skip
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, start, tile_layout, tma_rows
-from tileattn.kernels.launch import Launcher
+from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, cdiv
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -381,34 +381,84 @@ def attn_fwd(
     program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per work item, each starting
     where a non-persistent launch would put it). ``block_m``: a work item's query rows, ``WG_ROWS`` per
     consumer warpgroup: 128 (two warpgroups at 240 registers) or 192 (three at 160, FlashAttention-3's
-    head-dim-64 build). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None)."""
-    if block_m not in BLOCK_MS:
-        raise ValueError(f"block_m must be one of {BLOCK_MS} (consumer warpgroups of {WG_ROWS} rows), got {block_m}")
-    consumers = block_m // WG_ROWS
-    headdim = q4.shape[3]
-    nheads, nheads_k = q4.shape[2], k4.shape[2]
-    out = torch.empty_like(q4, memory_format=torch.contiguous_format)
-    lse = p.new_lse(q4)
-    q_layout = tile_layout(WG_ROWS, headdim, q4.dtype)
-    kv_layout = tile_layout(block_n, headdim, q4.dtype)
-    q2, k2, v2 = rows if rows is not None else (tma_rows(q4), tma_rows(k4), tma_rows(v4))
-    q_desc = TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout)
-    items = cdiv(p.seqlen_q, block_m) * nheads * p.batch
-    grid = (min(items, programs or _sm_count(q4.device)),)
-    cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (lse, lse)
-    LAUNCHER(
-        grid,
-        (q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, p.learnable_sink if p.learnable_sink is not None else lse,
-         *p.strides(out), *p.lse_strides(lse), lse.stride(-1),
-         nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
-         p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:]),
-        dict(STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
-             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None),
-        num_warps=4, maxnreg=168 if consumers == 2 else 128,  # (the register file over 12 or 16 warps)
-    )  # fmt: skip
-    return out, lse
+    head-dim-64 build). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    The call's ``Plan``, run once."""
+    if rows is None:
+        rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
+    plan = Plan(q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs)
+    out, lse = plan.run(q4, k4, v4, p)
+    return out.view(q4.shape), lse
+
+
+class Plan:
+    """The Gluon forward of one call signature (``attn_fwd``'s arguments): tiles, grid, constexprs, the
+    TMA descriptors' templates and the launch's fixed arguments, decided once; ``run(q, k, v, p)``
+    allocates the outputs and launches for a call with the same metadata, reading only its tensors (q, k,
+    v as ``p.as_4d`` views them or not, the sinks, cu_seqlens). Its outputs are ``kernels.forward``'s:
+    out shaped as q, lse as ``p.lse_shape``."""
+
+    __slots__ = ("launch", "descs", "out_shape", "lse_shape", "varlen")
+
+    def __init__(
+        self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
+        block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
+    ):  # fmt: skip
+        if block_m not in BLOCK_MS:
+            raise ValueError(
+                f"block_m must be one of {BLOCK_MS} (consumer warpgroups of {WG_ROWS} rows), got {block_m}"
+            )
+        consumers = block_m // WG_ROWS
+        headdim = q4.shape[3]
+        nheads, nheads_k = q4.shape[2], k4.shape[2]
+        self.varlen = p.is_varlen
+        self.out_shape = q4.shape[1:] if p.is_varlen else q4.shape
+        self.lse_shape = p.lse_shape(q4)
+        q_layout = tile_layout(WG_ROWS, headdim, q4.dtype)
+        kv_layout = tile_layout(block_n, headdim, q4.dtype)
+        q2, k2, v2 = rows
+        self.descs = (
+            TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout),
+            TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout),
+            TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout),
+        )
+        items = cdiv(p.seqlen_q, block_m) * nheads * p.batch
+        grid = (min(items, programs or _sm_count(q4.device)),)
+        # (out and lse contiguous: out's (batch, row, head) strides, lse's (batch, head) strides and row stride)
+        out_strides = (0 if p.is_varlen else q4.shape[1] * nheads * headdim, nheads * headdim, headdim)
+        lse_strides = (0, self.lse_shape[1], 1) if p.is_varlen else (nheads * p.seqlen_q, p.seqlen_q, 1)
+        fixed = (
+            *out_strides, *lse_strides,
+            nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
+            p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:],
+        )  # fmt: skip
+        constexprs = dict(
+            STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
+            CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None,
+        )  # fmt: skip
+        # (the register file over 12 or 16 warps)
+        self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = q.device
+        out = torch.empty(self.out_shape, device=device, dtype=q.dtype)
+        lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
+        q_desc, k_desc, v_desc = (_rebased(d, t) for d, t in zip(self.descs, (q, k, v)))
+        cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse, lse)
+        sink = p.learnable_sink if p.learnable_sink is not None else lse
+        self.launch((q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, sink))
+        return out, lse
+
+
+def _rebased(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
+    """``template`` over the data of ``t``, a tensor of the call signature the template was made for: its
+    shape, strides, block and layout are the same, only the address differs (and the launcher reads the
+    address alone from ``base``). Made without ``TensorDescriptor``'s checks, which held for the template."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(template.__dict__)
+    desc.base = t
+    return desc
 
 
 LAUNCHER = Launcher(_fwd_kernel)  # (kernels.launch: the build chosen once per launch key)
