@@ -183,4 +183,3 @@ def test_groups_on_the_gpu(world, tmp_path):
     results = _spawn(world, names, tmp_path, False, backend="nccl", env={"TILEATTN_CP_DEVICE": "cuda"})
     failures = [f"{name}, rank {r}: {res}" for name, got in results.items() for r, res in enumerate(got) if res != "ok"]
     assert not failures, "\n".join(failures)
-
