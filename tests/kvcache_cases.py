@@ -36,21 +36,21 @@ CASES = {
 LAYOUTS = {"dense": None, "page4": 4, "page16": 16}
 
 
-def _inputs(seqlen_q, seqlen_new, opts, page, device, h=8, hk=2, d=40, capacity=37, batch=3):
-    q = torch.randn(batch, seqlen_q, h, d, dtype=F16, device=device)
+def _inputs(seqlen_q, seqlen_new, opts, page, device, h=8, hk=2, d=40, capacity=37, batch=3, dtype=F16):
+    q = torch.randn(batch, seqlen_q, h, d, dtype=dtype, device=device)
     batch_cache = batch + 2 if opts.get("batch_idx") else batch
     args = {}
     if page:
         max_pages = -(-capacity // page)
         num_pages = batch * max_pages + 3
-        kc = torch.randn(num_pages, page, hk, d, dtype=F16, device=device)
+        kc = torch.randn(num_pages, page, hk, d, dtype=dtype, device=device)
         args["block_table"] = torch.randperm(num_pages, device=device)[: batch * max_pages].view(batch, -1).int()
     else:
-        kc = torch.randn(batch_cache, capacity, hk, d, dtype=F16, device=device)
+        kc = torch.randn(batch_cache, capacity, hk, d, dtype=dtype, device=device)
     vc = torch.randn_like(kc)
     if seqlen_new:
-        args["k"] = torch.randn(batch, seqlen_new, hk, d, dtype=F16, device=device)
-        args["v"] = torch.randn(batch, seqlen_new, hk, d, dtype=F16, device=device)
+        args["k"] = torch.randn(batch, seqlen_new, hk, d, dtype=dtype, device=device)
+        args["v"] = torch.randn(batch, seqlen_new, hk, d, dtype=dtype, device=device)
     # One empty cache (with nothing appended it sees no key), one mid-size, one filled to capacity.
     full = capacity - seqlen_new
     args["cache_seqlens"] = torch.tensor([0, 17, full], dtype=torch.int32, device=device)
@@ -63,7 +63,7 @@ def _inputs(seqlen_q, seqlen_new, opts, page, device, h=8, hk=2, d=40, capacity=
     if "rotary" in opts:
         rotary_dim = 16 if opts["rotary"] == "neox-partial" else d
         angle = torch.rand(capacity + 4, rotary_dim // 2, device=device) * 6.283
-        args["rotary_cos"], args["rotary_sin"] = angle.cos().to(F16), angle.sin().to(F16)
+        args["rotary_cos"], args["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
         args["rotary_interleaved"] = opts["rotary"] == "interleaved"
     for key in ("causal", "window_size", "softcap"):
         if key in opts:
@@ -94,11 +94,11 @@ def _ref_args(args):
     return ref
 
 
-def _check_case(backend, case, layout, num_splits, d=40):
+def _check_case(backend, case, layout, num_splits, d=40, dtype=F16):
     seqlen_q, seqlen_new, opts = CASES[case]
     page = LAYOUTS[layout]
     ctx, device = on(backend)
-    q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device, d=d)
+    q, kc, vc, args = _inputs(seqlen_q, seqlen_new, opts, page, device, d=d, dtype=dtype)
     ref = kvcache_ref(q, kc, vc, **_ref_args(args))
     ref_lowp = kvcache_ref(q, kc, vc, precision=None, **_ref_args(args))
     k_ref, v_ref = ref.k_cache, ref.v_cache
@@ -116,8 +116,8 @@ def _check_case(backend, case, layout, num_splits, d=40):
         got_k, got_v = got_k[rows], got_v[rows]
         spare = [r for r in range(kc.shape[0]) if r not in rows.tolist()]
         assert torch.equal(kc[spare], untouched[spare]), "rows no sequence maps to were written"
-    assert torch.equal(got_k, k_ref.to(F16)), "k_cache after the append differs from the reference"
-    assert torch.equal(got_v, v_ref.to(F16)), "v_cache after the append differs from the reference"
+    assert torch.equal(got_k, k_ref.to(dtype)), "k_cache after the append differs from the reference"
+    assert torch.equal(got_v, v_ref.to(dtype)), "v_cache after the append differs from the reference"
     # Rows that see no key (the empty cache, nothing appended) are 0 with LSE +inf.
     if seqlen_new == 0:
         assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
@@ -126,27 +126,28 @@ def _check_case(backend, case, layout, num_splits, d=40):
 def _check_kvcache_problem(backend, pb):
     ctx, device = on(backend)
     b, h, hk, d, cap = pb["batch"], pb["nheads"], pb["nheads_k"], pb["headdim"], pb["capacity"]
-    q = torch.randn(b, pb["seqlen_q"], h, d, dtype=F16, device=device)
+    dtype = pb.get("dtype", F16)
+    q = torch.randn(b, pb["seqlen_q"], h, d, dtype=dtype, device=device)
     args = dict(causal=pb["causal"], window_size=pb["window"], softcap=pb["softcap"], num_splits=pb["num_splits"])
     if pb["page"]:
         pages = -(-cap // pb["page"])
-        kc = torch.randn(b * pages + 2, pb["page"], hk, d, dtype=F16, device=device)
+        kc = torch.randn(b * pages + 2, pb["page"], hk, d, dtype=dtype, device=device)
         args["block_table"] = torch.randperm(b * pages + 2, device=device)[: b * pages].view(b, pages).int()
     else:
-        kc = torch.randn(b, cap, hk, d, dtype=F16, device=device)
+        kc = torch.randn(b, cap, hk, d, dtype=dtype, device=device)
     pad = 8 if pb["v_padded"] else 0
-    vc = torch.randn(*kc.shape[:-1], d + pad, dtype=F16, device=device)[..., :d]
+    vc = torch.randn(*kc.shape[:-1], d + pad, dtype=dtype, device=device)[..., :d]
     args["cache_seqlens"] = torch.tensor(pb["seqlens"], dtype=torch.int32, device=device)
     if pb["seqlen_new"]:
-        args["k"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=F16, device=device)
-        args["v"] = torch.randn(b, pb["seqlen_new"], hk, d + pad, dtype=F16, device=device)[..., :d]
+        args["k"] = torch.randn(b, pb["seqlen_new"], hk, d, dtype=dtype, device=device)
+        args["v"] = torch.randn(b, pb["seqlen_new"], hk, d + pad, dtype=dtype, device=device)[..., :d]
     if pb["leftpad"] is not None:
         args["cache_leftpad"] = torch.tensor(pb["leftpad"], dtype=torch.int32, device=device)
     if pb["alibi"]:
         args["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
     if pb["rotary"]:
         angle = torch.rand(cap + pb["seqlen_q"], d // 4, device=device) * 6.283
-        args.update(rotary_cos=angle.cos().to(F16), rotary_sin=angle.sin().to(F16))
+        args.update(rotary_cos=angle.cos().to(dtype), rotary_sin=angle.sin().to(dtype))
         args["rotary_interleaved"] = pb["rotary"] == "interleaved"
     ref_args = {key: val for key, val in args.items() if key != "num_splits"}
     ref = kvcache_ref(q, kc, vc, **_ref_args(ref_args))
@@ -156,9 +157,9 @@ def _check_kvcache_problem(backend, pb):
         out = tileattn.flash_attn_with_kvcache(q, kc, vc, **args)
     check_close(f"{pb} out", out, ref.out, lowp.out)
     got = dense_view(kc, args.get("block_table"), k_ref.shape[1])
-    assert torch.equal(got, k_ref.to(F16)), f"{pb}: k_cache after append"
+    assert torch.equal(got, k_ref.to(dtype)), f"{pb}: k_cache after append"
     got = dense_view(vc, args.get("block_table"), v_ref.shape[1])
-    assert torch.equal(got, v_ref.to(F16)), f"{pb}: v_cache after append"
+    assert torch.equal(got, v_ref.to(dtype)), f"{pb}: v_cache after append"
 
 
 def _api_plans(s: Settings | None = None) -> list:

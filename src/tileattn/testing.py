@@ -13,9 +13,14 @@ import torch
 
 
 def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
-    """Two ulps of ``dtype`` at the largest magnitude of ``ref``."""
-    scale = ref.abs().max().item() if ref.numel() else 0.0
+    """Two ulps of ``dtype`` at the largest finite magnitude of ``ref``."""
+    finite = ref[torch.isfinite(ref)]
+    scale = finite.abs().max().item() if finite.numel() else 0.0
     return 2.0 * torch.finfo(dtype).eps * max(scale, 1e-3)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0].tolist())
 
 
 def check_close(
@@ -29,25 +34,44 @@ def check_close(
     """Asserts ``max|out - ref| <= factor * max|ref_lowp - ref| + floor``; returns the error ratio.
 
     ``ref`` is the oracle (fp32/fp64), ``ref_lowp`` the same computation in ``out``'s precision;
-    ``floor_scale`` (default ``ref``) sets the magnitude of the rounding floor. The message names the
-    tensor, the worst element and the ratio to the PyTorch error."""
-    if out.shape != ref.shape:
-        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
-    ref64 = ref.double()
-    if not torch.isfinite(out).all():
-        bad = (~torch.isfinite(out)).nonzero()[0].tolist()
-        raise AssertionError(f"{name}: non-finite value at index {bad}")
-    err_t = (out.double() - ref64).abs()
+    ``floor_scale`` (default ``ref``) sets the magnitude of the rounding floor. Non-finite entries of ``ref``
+    must be matched exactly (NaN by NaN, ±inf by the same infinity) and ``out`` is finite everywhere else;
+    the rule holds on the finite entries. A baseline that is not finite where ``ref`` is (the PyTorch run
+    overflowed) would make the bound meaningless: that is an error of the test, raised as ValueError. The
+    message names the tensor, the worst element and the ratio to the PyTorch error."""
+    for what, t in (("reference", ref), ("PyTorch baseline", ref_lowp)):
+        if out.shape != t.shape:
+            raise AssertionError(f"{name}: shape {tuple(out.shape)} != {what} shape {tuple(t.shape)}")
+    ref64, out64 = ref.double(), out.double()
+    finite = torch.isfinite(ref64)
+    same = (torch.isnan(out64) & torch.isnan(ref64)) | (out64 == ref64)
+    if not bool((same | finite).all()):
+        where = _first(~(same | finite))
+        raise AssertionError(f"{name}: {out64[where].item()} at {where} where the reference is {ref64[where].item()}")
+    if not bool(torch.isfinite(out64)[finite].all()):
+        where = _first(~torch.isfinite(out64) & finite)
+        raise AssertionError(
+            f"{name}: non-finite value {out64[where].item()} at {where}, reference {ref64[where].item()}"
+        )
+    low64 = ref_lowp.double()
+    if not bool(torch.isfinite(low64)[finite].all()):
+        where = _first(~torch.isfinite(low64) & finite)
+        raise ValueError(
+            f"{name}: the PyTorch baseline is {low64[where].item()} at {where} where the reference is "
+            f"{ref64[where].item()}: the test's low-precision run is broken, its error bounds nothing"
+        )
+    if floor_scale is not None and not bool(torch.isfinite(torch.as_tensor(floor_scale)).all()):
+        raise ValueError(f"{name}: floor_scale is not finite")
+    err_t = torch.where(finite, out64 - ref64, 0.0).abs()
     err = err_t.max().item() if out.numel() else 0.0
-    base = (ref_lowp.double() - ref64).abs().max().item() if out.numel() else 0.0
+    base = torch.where(finite, low64 - ref64, 0.0).abs().max().item() if out.numel() else 0.0
     floor = rounding_floor(ref64 if floor_scale is None else floor_scale, out.dtype)
     bound = factor * base + floor
     if err > bound:
-        where = tuple(torch.unravel_index(err_t.argmax(), err_t.shape))
-        where = tuple(int(i) for i in where)
+        where = tuple(int(i) for i in torch.unravel_index(err_t.argmax(), err_t.shape))
         raise AssertionError(
-            f"{name}: max error {err:.3e} at {where} (out {out.flatten()[err_t.argmax()].item():.5g}, ref "
-            f"{ref64.flatten()[err_t.argmax()].item():.5g}) exceeds {factor} x PyTorch error {base:.3e} + floor "
+            f"{name}: max error {err:.3e} at {where} (out {out64[where].item():.5g}, ref "
+            f"{ref64[where].item():.5g}) exceeds {factor} x PyTorch error {base:.3e} + floor "
             f"{floor:.3e}; ratio to PyTorch {err / max(base, 1e-30):.2f}"
         )
     return err / max(base, floor)

@@ -10,7 +10,7 @@ import torch
 
 import oracle
 import tileattn
-from helpers import on
+from helpers import check_lse, on
 from tileattn.modules import FlashSelfAttention
 from tileattn.testing import check_close
 
@@ -20,18 +20,6 @@ I32 = torch.int32
 
 def _cu(lengths, device="cpu"):
     return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=I32, device=device)
-
-
-def _lse_ref(q, k, causal):
-    """logsumexp of the scaled scores (batch, nheads, seqlen_q), from the definition, GQA by repetition."""
-    k = k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) * q.shape[-1] ** -0.5
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq, device=q.device).view(-1, 1)
-        j = torch.arange(sk, device=q.device).view(1, -1)
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    return s.logsumexp(-1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,10 +87,10 @@ def test_return_attn_probs_lse(backend):
         _, lse_paged, _ = tileattn.flash_attn_varlen_func(
             q[0], pool, pool, cu_q, cu_k, 13, 17, causal=True, block_table=table, return_attn_probs=True
         )
-    ref = _lse_ref(q, k, causal=True)
-    torch.testing.assert_close(lse.double(), ref, atol=2e-3, rtol=1e-3)
-    torch.testing.assert_close(lse_varlen.double(), ref[0], atol=2e-3, rtol=1e-3)
-    torch.testing.assert_close(lse_paged.double(), ref[0], atol=2e-3, rtol=1e-3)
+    ref, lowp = (oracle.attention(q, k, k, causal=True, precision=p).lse for p in (torch.float64, None))
+    check_lse("lse", lse, ref, lowp.float())
+    check_lse("varlen lse", lse_varlen, ref[0], lowp[0].float())
+    check_lse("paged lse", lse_paged, ref[0], lowp[0].float())
 
 
 @pytest.mark.parametrize("seqlen_k, headdim, causal", [(13, 16, False), (300, 64, True), (130, 96, False)])

@@ -5,6 +5,7 @@ refuses it."""
 import pytest
 import torch
 
+import dropout_ref
 import tileattn
 from helpers import check_attention, interpreter_skips, on, randn
 
@@ -25,6 +26,37 @@ def test_dropout_matches_masked_reference(backend, feats, dtype):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     keep = s_dmask >= 0
     check_attention("dropout", out, grads, q, k, v, dout, dict(feats, dropout_p=p, dropout_mask=keep))
+
+
+def test_dropout_mask_is_the_documented_one(backend):
+    """The mask a call draws is the definition's (``dropout_ref``: Philox at each element's documented
+    offset, the seed the next 62-bit draw of PyTorch's CPU generator), dense and packed (sequence b
+    numbered as batch entry b, its rows and keys from 0, padded to the longest)."""
+    ctx, device = on(backend)
+    p = 0.17
+    q = torch.randn(2, 45, 3, 16, dtype=torch.float16, device=device)
+    k = torch.randn(2, 70, 3, 16, dtype=torch.float16, device=device)
+    with ctx:
+        torch.manual_seed(5)
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        torch.manual_seed(5)
+        _, _, s_dmask = tileattn.flash_attn_func(q, k, k, dropout_p=p, return_attn_probs=True)
+        lens_q, lens_k = [45, 1, 20], [70, 9, 33]
+        cu_q, cu_k = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in (lens_q, lens_k))
+        qp = torch.randn(sum(lens_q), 3, 16, dtype=torch.float16, device=device)
+        kp = torch.randn(sum(lens_k), 3, 16, dtype=torch.float16, device=device)
+        torch.manual_seed(6)
+        seed_packed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        torch.manual_seed(6)
+        cu_q_t, cu_k_t = (torch.tensor(c, dtype=torch.int32, device=device) for c in (cu_q, cu_k))
+        _, _, s_packed = tileattn.flash_attn_varlen_func(
+            qp, kp, kp, cu_q_t, cu_k_t, 45, 70, dropout_p=p, return_attn_probs=True
+        )
+    assert torch.equal((s_dmask >= 0).cpu(), dropout_ref.keep_mask(seed, p, 2, 3, 45, 70))
+    want = dropout_ref.keep_mask(seed_packed, p, 3, 3, 45, 70)
+    for b, (n_q, n_k) in enumerate(zip(lens_q, lens_k)):
+        got = (s_packed[b, :, :n_q, :n_k] >= 0).cpu()
+        assert torch.equal(got, want[b, :, :n_q, :n_k]), f"sequence {b}"
 
 
 def test_dropout_rate_and_reproducibility(backend):

@@ -7,10 +7,12 @@ import torch
 
 import tileattn
 from helpers import check_refused
+from kvcache_ref import dense_view, kvcache_ref
 from tileattn.bert_padding import unpad_input
 from tileattn.cache import PagedKVCache
 from tileattn.modules import MHA
 from tileattn.rotary import apply_rotary_emb
+from tileattn.testing import check_close
 
 F16 = torch.float16
 
@@ -429,9 +431,17 @@ def test_kvcache_bad_input(overrides, paged, exc, words):
 
 
 def test_kvcache_valid_inputs_pass():
-    """The base inputs of the table above are valid, so each case fails for its own reason."""
+    """The base inputs of the table above are valid, so each case fails for its own reason: the call
+    computes what the oracle does (and appends)."""
     for paged in (False, True):
-        tileattn.flash_attn_with_kvcache(**_kvcache_inputs(paged))
+        args = _kvcache_inputs(paged)
+        ref_args = {n: t for n, t in args.items() if not n.startswith("rotary_") and t is not None}
+        ref_args["rotary"] = (args["rotary_cos"], args["rotary_sin"])
+        ref, ref_lowp = (kvcache_ref(**ref_args, precision=p) for p in (torch.float64, None))
+        out = tileattn.flash_attn_with_kvcache(**args)
+        check_close(f"valid inputs, paged={paged}", out, ref.out, ref_lowp.out)
+        capacity = ref.k_cache.shape[1]
+        assert torch.equal(dense_view(args["k_cache"], args["block_table"], capacity), ref.k_cache.to(F16))
 
 
 def _paged_varlen(table, cu_k=(0, 4, 10)):

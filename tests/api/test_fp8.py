@@ -22,6 +22,22 @@ E4M3 = torch.float8_e4m3fn
 FP8_PROBS = {"probs_dtype": E4M3}
 
 
+def _descale_rows(descale, x_shape, cu_seqlens=None):
+    """The descale of every element of an x of ``x_shape`` (dense, or packed with ``cu_seqlens``): query head
+    h of sequence b takes ``descale[b, h // (nheads / nheads_k)]``, from the definition (not fp8.dequantize)."""
+    nheads, nheads_k = x_shape[-2], descale.shape[1]
+    per_head = descale.repeat_interleave(nheads // nheads_k, dim=1)  # (batch, nheads)
+    if cu_seqlens is None:
+        return per_head[:, None, :, None].expand(x_shape)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+    return per_head.repeat_interleave(lengths.to(per_head.device), dim=0)[:, :, None].expand(x_shape)
+
+
+def _dequantized(x_fp8, descale, cu_seqlens=None):
+    """x_fp8 * descale in fp32 (exact: an e4m3 value times an fp32 descale rounds once), the oracle's inputs."""
+    return x_fp8.float() * _descale_rows(descale, x_fp8.shape, cu_seqlens)
+
+
 def _within_e4m3(x, x_fp8, descale_rows):
     """|dequantized - x| within e4m3's rounding: half a unit of its 3-bit mantissa (2**-4 relative) for
     normal values, half its subnormal spacing (2**-10 of the descale) below."""
@@ -52,7 +68,16 @@ def test_quantize_packed_batch_per_sequence():
     )
     cu = _cu(lengths, "cpu")
     x_fp8, descale = fp8.quantize(x, cu_seqlens=cu)
-    assert descale.shape == (4, 2) and (descale[1] == 1).all()
+    assert descale.shape == (4, 2) and (descale[1] == 1).all() and descale.dtype == torch.float32
+    # from the definition: each sequence's largest magnitude per kv head maps to 448; 1 for an empty sequence
+    expected = torch.stack(
+        [x[a:b].abs().amax((0, 2)) / 448 if b > a else torch.ones(2) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    )
+    torch.testing.assert_close(descale, expected, rtol=0, atol=0)
+    rows = _descale_rows(descale, x.shape, cu)
+    _within_e4m3(x, x_fp8, rows)
+    assert torch.equal(x_fp8.view(torch.uint8), (x / rows).to(E4M3).view(torch.uint8)), "not round to nearest"
+    torch.testing.assert_close(fp8.dequantize(x_fp8, descale, cu, torch.float32), x_fp8.float() * rows)
     for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if end > start:
             alone, alone_descale = fp8.quantize(x[None, start:end])
@@ -87,7 +112,7 @@ def _check_fp8_call(backend, shape, feats, scale=1.0):
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     # the inputs' values in fp32 (x_fp8 * descale, exact to fp32's rounding), of which the oracle takes fp64
     # copies; its plain-PyTorch run is fp32 with e4m3 probabilities
-    deq = [fp8.dequantize(t, s, dtype=torch.float32) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
+    deq = [_dequantized(t, s) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
     check_attention("fp8", out, None, *deq, None, feats, check_grads=False, lowp_kwargs=FP8_PROBS)
     # The LSE: FP8 tensor cores add the products of q·kᵀ with fewer bits than fp32 (about 2**-14 of
     # the largest term), so the bar is plain bf16 attention's LSE on the same values, and the rounding
@@ -162,7 +187,7 @@ def test_fp8_varlen_one_descale_per_sequence(backend):
         out = tileattn.flash_attn_varlen_func(
             q8, k8, v8, cu, cu, 30, 30, causal=True, q_descale=qd, k_descale=kd, v_descale=vd
         )
-    deq = [fp8.dequantize(t, s, cu, torch.float32) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
+    deq = [_dequantized(t, s, cu) for t, s in ((q8, qd), (k8, kd), (v8, vd))]
     check_attention(
         "fp8 varlen",
         out,

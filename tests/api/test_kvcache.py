@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import oracle
 import tileattn
-from helpers import PROPERTY_SHARDS, check_lse, on, run_property
+from helpers import PROPERTY_SHARDS, check_lse, interpreter_skips, on, run_property
 from kvcache_cases import (
     CASES,
     F16,
@@ -27,15 +27,17 @@ from tileattn.kernels import configs
 from tileattn.testing import check_close
 
 
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_kvcache_matches_reference(backend, case, layout, num_splits):
+def test_kvcache_matches_reference(backend, case, layout, num_splits, dtype):
     if LAYOUTS[layout] and CASES[case][2].get("batch_idx"):
         pytest.skip("cache_batch_idx applies to dense caches")
     if backend != "cuda" and num_splits == 0 and (layout != "dense" or case not in ("decode-rotary", "batch-idx")):
         pytest.skip("the split heuristic is covered by two cases under the interpreter")
-    _check_case(backend, case, layout, num_splits)
+    interpreter_skips(backend, dtype)
+    _check_case(backend, case, layout, num_splits, dtype=dtype)
 
 
 @pytest.mark.parametrize("layout", ["dense", "page16"])
@@ -193,7 +195,7 @@ def test_kvcache_runs_forward_with_grad_and_refuses_backward(backend, needs_grad
 
 
 @st.composite
-def kvcache_problems(draw, max_len):
+def kvcache_problems(draw, max_len, dtypes=(F16,)):
     batch = draw(st.integers(1, 3))
     nheads_k = draw(st.integers(1, 2))
     page = draw(st.sampled_from([None, None, 1, 4, 16]))
@@ -221,6 +223,7 @@ def kvcache_problems(draw, max_len):
         alibi=draw(st.booleans()),
         num_splits=draw(st.sampled_from([0, 1, 2, 5])),
         v_padded=draw(st.booleans()),  # v and v_cache as views with other strides than k's
+        dtype=draw(st.sampled_from(dtypes)),
     )
 
 
@@ -231,10 +234,11 @@ _KV_EXAMPLES = {"torch": 60, "interpret": 40, "cuda": 40}
 def test_property_random_kvcache_calls(backend, shard):
     """Random decode / chunked-prefill calls: batch, GQA, head dim, capacity, page size (1 to 16 or
     contiguous), cache lengths (empty and full), new tokens, leftpad, rotary, causal, windows, softcap,
-    ALiBi and split counts, against the per-sequence reference."""
-    run_property(
-        _check_kvcache_problem, kvcache_problems(200 if backend == "cuda" else 40), _KV_EXAMPLES, backend, shard
-    )
+    ALiBi, split counts and fp16 or bf16 (fp16 alone under the interpreter, where bf16 takes the CPU
+    path), against the per-sequence reference."""
+    dtypes = (F16,) if backend == "interpret" else (F16, torch.bfloat16)
+    strategy = kvcache_problems(200 if backend == "cuda" else 40, dtypes)
+    run_property(_check_kvcache_problem, strategy, _KV_EXAMPLES, backend, shard)
 
 
 def test_empty_batch_and_empty_queries(backend):

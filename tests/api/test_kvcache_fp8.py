@@ -77,10 +77,17 @@ def test_fp8_cache_matches_reference(backend, case, layout, num_splits):
 
 @pytest.mark.parametrize("widen", ["q", "f16"])
 def test_fp8_cache_widenings(widen):
-    """Each way the decode kernel widens FP8 tiles (DecodeSettings.fp8_widen), paged and split."""
+    """Each way the decode kernel widens FP8 tiles (DecodeSettings.fp8_widen), paged and split: the launches
+    build the setting's way (WIDEN), and compute what the reference does."""
+    from tileattn import kvcache
+    from tileattn.kernels.decode import plan
+
     device = _kernel_device()
+    kvcache.calls.clear()
     with configs.override(_settings(device, fp8_widen=widen)):
         test_fp8_cache_matches_reference("cuda" if device == "cuda" else "interpret", "alibi-leftpad", "page4", 3)
+    built = [attn.constexprs["WIDEN"] for call in kvcache.calls.values() for attn, _ in plan.plans_in(call.plans)]
+    assert built and set(built) == {{"q": 0, "f16": 1}[widen]}, built
 
 
 def test_paged_kv_cache_fp8_steps(backend):

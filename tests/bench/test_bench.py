@@ -9,8 +9,9 @@ import pathlib
 import pytest
 import torch
 
+import oracle
 from tileattn.bench.features import visible_pairs
-from tileattn.reference import local_mask
+from tileattn.testing import check_close
 
 
 @pytest.mark.parametrize(
@@ -18,9 +19,7 @@ from tileattn.reference import local_mask
 )
 @pytest.mark.parametrize("seqlen", [1, 13, 64])
 def test_visible_pairs_counts_the_mask(seqlen, causal, window):
-    i = torch.arange(seqlen)[:, None]
-    j = torch.arange(seqlen)[None, :]
-    mask = local_mask(i, j, seqlen, seqlen, (window[0], 0) if causal else window)
+    mask = oracle.visible(seqlen, seqlen, *oracle.window_sides(causal, window, seqlen), seqlen, seqlen)
     assert visible_pairs(seqlen, causal, window) == int(mask.sum())
 
 
@@ -94,7 +93,6 @@ def test_decode_pool_reference_follows_the_table(order):
     first sequence's keys in the order its block table gives them. tileattn's paged call (CPU path)
     must match attention over them; each order must place the pages where its docstring says."""
     from tileattn.bench.decode import _pool, _tileattn
-    from tileattn.reference import attention_ref
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 4, 16, generator=gen)
@@ -113,7 +111,12 @@ def test_decode_pool_reference_follows_the_table(order):
         assert pages != list(range(16)) and any(p // 2 != i // 2 for i, p in enumerate(pages))
     run, ref_k, ref_v = _tileattn(page=16, order=order)(q, k, v, torch.full((2,), 128, dtype=torch.int32))
     out = run()
-    torch.testing.assert_close(out[:1], attention_ref(q[:1], ref_k, ref_v)[0], atol=1e-5, rtol=1e-5)
+    # the pool is the caches cut into pages of 16 keys; sequence 0 reads them in its table's order
+    first = table[0].long()
+    assert torch.equal(ref_k, k.reshape(16, 16, 2, 16)[first].reshape(1, 128, 2, 16))
+    assert torch.equal(ref_v, v.reshape(16, 16, 2, 16)[first].reshape(1, 128, 2, 16))
+    ref, lowp = (oracle.attention(q[:1], ref_k, ref_v, precision=p).out for p in (torch.float64, None))
+    check_close(f"paged decode, pages {order}", out[:1], ref, lowp)
     with pytest.raises(ValueError, match="order"):
         _pool(q, k, v, 16, 3)
 

@@ -1,13 +1,18 @@
 """PagedKVCache: allocation, growth by pages, forks with copy-on-write, errors that change nothing, and
-the end-to-end example (a small decoder served from the cache matches the uncached model; its command
-line refuses bad arguments with a sentence), and the pool's default dtype."""
+the end-to-end example (its small decoder served from the cache against the same model with the oracle's
+attention over whole histories; its command line checks itself and refuses bad arguments with a
+sentence), and the pool's default dtype."""
+
+import copy
 
 import pytest
 import torch
 
+import oracle
 import tileattn
 from helpers import example, on, run_example
 from tileattn.cache import CacheFullError, PagedKVCache
+from tileattn.testing import check_close
 
 
 def _cache(num_pages=8, page_size=4, device="cpu", dtype=torch.float16):
@@ -148,14 +153,57 @@ def test_steps_pad_short_table_rows_with_no_page(backend):
     assert torch.equal(cache.k, pool)
 
 
-def test_example_matches_uncached_model(backend):
+def test_example_decoding_matches_the_oracle(backend):
+    """The example's model decoding through the cache as the example does (prompts of 5, 11 and 3 tokens
+    prefilled one at a time, then batched steps, a fork after four): each new token's logits against the
+    same weights with the oracle's rotary and attention over the sequence's whole history, in fp64 and in
+    the compute dtype (the tolerance rule)."""
     ctx, device = on(backend)
-    dtype = torch.float32 if backend == "torch" else torch.float16
-    if backend == "cuda":
-        dtype = torch.bfloat16
-    with ctx:
-        worst = example("paged_decode").run(device, dtype, steps=6, verbose=False)
-    assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
+    dtype = {"torch": torch.float32, "interpret": torch.float16, "cuda": torch.bfloat16}[backend]
+    ex = example("paged_decode")
+    torch.manual_seed(0)
+    model = ex.TinyDecoder().to(device=device, dtype=dtype).eval()
+    # (the tables as the model holds them, in its dtype, are inputs of both: the oracle's are them upcast)
+    models = {exact: copy.deepcopy(model).to("cpu", torch.float64 if exact else dtype) for exact in (True, False)}
+    cache = PagedKVCache(2, 64, 4, 2, 16, dtype=dtype, device=device)
+    history = {}
+
+    def uncached(seq, exact):
+        m = models[exact]
+        positions = torch.arange(len(history[seq]))[None]
+
+        def attend(q, k, v):
+            q, k = (oracle.rotary(t, m.cos, m.sin, positions, interleaved=False) for t in (q, k))
+            return oracle.attention(q, k, v, causal=True, precision=None).out  # (in the model's dtype)
+
+        x = m.embed(torch.tensor([history[seq]]))
+        for layer in range(len(m.qkv)):
+            x = m._block(x, layer, attend)
+        return m.head(x)[0, -1]
+
+    def check(seq, logits, what):
+        check_close(f"{what}: sequence {seq}", logits.cpu(), uncached(seq, True), uncached(seq, False))
+        nxt[seq], second[seq] = logits.topk(2).indices.tolist()
+
+    nxt, second = {}, {}
+    with ctx, torch.no_grad():
+        for n in (5, 11, 3):
+            seq = cache.add_sequence()
+            history[seq] = torch.randint(0, 101, (n,)).tolist()
+            logits = model.forward_cached(torch.tensor([history[seq]], device=device), cache.append(seq, n))
+            check(seq, logits[0, -1], "prefill")
+        for t in range(6):
+            if t == 4:
+                child = cache.fork(0)
+                history[child] = list(history[0])
+                nxt[child] = second[0]  # (the fork takes the parent's second choice)
+            ids = sorted(nxt)
+            for seq in ids:
+                history[seq].append(nxt[seq])
+            step = cache.append(ids, 1)
+            logits = model.forward_cached(torch.tensor([[nxt[s]] for s in ids], device=device), step)[:, -1]
+            for row, seq in enumerate(ids):
+                check(seq, logits[row], f"step {t}")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Context parallelism (tileattn.distributed): the ring's plan against brute-force masks, and spawned
-groups of 2 and 3 CPU processes (gloo) whose outputs and gradients are asserted against the fp64 oracle
-of the whole sequence (tests/distributed/workers.py runs the cases on each rank)."""
+groups of 2 and 3 CPU processes (gloo), and on GPUs NCCL groups of 1 and 2 ranks, whose outputs and
+gradients are asserted against the fp64 oracle of the whole sequence (tests/distributed/workers.py runs
+the cases on each rank)."""
 
 from __future__ import annotations
 
@@ -109,21 +110,26 @@ def test_refused_without_a_process_group():
         cp.ring_flash_attn_func(x, x, x)
 
 
-def _spawn(world: int, which: list[str], tmp_path, interpret: bool) -> dict[str, list[str]]:
+def _spawn(world: int, which: list[str], tmp_path, interpret: bool, backend="gloo", env=None) -> dict[str, list[str]]:
     """Runs ``workers.main`` on ``world`` spawned processes (the CPU path, or with ``interpret`` the Triton
-    kernels under the interpreter); ``{case: [rank 0's result, ...]}``."""
+    kernels under the interpreter; ``env``: more variables the ranks see); ``{case: [rank 0's result, ...]}``."""
     results = str(tmp_path / "results")
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    env = {"TRITON_INTERPRET": "1" if interpret else "0", **(env or {})}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         mp.start_processes(
-            workers.main, args=(world, str(tmp_path / "store"), results, which), nprocs=world, start_method="spawn"
+            workers.main,
+            args=(world, str(tmp_path / "store"), results, which, backend),
+            nprocs=world,
+            start_method="spawn",
         )
     finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     reports = []
     for rank in range(world):
         with open(f"{results}.{rank}") as f:
@@ -160,4 +166,20 @@ def test_group(group_runs, world, name):
     """One case on a spawned gloo group of ``world`` CPU processes: every rank's result."""
     results = group_runs(world, name.endswith("interpret"))[name]
     failures = [f"rank {r}: {res}" for r, res in enumerate(results) if res != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the CUDA kernels on a NCCL group")
+@pytest.mark.parametrize("world", [1, 2])
+def test_groups_on_the_gpu(world, tmp_path):
+    """The exactness cases (``workers.cases``; float32 ones in bfloat16) on a NCCL group of ``world`` ranks,
+    one GPU each (TILEATTN_CP_DEVICE=cuda), against the oracle. One rank runs on any GPU: the kernels, the
+    NCCL agreement and Ulysses's all-to-all of a group of one. The ring's transfers between ranks need a GPU
+    per rank: NCCL refuses two ranks on one device, and gloo does not send or receive CUDA tensors (the
+    package refuses CUDA tensors on a gloo group)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"{world} NCCL ranks need {world} GPUs (one rank per device), {torch.cuda.device_count()} here")
+    names = [c.name for c in workers.cases(world)]
+    results = _spawn(world, names, tmp_path, False, backend="nccl", env={"TILEATTN_CP_DEVICE": "cuda"})
+    failures = [f"{name}, rank {r}: {res}" for name, got in results.items() for r, res in enumerate(got) if res != "ok"]
     assert not failures, "\n".join(failures)

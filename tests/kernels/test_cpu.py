@@ -1,10 +1,13 @@
-"""The CPU path (tileattn/cpu.py) beyond the cases every backend runs: float32 inputs, and memory that
-grows linearly with the sequence (no seqlen x seqlen matrix)."""
+"""The CPU path (tileattn/cpu.py) beyond the cases every backend runs: float32 inputs, sequences of several
+row and key blocks (its online softmax across blocks), and memory that grows linearly with the sequence
+(no seqlen x seqlen matrix)."""
 
+import pytest
 import torch
 
 import tileattn
 from helpers import check_attention, on, randn
+from tileattn import cpu
 
 
 def test_cpu_path_float32():
@@ -16,6 +19,27 @@ def test_cpu_path_float32():
         out = tileattn.flash_attn_func(q, k, v, causal=True, softcap=3.0)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     check_attention("fp32", out, grads, q, k, v, dout, {"causal": True, "softcap": 3.0})
+
+
+@pytest.mark.parametrize(
+    "feats",
+    [{}, {"causal": True}, {"window_size": (300, 20)}, {"softcap": 4.0, "causal": True}, {"dropout_p": 0.2}],
+    ids=["full", "causal", "window", "softcap", "dropout"],
+)
+def test_cpu_path_across_blocks(feats):
+    """Queries over two row blocks and keys over three key blocks (cpu.BLOCK_M, cpu.BLOCK_N): the online
+    softmax carried across key blocks, forward and backward, against the oracle (GQA, fp16)."""
+    ctx, _ = on("torch")
+    sq, sk = cpu.BLOCK_M + 61, 2 * cpu.BLOCK_N + 77
+    q = randn(1, sq, 4, 32, dtype=torch.float16, device="cpu")
+    k, v = (randn(1, sk, 2, 32, dtype=torch.float16, device="cpu") for _ in range(2))
+    dout = torch.randn_like(q)
+    with ctx:
+        out, _, s_dmask = tileattn.flash_attn_func(q, k, v, return_attn_probs=True, **feats)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    if feats.get("dropout_p"):
+        feats = dict(feats, dropout_mask=s_dmask >= 0)
+    check_attention(f"across blocks {feats}", out, grads, q, k, v, dout, feats)
 
 
 def test_cpu_path_memory_is_linear():

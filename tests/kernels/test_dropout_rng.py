@@ -1,9 +1,12 @@
 """The kernels' dropout draws: Triton's tl.rand and the keep-mask helper of kernels/common.py equal
-tileattn.rng's Philox replica bit for bit (through the interpreter on CPU, or on the GPU)."""
+tileattn.rng's Philox replica bit for bit, and the tests' own mask from the definition (dropout_ref), through
+the interpreter on CPU, or on the GPU."""
 
+import numpy as np
 import pytest
 import torch
 
+import dropout_ref
 from tileattn import rng
 from tileattn.kernels import common  # noqa: F401  (used by a kernel defined in a test)
 from tileattn.params import dropout_threshold
@@ -25,6 +28,10 @@ def test_philox_replica_matches_triton():
     _rand[(1,)](out, seed, base, BLOCK=64)
     expected = rng.philox_uniform(seed, torch.arange(64, dtype=torch.int64) + base)
     assert torch.equal(out.cpu(), expected)
+    # the tests' own Philox (dropout_ref), through tl.rand's mapping of the first word to [0, 1)
+    word = dropout_ref.philox4x32_10(seed, np.arange(64, dtype=np.uint64) + np.uint64(base))[0].astype(np.int64)
+    word = np.where(word >= 2**31, word - 2**32, word)
+    assert torch.equal(out.cpu(), torch.from_numpy(np.where(word < 0, -word - 1, word)).float() * 4.6566127342e-10)
 
 
 def test_grouped_dropout_bits_match_the_replica():
@@ -50,6 +57,8 @@ def test_grouped_dropout_bits_match_the_replica():
     i, j = (3 + torch.arange(16)).view(-1, 1), (64 + torch.arange(128)).view(1, -1)
     expected = rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, sq, sk), p)
     assert torch.equal(out.cpu().bool(), expected)
+    # and the mask written from the definition apart from tileattn.rng (the tests' dropout_ref)
+    assert torch.equal(out.cpu().bool(), dropout_ref.keep_mask(seed, p, b + 1, nheads, sq, sk)[b, h, 3:19, 64:192])
 
 
 @pytest.mark.parametrize(
@@ -60,4 +69,4 @@ def test_dropout_threshold_is_flash_attns_rule(p, kept):
     """flash_attn keeps a byte at most floor(255 · (1 - p)) with 1 - p in fp32 (0.8 in fp32 is a little above
     0.8, so p = 0.2 keeps 205 byte values, where 255 · 0.8 in fp64 would give 204); the threshold here counts
     the same bytes from the other end."""
-    assert 256 - dropout_threshold(p) == kept
+    assert 256 - dropout_threshold(p) == kept == dropout_ref.kept_bytes(p)

@@ -10,10 +10,10 @@ a GPU in test_sm90_builds.py)."""
 import pytest
 import torch
 
+import dropout_ref
 import oracle
 import tileattn
 from helpers import GLUON_VARLEN_CASES, GLUON_WINDOW_CASES, gluon_case_inputs, needs_gluon, record_calls
-from tileattn import rng
 from tileattn.kernels import configs
 from tileattn.params import AttnParams
 from tileattn.testing import check_close
@@ -135,12 +135,8 @@ DROPOUT_CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causa
 
 
 def _dropout_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k, device="cuda"):
-    """The keep mask the kernels draw (``tileattn.rng``, PyTorch's replica of their Philox mapping)."""
-    b, h, i, j = (
-        torch.arange(n, device=device).view([-1 if d == axis else 1 for d in range(4)])
-        for axis, n in enumerate((batch, nheads, seqlen_q, seqlen_k))
-    )
-    return rng.dropout_keep(seed, rng.dropout_offsets(b, h, i, j, nheads, seqlen_q, seqlen_k), dropout_p)
+    """The keep mask the kernels must draw, from its definition (``dropout_ref``: not tileattn.rng's offsets)."""
+    return dropout_ref.keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k).to(device)
 
 
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)

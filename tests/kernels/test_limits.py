@@ -17,7 +17,7 @@ import torch
 
 import tileattn
 from conftest import HAS_CUDA
-from helpers import interpreter_skips, on
+from helpers import check_attention, interpreter_skips, on
 from tileattn.kernels import configs
 from tileattn.testing import check_close
 
@@ -123,21 +123,29 @@ def test_dense_batch_past_the_grid(backend):
         qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
         torch.manual_seed(1)
         with on(backend)[0], _limits(device, grid_z_batch=limit):
-            out, lse, _ = tileattn.flash_attn_func(qd, kd, vd, dropout_p=0.25, causal=True, return_attn_probs=True)
+            out, lse, s_dmask = tileattn.flash_attn_func(
+                qd, kd, vd, dropout_p=0.25, causal=True, return_attn_probs=True
+            )
             out.backward(dout)
-        results.append((out, lse, qd.grad, kd.grad, vd.grad))
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        results.append((out, lse, qd.grad, kd.grad, vd.grad, s_dmask))
+    # the packed launch against the oracle (given the mask it returns, itself checked against the dense one)
+    out, lse, dq, dk, dv, s_dmask = results[1]
+    feats = dict(causal=True, dropout_p=0.25, dropout_mask=s_dmask >= 0)
+    check_attention("past the grid", out, (dq, dk, dv), q, k, v, dout, feats)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "S_dmask"), *results):
         torch.testing.assert_close(b, a, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the real sizes need a GPU")
 @pytest.mark.slow
 def test_real_limits_on_gpu():
-    """70,000 dense sequences and 3,000 packed ones on the GPU, against the packed reference."""
-    q = torch.randn(70000, 3, 2, 32, dtype=torch.bfloat16, device="cuda")
-    out = tileattn.flash_attn_func(q, q, q, causal=True)
+    """70,000 dense sequences and 3,000 packed ones on the GPU, against the oracle; the dense batch runs as
+    the packed one of the same sequences, bit for bit."""
+    q, k, v = (torch.randn(70000, 3, 2, 32, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    out = tileattn.flash_attn_func(q, k, v, causal=True)
+    check_attention("70,000 sequences", out, None, q, k, v, None, {"causal": True}, check_grads=False)
     want = tileattn.flash_attn_varlen_func(
-        *(t.reshape(-1, 2, 32) for t in (q, q, q)),
+        *(t.reshape(-1, 2, 32) for t in (q, k, v)),
         *(torch.arange(0, 70001, dtype=torch.int32, device="cuda") * 3,) * 2,
         3,
         3,
