@@ -10,6 +10,7 @@ uniform and a wrong mask shows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -313,6 +314,26 @@ def tiny_config(family: Family):
     defaults = AutoConfig.for_model(model_type).to_dict()
     sizes = {key: value for key, value in COMMON.items() if key in defaults}
     return AutoConfig.for_model(model_type, **{**sizes, **family.config})
+
+
+@contextlib.contextmanager
+def finite_eager_masks():
+    """Eager attention's masks hide keys with float32's lowest value in float64 models too. transformers
+    fills a mask with its dtype's lowest value, which eager attention's float32 softmax turns into -inf in
+    a float64 model: a row that sees no key (a left-padded query) becomes NaN, and the next layer's zero
+    weights spread it to the real tokens (0 · NaN). With float32's lowest, hidden keys still weigh exactly
+    0 (its exponential underflows in float64 too) and such a row is what it is in float32, a mean that
+    no real token sees."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    def finite(*args, dtype=torch.float32, **kwargs):
+        return eager_mask(*args, dtype=torch.float32 if dtype == torch.float64 else dtype, **kwargs)
+
+    ALL_MASK_ATTENTION_FUNCTIONS.register("eager", finite)
+    try:
+        yield
+    finally:
+        ALL_MASK_ATTENTION_FUNCTIONS.register("eager", eager_mask)
 
 
 def init_unit_scale(model: torch.nn.Module, scale: float = 1.0, seed: int = 0) -> None:
