@@ -533,8 +533,8 @@ def _key_range(m: TileattnMask, device) -> tuple[torch.Tensor, torch.Tensor | No
             # (causal: slots after the row's last token hold padding, seen only by padded queries)
             _require(
                 one_run,
-                "a padding mask with holes (padding between tokens) on this path (a static cache or "
-                "torch.compile): pad on the left",
+                "a padding mask with holes (padding between tokens) under torch.compile or CUDA graph capture "
+                "(which needs the keys of each row in one run): pad on the left",
             )
             if not m.causal:
                 seqlens = high
@@ -593,7 +593,9 @@ def _attend_mask(m: TileattnMask, q, k, v, options, kwargs):
         # (unpadding closes holes between tokens, which would move keys into a window)
         if not compiling and placed and (not windowed or bool(_key_runs(m, device)[2])):
             return _padded(q, k, v, m.padding, m.causal or windowed, options, m.derived)
-        if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed):
+        # (a hole between tokens: a FlashMask below where the host may read, refused where it may not)
+        one_run = compiling or m.padding is None or bool(_key_runs(m, device)[2])
+        if not needs_grad and options["dropout_p"] == 0.0 and (m.causal or not windowed) and one_run:
             seqlens, leftpad = _key_range(m, device)
             kept = ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink")
             kv_options = {n: options[n] for n in kept if n in options}
