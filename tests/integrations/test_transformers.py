@@ -108,8 +108,13 @@ def _decoder_configs():
         "gpt2": GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
         # attention sinks (s_aux), a sliding and a full layer, GQA, experts routed to every token
         "gpt-oss": GptOssConfig(
-            num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-            num_local_experts=2, num_experts_per_tok=2, **small,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            num_local_experts=2,
+            num_experts_per_tok=2,
+            **small,
         ),
     }
 
