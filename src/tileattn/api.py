@@ -165,17 +165,24 @@ def known(key: tuple | None) -> attention.Call | None:
         return None
 
 
-def new_call(key: tuple | None, p: AttnParams, given: tuple, used: tuple) -> attention.Call:
-    """The eager ``attention.Call`` of a checked call, remembered under ``key`` where later calls of its
-    signature may skip the checks: the checks used the tensors as given (``used`` are ``given``: no copy
-    made contiguous, no FP8 input dequantized)."""
-    call = attention.Call(p, p.flashmask is None and not backend.nothing_to_attend(*used[:2]))
+def first_run(key: tuple | None, direct: bool, checked: tuple, given: tuple, return_attn_probs: bool):
+    """The run of a call just checked (``checked``: ``dense_call``'s or ``varlen_call``'s q, k, v and
+    AttnParams): through the custom ops where the call is traced (not ``direct``), else as an eager
+    ``attention.Call``, remembered under ``key`` for later calls of its signature where the checks used
+    the tensors as given (``given``: q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k; no copy made
+    contiguous, no FP8 input dequantized), so that those calls may take their own tensors unchecked."""
+    q, k, v, p = checked
+    if not direct:
+        return attention.run(q, k, v, p, return_attn_probs)
+    call = attention.Call(p, p.flashmask is None and not backend.nothing_to_attend(q, k))
+    used = (q, k, v, p.alibi_slopes, p.cu_seqlens_q, p.cu_seqlens_k)
     if key is not None and all(a is b for a, b in zip(given, used)):
         try:
             remember(calls, key, call, _MAX_CALLS)
         except TypeError:  # (an unhashable value: not kept)
             pass
-    return call
+    p = call.params(p.alibi_slopes, p.cu_seqlens_q, p.cu_seqlens_k, p.learnable_sink, p.descales, 0)
+    return call.run(q, k, v, p, return_attn_probs)
 
 
 def dense_call(
@@ -255,28 +262,24 @@ def flash_attn_func(
             window_size,
         )
     call = known(key)
-    if call is None:
-        given = (q, k, v, alibi_slopes)
-        q, k, v, p = dense_call(
-            q,
-            k,
-            v,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            (q_descale, k_descale, v_descale),
-            (learnable_sink, s_aux),
-        )
-        if not direct:
-            return attention.run(q, k, v, p, return_attn_probs)
-        call = new_call(key, p, given, (q, k, v, p.alibi_slopes))
-    p = call.params(alibi_slopes, None, None, sink, call.p.descales, 0)
-    return call.run(q, k, v, p, return_attn_probs)
+    if call is not None:
+        return call.run(q, k, v, call.params(alibi_slopes, None, None, sink, None, 0), return_attn_probs)
+    checked = dense_call(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        (q_descale, k_descale, v_descale),
+        (learnable_sink, s_aux),
+    )
+    return first_run(key, direct, checked, (q, k, v, alibi_slopes, None, None), return_attn_probs)
 
 
 flash_attn_func.__doc__ = (
@@ -485,32 +488,29 @@ def flash_attn_varlen_func(
             window_size,
         )
     call = known(key)
-    if call is None:
-        given = (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-        q, k, v, p = varlen_call(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            (q_descale, k_descale, v_descale),
-            (learnable_sink, s_aux),
-        )
-        if not direct:
-            return attention.run(q, k, v, p, return_attn_probs)
-        call = new_call(key, p, given, (q, k, v, p.alibi_slopes, p.cu_seqlens_q, p.cu_seqlens_k))
-    p = call.params(alibi_slopes, cu_seqlens_q, cu_seqlens_k, sink, call.p.descales, 0)
-    return call.run(q, k, v, p, return_attn_probs)
+    if call is not None:
+        p = call.params(alibi_slopes, cu_seqlens_q, cu_seqlens_k, sink, None, 0)
+        return call.run(q, k, v, p, return_attn_probs)
+    checked = varlen_call(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        (q_descale, k_descale, v_descale),
+        (learnable_sink, s_aux),
+    )
+    return first_run(key, direct, checked, (q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), return_attn_probs)
 
 
 flash_attn_varlen_func.__doc__ = (

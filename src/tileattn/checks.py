@@ -315,7 +315,11 @@ def cu_values(name: str, cu: torch.Tensor, total: int | None, max_name: str, max
 
 
 def cu_tokens(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int, max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    max_seqlen_q: int,
     max_seqlen_k: int,
 ) -> tuple[int, int]:
     """``cu_values`` of a packed call's two cu_seqlens at once (one lookup for both), as the query and key

@@ -568,9 +568,7 @@ def test_compiled_forward_and_backward():
         return out, lse
 
     compiled = torch.compile(step, fullgraph=True, backend=COMPILE_BACKEND)
-    (ref, ref_lse, ref_grads), (ref_lowp, lowp_lse, lowp_grads) = reference(
-        q, k, v, dout, scale=0.25, causal=True
-    )
+    (ref, ref_lse, ref_grads), (ref_lowp, lowp_lse, lowp_grads) = reference(q, k, v, dout, scale=0.25, causal=True)
     for name, run in (("compiled", compiled), ("eager", step)):
         bufs = [torch.zeros_like(t) for t in (q, k, v)]
         out, lse = run(q, k, v, dout, *bufs)

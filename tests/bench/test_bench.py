@@ -660,4 +660,3 @@ def test_the_grid_shows_progress(tmp_path, capsys):
     assert "[4/4] peak memory: hd16 causal 1x64 eager" in text
     assert "[1/2] timing: hd16 causal 2x32" in text and "[2/2] timing: hd16 causal 1x64" in text
     assert text.index("[2/2] timing") < text.index("| case")
-

@@ -172,6 +172,7 @@ def test_names_flash_attn_tests_import_exist(installed, module):
 
         assert served.rotary_kernel is rotary._rotary_kernel
 
+
 def test_interface_fallback(installed, monkeypatch):
     """While tileattn.interface does not exist, flash_attn_interface serves flash_attn's seven functions
     from tileattn.api and tileattn.kvcache, and nothing else of them."""

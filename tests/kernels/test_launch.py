@@ -191,9 +191,8 @@ def test_planned_launches_without_verification(headdim, monkeypatch):
     """The planned calls' launches as they run outside the tests (``TILEATTN_VERIFY_LAUNCH`` unset): a Gluon
     build's descriptors taken apart by ``launch._descriptor_launch`` and the others by the bound build; the
     first call binds, the later ones launch directly. Every call's output and gradients against the oracle."""
-    from helpers import check_attention
-
     import tileattn
+    from helpers import check_attention
     from tileattn.kernels import launch
 
     monkeypatch.setattr(launch, "VERIFY", False)

@@ -57,7 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon import backward_split
 from tileattn.kernels.gluon.backward_common import LOG2E_C, WG_KEYS, add_dq, loader, masked_scores, query_tiles, ring
-from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, tile_layout, tma_rows
+from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, rebased, sequence, tile_layout, tma_rows
 from tileattn.kernels.gluon.dropout import WORD_SMEM, dropout_kept, dropout_words, kept
 from tileattn.kernels.gluon.rows import ROW_LAYOUT, dense_rows, packed_rows, row_start
 from tileattn.kernels.launch import Launch, Launcher
@@ -427,9 +427,9 @@ class Plan:
         dk = torch.empty(self.k_shape, device=device, dtype=k.dtype)
         dv = torch.empty(self.k_shape, device=device, dtype=v.dtype)
         lse_rows, delta_rows, _ = self._rows(lse, delta, p)
-        q_desc, k_desc, v_desc, do_desc = (_rebased(d, t) for d, t in zip(self.descs, (q, k, v, do)))
-        dq_desc = _rebased(self.dq_desc, dq_acc)
-        lse_desc, delta_desc = _rebased(self.lse_desc, lse_rows), _rebased(self.lse_desc, delta_rows)
+        q_desc, k_desc, v_desc, do_desc = (rebased(d, t) for d, t in zip(self.descs, (q, k, v, do)))
+        dq_desc = rebased(self.dq_desc, dq_acc)
+        lse_desc, delta_desc = rebased(self.lse_desc, lse_rows), rebased(self.lse_desc, delta_rows)
         cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse_rows, lse_rows)
         self.launch(
             (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, dq_acc, dk, dv, lse_rows, delta_rows,
@@ -437,14 +437,6 @@ class Plan:
             (p.philox_seed, 4 * cdiv(p.seqlen_k, 64), p.seqlen_q, p.drop_threshold, p.keep_scale),
         )  # fmt: skip
         return dq_acc.to(q.dtype).view(q.shape), dk.view(k.shape), dv.view(v.shape)
-
-
-def _rebased(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
-    """``template`` over the data of ``t`` (``gluon.forward._rebased``)."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(template.__dict__)
-    desc.base = t
-    return desc
 
 
 LSE_LOADS = ("tma", "load", "tma-unaligned")

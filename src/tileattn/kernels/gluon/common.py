@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.params import AttnParams
 
@@ -95,3 +96,14 @@ def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: 
     if p.dropout_p > 0 and not dropout:
         return False
     return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
+
+
+def rebased(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
+    """``template`` over the data of ``t``, a tensor of the call signature the template was made for (the
+    kernels' plans): its shape, strides, block and layout are the same, only the address differs, and
+    Triton's launcher reads the address alone from ``base``. Made without ``TensorDescriptor``'s checks,
+    which held for the template."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(template.__dict__)
+    desc.base = t
+    return desc

@@ -35,7 +35,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tileattn.kernels.gluon.common import LOG2E, TmaRows, plain_attention, sequence, start, tile_layout, tma_rows
+from tileattn.kernels.gluon.common import (
+    LOG2E,
+    TmaRows,
+    plain_attention,
+    rebased,
+    sequence,
+    start,
+    tile_layout,
+    tma_rows,
+)
 from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, cdiv
 
@@ -446,21 +455,11 @@ class Plan:
         device = q.device
         out = torch.empty(self.out_shape, device=device, dtype=q.dtype)
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
-        q_desc, k_desc, v_desc = (_rebased(d, t) for d, t in zip(self.descs, (q, k, v)))
+        q_desc, k_desc, v_desc = (rebased(d, t) for d, t in zip(self.descs, (q, k, v)))
         cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse, lse)
         sink = p.learnable_sink if p.learnable_sink is not None else lse
         self.launch((q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, sink))
         return out, lse
-
-
-def _rebased(template: TensorDescriptor, t: torch.Tensor) -> TensorDescriptor:
-    """``template`` over the data of ``t``, a tensor of the call signature the template was made for: its
-    shape, strides, block and layout are the same, only the address differs (and the launcher reads the
-    address alone from ``base``). Made without ``TensorDescriptor``'s checks, which held for the template."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(template.__dict__)
-    desc.base = t
-    return desc
 
 
 LAUNCHER = Launcher(_fwd_kernel)  # (kernels.launch: the build chosen once per launch key)
