@@ -656,31 +656,42 @@ def check_startend_row_indices(
     return idx
 
 
-def flashmask_values(idx: torch.Tensor, causal: bool, seqlen_q: int) -> None:
+def flashmask_pairs(columns: int, causal: bool) -> list[tuple[int, int, str, str]]:
+    """The ``[start, end)`` pairs of mode (``columns``, ``causal``) whose start must not pass the end."""
+    pairs = [(0, 1, "LTS", "LTE")] if columns == 4 or (columns == 2 and causal) else []
+    return pairs + ([(2, 3, "UTS", "UTE")] if columns == 4 else [])
+
+
+def flashmask_summary(idx: torch.Tensor, causal: bool) -> list[int]:
+    """``[low, high, bad_lower, bad_upper]`` of ``startend_row_indices`` in one host read: its least and
+    greatest value and, per pair of ``flashmask_pairs`` (lower, upper), the first flat column (row of
+    ``idx.reshape(-1, C)``) whose start passes its end, or -1 (also for a pair the mode has not)."""
+    flat = idx.reshape(-1, idx.shape[-1])
+    found = [flat.min(), flat.max()]
+    for start, end, _, _ in flashmask_pairs(idx.shape[-1], causal):
+        bad = flat[:, start] > flat[:, end]
+        found.append(torch.where(bad.any(), bad.int().argmax(), -1))
+    found += [flat.new_tensor(-1)] * (4 - len(found))
+    return torch.stack([f.long() for f in found]).tolist()
+
+
+def flashmask_values(idx: torch.Tensor, causal: bool, seqlen_q: int, summary: list[int] | None = None) -> None:
     """Every bound of ``startend_row_indices`` in [0, seqlen_q] (``seqlen_q``: max_seqlen_q in varlen
     calls), and each interval's start at most its end (LTS <= LTE for C = 2 causal and C = 4, UTS <= UTE for
-    C = 4). Read on the host once per unmodified tensor (``checked_once``)."""
-
-    def check() -> None:
-        if idx.numel() == 0:
-            return
-        flat = idx.reshape(-1, idx.shape[-1])
-        low, high = int(flat.min()), int(flat.max())
-        if low < 0 or high > seqlen_q:
+    C = 4), from ``summary`` (``flashmask_summary``'s numbers, which the kernels' conversion also gives:
+    ``kernels.flashmask.canonical``) or, without one, read on the host (one read)."""
+    if idx.numel() == 0:
+        return
+    low, high, *bad = flashmask_summary(idx, causal) if summary is None else summary
+    if low < 0 or high > seqlen_q:
+        raise InvalidArgument(
+            f"startend_row_indices must hold query rows in [0, seqlen_q] = [0, {seqlen_q}], got values from "
+            f"{low} to {high}"
+        )
+    flat = idx.reshape(-1, idx.shape[-1])
+    for (start, end, start_name, end_name), at in zip(flashmask_pairs(idx.shape[-1], causal), bad):
+        if at >= 0:
             raise InvalidArgument(
-                f"startend_row_indices must hold query rows in [0, seqlen_q] = [0, {seqlen_q}], got values from "
-                f"{low} to {high}"
+                f"startend_row_indices: {start_name} must be at most {end_name} in every key column, got "
+                f"{int(flat[at, start])} > {int(flat[at, end])} at flat column {at}"
             )
-        columns = idx.shape[-1]
-        pairs = [(0, 1, "LTS", "LTE")] if columns == 4 or (columns == 2 and causal) else []
-        pairs += [(2, 3, "UTS", "UTE")] if columns == 4 else []
-        for start, end, start_name, end_name in pairs:
-            bad = flat[:, start] > flat[:, end]
-            if bool(bad.any()):
-                at = first_bad(bad)
-                raise InvalidArgument(
-                    f"startend_row_indices: {start_name} must be at most {end_name} in every key column, got "
-                    f"{int(flat[at, start])} > {int(flat[at, end])} at flat column {at}"
-                )
-
-    checked_once((idx,), ("flashmask", causal, seqlen_q), check)

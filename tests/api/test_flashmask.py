@@ -296,7 +296,7 @@ def test_varlen(backend):
 
 def _schedule(idx, causal, seqlen_q, block_m, block_n, by_keys):
     from tileattn import flashmask
-    from tileattn.kernels.flashmask import build_tile_runs
+    from tileattn.kernels.flashmask import build_tile_runs, key_tile_stats
     from tileattn.params import AttnParams, cdiv
 
     batch, _, seqlen_k, _ = idx.shape
@@ -305,7 +305,7 @@ def _schedule(idx, causal, seqlen_q, block_m, block_n, by_keys):
         window_right=0 if causal else -1, flashmask=flashmask.canonical(idx, causal, varlen=False),
     )  # fmt: skip
     per_seq = cdiv(seqlen_k if by_keys else seqlen_q, block_n if by_keys else block_m)
-    return build_tile_runs(p, block_m, block_n, by_keys, batch * per_seq, torch.device("cpu"))
+    return build_tile_runs(p, block_m, block_n, by_keys, batch * per_seq, key_tile_stats(p, block_n))
 
 
 @pytest.mark.parametrize("by_keys", [False, True], ids=["by-queries", "by-keys"])
@@ -358,13 +358,13 @@ def test_schedules_remembered_per_mask_tensor():
         )  # fmt: skip
         return kernel_flashmask.tile_runs(p, 16, 32, by_keys, 2 if by_keys else 4, cpu)
 
-    built = kernel_flashmask.SCHEDULES.runs
     first = schedule()
-    assert schedule()[0] is first[0] and kernel_flashmask.SCHEDULES.runs == built + 1
-    schedule(by_keys=True)
-    assert kernel_flashmask.SCHEDULES.runs == built + 2
+    built = kernel_flashmask.SCHEDULES.runs
+    assert schedule()[0] is first[0] and kernel_flashmask.SCHEDULES.runs == built
+    schedule(by_keys=True)  # (the key tiles' statistics are shared: the schedule alone is built)
+    assert kernel_flashmask.SCHEDULES.runs == built + 1
     idx[0, 0, 5, 0] = 7
-    again = schedule()
+    again = schedule()  # (statistics and schedule again)
     assert again[0] is not first[0] and kernel_flashmask.SCHEDULES.runs == built + 3
 
 

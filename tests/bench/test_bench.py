@@ -625,6 +625,19 @@ def test_masks_harness_on_the_cpu_path():
     assert "1.50x" in table and "1.00x" in table
 
 
+def test_new_masks_harness_on_the_cpu_path():
+    """--new-masks on CPU tensors (no schedules there: the CPU path reads the mask as it is): a row per
+    builder with both times and their ratio, and the table."""
+    from tileattn.bench.masks import format_new_masks, mask_cases, run_new_masks
+
+    rows = run_new_masks(seqlens=(256,), headdim=16, hidden=32, dtype=torch.float32, rounds=1, calls=1, device="cpu")
+    assert [r["mask"] for r in rows] == [name for name, *_ in mask_cases(256, "cpu")]
+    assert all(r["same_ms"] > 0 and r["new_ms"] > 0 and r["ratio"] == r["new_ms"] / r["same_ms"] for r in rows)
+    rows[0].update(same_ms=2.0, new_ms=2.5, ratio=1.25, builds_per_call=4.0)
+    table = format_new_masks(rows[:1])
+    assert "| 1.25 " in table and "2.500" in table and "| 4.0 " in table
+
+
 def test_progress_lines_off_a_terminal(monkeypatch):
     """Off a terminal a run prints a line as each step starts: its number of the total, its name, the time
     elapsed and, once a step is done, the estimate (mean step time times the steps left)."""

@@ -473,6 +473,12 @@ def parse_args(argv=None):
         "tokens; default: off)",
     )
     ap.add_argument(
+        "--new-masks",
+        action="store_true",
+        help="GPU, FlashMask: forward + backward with a new mask tensor every call against the same tensor, "
+        "every builder (8k and 32k tokens; default: off)",
+    )
+    ap.add_argument(
         "--fp8",
         action="store_true",
         help="GPU: FP8 forward against bf16 and the FP8 matmul ceiling (1k-16k tokens), FP8 accuracy, FP8-cache "
@@ -632,6 +638,17 @@ def main(argv=None) -> int:
         rows = run_masks(time_ms, seqlens, headdim, args.hidden, dtype=dtype)
         append_results(args.out, rows)
         print(format_masks(rows))
+        return 0
+    if args.new_masks:
+        if not _on_gpu(device, "--new-masks"):
+            return 1
+        from tileattn.bench.masks import format_new_masks, run_new_masks
+
+        seqlens = args.seqlen if "seqlen" in args.given else [8192, 32768]
+        headdim = args.headdim[0] if "headdim" in args.given else 128
+        rows = run_new_masks(seqlens, headdim, args.hidden, dtype=dtype)
+        append_results(args.out, rows)
+        print(format_new_masks(rows))
         return 0
     if args.fp8:
         if not _on_gpu(device, "--fp8"):

@@ -10,6 +10,8 @@ against an fp64 reference on the last 256 query rows of one head first (where a 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 
@@ -187,6 +189,76 @@ def run_masks(time_ms, seqlens=(8192, 32768), headdim=128, hidden=2048, dtype=to
                 rows.append(row)
                 progress(f"masks {name} {seqlen} {backend}: fwd {t_fwd:.3f} ms, bwd {t_bwd:.3f} ms")
     return rows
+
+
+def _wall_ms(fn, calls: int, device: str) -> float:
+    """Milliseconds per call of ``calls`` calls queued back to back (one sync at each end): what a training
+    loop sees, host reads and idle gaps included."""
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def run_new_masks(
+    seqlens=(8192, 32768), headdim=128, hidden=2048, dtype=torch.bfloat16, rounds=7, calls=10, device="cuda"
+):
+    """Forward + backward with a new ``startend_row_indices`` tensor every call (its kernels' form, value
+    checks and tile schedules built each time) against the same tensor (all remembered), for every builder
+    at each seqlen (batch 1, ``hidden // headdim`` heads): both clone the mask each call, so the two differ
+    by the building alone; rounds alternate, medians. Checks that both give the same output. Rows of
+    ``kind='new masks'``."""
+    from tileattn.kernels import flashmask as kernel_flashmask
+
+    nheads = hidden // headdim
+    rows = []
+    for seqlen in seqlens:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (
+            torch.randn(1, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen).requires_grad_()
+            for _ in range(3)
+        )
+        dout = torch.randn_like(q)
+        for name, idx, causal, _ in mask_cases(seqlen, device):
+
+            def step(new: bool, idx=idx, causal=causal, inputs=(q, k, v), dout=dout):
+                fresh = idx.clone()
+                out = tileattn.flashmask_attention(*inputs, fresh if new else idx, causal=causal)
+                out.backward(dout)
+                return out
+
+            same_out, new_out = step(False).detach(), step(True).detach()
+            if not torch.equal(same_out, new_out):
+                raise AssertionError(f"new masks {name} {seqlen}: a new mask tensor changed the output")
+            builds = kernel_flashmask.SCHEDULES.runs
+            times = {"same": [], "new": []}
+            for _ in range(rounds):
+                for which in times:
+                    times[which].append(_wall_ms(functools.partial(step, which == "new"), calls, device))
+            builds = (kernel_flashmask.SCHEDULES.runs - builds) / (rounds * calls)
+            same, new = statistics.median(times["same"]), statistics.median(times["new"])
+            rows.append(
+                dict(kind="new masks", mask=name, seqlen=seqlen, headdim=headdim, nheads=nheads, same_ms=same,
+                     new_ms=new, ratio=new / same, builds_per_call=builds)
+            )  # fmt: skip
+            _print_now(f"new masks {name} {seqlen}: same {same:.3f} ms, new {new:.3f} ms ({new / same:.2f}x)")
+    return rows
+
+
+def format_new_masks(rows) -> str:
+    from tabulate import tabulate
+
+    table = [
+        [r["mask"], r["seqlen"], f"{r['same_ms']:.3f}", f"{r['new_ms']:.3f}", f"{r['ratio']:.2f}",
+         f"{r['builds_per_call']:.1f}"]
+        for r in rows
+    ]  # fmt: skip
+    headers = ["mask", "seqlen", "same tensor ms", "new tensor ms", "new / same", "schedule builds per call"]
+    table = tabulate(table, headers, tablefmt="github", disable_numparse=True)
+    return "forward + backward per call, a new mask tensor every call\n" + table
 
 
 def format_masks(rows) -> str:

@@ -40,11 +40,7 @@ from triton import knobs
 from triton.runtime import _allocation, driver
 from triton.runtime.jit import JITFunction
 
-from tileattn.kernels import compat
 from tileattn.params import interpreting, remember
-
-if interpreting():  # loop bounds under older interpreters with numpy 2.4 (kernels.compat)
-    compat.patch_interpreter()
 
 # Checks every launch against Triton's own choice of build (read once, when this module is imported).
 VERIFY = os.environ.get("TILEATTN_VERIFY_LAUNCH") == "1"

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from tileattn import backend, checks, cpu, flashmask, rng
 from tileattn.kernels import configs
-from tileattn.params import AttnParams, Settings, remember
+from tileattn.params import AttnParams, FlashMask, Settings, remember
 
 # what a backward through FP8 inputs raises (tileattn.fp8 too, where it dequantizes them)
 FP8_BACKWARD = (
@@ -32,6 +32,17 @@ DROPOUT_CAPTURE = (
 # FlashMasks in the kernels' form, remembered per startend_row_indices tensor while it is alive and unmodified
 # (every layer of a model passes the same one); a few, as each holds 16 bytes per key token on the device
 FLASHMASKS = checks.CheckedOnce(limit=8)
+
+
+def _flashmask(startend_row_indices: Tensor, causal: bool, varlen: bool, seqlen_q: int) -> FlashMask:
+    """The kernels' form of a checked ``startend_row_indices`` (values checked here): on CUDA in one launch
+    and one host read (``kernels.flashmask.canonical``), on the CPU with torch ops."""
+    if startend_row_indices.is_cuda:
+        from tileattn.kernels import flashmask as kernel_flashmask
+
+        return kernel_flashmask.canonical(startend_row_indices, causal, varlen, seqlen_q)
+    checks.flashmask_values(startend_row_indices, causal, seqlen_q)
+    return flashmask.canonical(startend_row_indices, causal, varlen)
 
 
 def _attn_params(
@@ -56,11 +67,10 @@ def _attn_params(
     varlen = cu_seqlens_q is not None
     fm = None
     if startend_row_indices is not None:
-        checks.flashmask_values(startend_row_indices, mask_causal, max_seqlen_q)
         fm = FLASHMASKS(
             (startend_row_indices,),
-            (mask_causal, varlen),
-            lambda: flashmask.canonical(startend_row_indices, mask_causal, varlen),
+            (mask_causal, varlen, max_seqlen_q),
+            lambda: _flashmask(startend_row_indices, mask_causal, varlen, max_seqlen_q),
         )
     return AttnParams(
         batch=cu_seqlens_q.numel() - 1 if varlen else q.shape[0],
