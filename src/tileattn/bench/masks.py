@@ -127,6 +127,16 @@ def _backends(q, k, v, idx, causal, flex, block_mask, dense) -> dict:
     return calls
 
 
+def _inputs(seqlen: int, nheads: int, headdim: int, dtype, device) -> tuple[torch.Tensor, ...]:
+    """q, k, v ``(1, seqlen, nheads, headdim)`` requiring grad and dout, drawn from one seed."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for _ in range(3)
+    )
+    return q, k, v, torch.randn_like(q)
+
+
 def _step(call, inputs, dout) -> None:
     """Forward and backward of ``call`` (its inputs' gradients reset first)."""
     for t in inputs:
@@ -149,12 +159,7 @@ def run_masks(time_ms, seqlens=(8192, 32768), headdim=128, hidden=2048, dtype=to
     nheads = hidden // headdim
     rows = []
     for seqlen in seqlens:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (
-            torch.randn(1, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen).requires_grad_()
-            for _ in range(3)
-        )
-        dout = torch.randn_like(q)
+        q, k, v, dout = _inputs(seqlen, nheads, headdim, dtype, device)
         check_rows = slice(seqlen - 256, seqlen)
         for name, idx, causal, mask_mod in mask_cases(seqlen, device):
             progress(f"masks {name} {seqlen}: checking")
@@ -216,12 +221,7 @@ def run_new_masks(
     nheads = hidden // headdim
     rows = []
     for seqlen in seqlens:
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (
-            torch.randn(1, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen).requires_grad_()
-            for _ in range(3)
-        )
-        dout = torch.randn_like(q)
+        q, k, v, dout = _inputs(seqlen, nheads, headdim, dtype, device)
         for name, idx, causal, _ in mask_cases(seqlen, device):
 
             def step(new: bool, idx=idx, causal=causal, inputs=(q, k, v), dout=dout):

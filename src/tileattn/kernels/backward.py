@@ -507,6 +507,22 @@ def delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, p: AttnParam
     return _Delta(o4, do4, lse, p, s)(o4, do4, lse)
 
 
+def _pass_grid(p: AttnParams, cfg, by_keys: bool, rows: int, heads: int, s: Settings):
+    """``(grid, BATCH_PAD, tiles)`` of a backward pass whose programs own key tiles (``by_keys``, dK/dV) or
+    query tiles (dQ) of ``rows`` tokens per row of the 4-d tensors: a packed batch's flat tiles
+    (``common.seq_tile``), or the tiles times the batch; ``tiles`` = (tile rows for ``varlen_schedule``'s
+    prefix sums or 0, block_m, block_n, programs), what ``BwdPlan._launch`` reads."""
+    block = cfg.block_n if by_keys else cfg.block_m
+    if p.is_varlen:
+        grid = (cdiv(rows, block) + p.batch, heads, 1)
+    else:
+        grid = (cdiv(p.seqlen_k if by_keys else p.seqlen_q, block), heads, p.batch)
+    cu_seqlens = p.cu_seqlens_k if by_keys else p.cu_seqlens_q
+    _, batch_pad = common.varlen_schedule(cu_seqlens, p.batch, block, s.varlen_scan_batch)
+    tiles = (block if p.is_varlen and batch_pad == 0 else 0, cfg.block_m, cfg.block_n, grid[0] * grid[2])
+    return grid, batch_pad, tiles
+
+
 class GluonBwdPlan:
     """Δ's preprocess, then the Gluon backward's plan (``plan_bwd``)."""
 
@@ -571,17 +587,7 @@ class BwdPlan:
             elif dq_atomic == 2 and not common.use_tma(replace(cfg, tma=True), dq_acc):
                 dq_atomic, dq_acc = 0, None
         self.dq_atomic = dq_atomic
-        if p.is_varlen:
-            grid = (cdiv(k4.shape[1], cfg.block_n) + batch, nheads_k, 1)
-        else:
-            grid = (cdiv(p.seqlen_k, cfg.block_n), nheads_k, batch)
-        _, batch_pad = common.varlen_schedule(p.cu_seqlens_k, batch, cfg.block_n, s.varlen_scan_batch)
-        self.dkdv_tiles = (
-            cfg.block_n if p.is_varlen and batch_pad == 0 else 0,
-            cfg.block_m,
-            cfg.block_n,
-            grid[0] * grid[2],
-        )
+        grid, batch_pad, self.dkdv_tiles = _pass_grid(p, cfg, True, k4.shape[1], nheads_k, s)
         self.dkdv_fixed = (
             *p.strides(q4),
             *p.strides(k4),
@@ -607,17 +613,7 @@ class BwdPlan:
         if dq_atomic:
             return
         cfg = bwd_dq_config(p, s)
-        if p.is_varlen:
-            grid = (cdiv(q4.shape[1], cfg.block_m) + batch, nheads, 1)
-        else:
-            grid = (cdiv(p.seqlen_q, cfg.block_m), nheads, batch)
-        _, batch_pad = common.varlen_schedule(p.cu_seqlens_q, batch, cfg.block_m, s.varlen_scan_batch)
-        self.dq_tiles = (
-            cfg.block_m if p.is_varlen and batch_pad == 0 else 0,
-            cfg.block_m,
-            cfg.block_n,
-            grid[0] * grid[2],
-        )
+        grid, batch_pad, self.dq_tiles = _pass_grid(p, cfg, False, q4.shape[1], nheads, s)
         self.dq_fixed = (
             *p.strides(q4),
             *p.strides(k4),
