@@ -216,8 +216,6 @@ def run_new_masks(
     at each seqlen (batch 1, ``hidden // headdim`` heads): both clone the mask each call, so the two differ
     by the building alone; rounds alternate, medians. Checks that both give the same output. Rows of
     ``kind='new masks'``."""
-    from tileattn.kernels import flashmask as kernel_flashmask
-
     nheads = hidden // headdim
     rows = []
     for seqlen in seqlens:
@@ -233,16 +231,14 @@ def run_new_masks(
             same_out, new_out = step(False).detach(), step(True).detach()
             if not torch.equal(same_out, new_out):
                 raise AssertionError(f"new masks {name} {seqlen}: a new mask tensor changed the output")
-            builds = kernel_flashmask.SCHEDULES.runs
             times = {"same": [], "new": []}
             for _ in range(rounds):
                 for which in times:
                     times[which].append(_wall_ms(functools.partial(step, which == "new"), calls, device))
-            builds = (kernel_flashmask.SCHEDULES.runs - builds) / (rounds * calls)
             same, new = statistics.median(times["same"]), statistics.median(times["new"])
             rows.append(
                 dict(kind="new masks", mask=name, seqlen=seqlen, headdim=headdim, nheads=nheads, same_ms=same,
-                     new_ms=new, ratio=new / same, builds_per_call=builds)
+                     new_ms=new, ratio=new / same)
             )  # fmt: skip
             _print_now(f"new masks {name} {seqlen}: same {same:.3f} ms, new {new:.3f} ms ({new / same:.2f}x)")
     return rows
@@ -251,12 +247,8 @@ def run_new_masks(
 def format_new_masks(rows) -> str:
     from tabulate import tabulate
 
-    table = [
-        [r["mask"], r["seqlen"], f"{r['same_ms']:.3f}", f"{r['new_ms']:.3f}", f"{r['ratio']:.2f}",
-         f"{r['builds_per_call']:.1f}"]
-        for r in rows
-    ]  # fmt: skip
-    headers = ["mask", "seqlen", "same tensor ms", "new tensor ms", "new / same", "schedule builds per call"]
+    table = [[r["mask"], r["seqlen"], f"{r['same_ms']:.3f}", f"{r['new_ms']:.3f}", f"{r['ratio']:.2f}"] for r in rows]
+    headers = ["mask", "seqlen", "same tensor ms", "new tensor ms", "new / same"]
     table = tabulate(table, headers, tablefmt="github", disable_numparse=True)
     return "forward + backward per call, a new mask tensor every call\n" + table
 
