@@ -34,6 +34,7 @@ import triton.language as tl
 from tileattn import checks
 from tileattn.checks import CheckedOnce
 from tileattn.flashmask import uses_upper
+from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, FlashMask, cdiv, next_power_of_2
 
 # list tiles a schedule program classifies at once (it loops past that)
@@ -288,6 +289,9 @@ def _schedule_kernel(
         tl.store(counts_ptr + 1, n_starts_f)
 
 
+# (kernels.launch: each build chosen once per launch key, then launched without JITFunction.run's host time)
+CANONICAL, STATS, SCHEDULE = Launcher(_canonical_kernel), Launcher(_key_tile_stats_kernel), Launcher(_schedule_kernel)
+
 # schedules remembered per (startend_row_indices, cu_seqlens) tensors while they are alive and unmodified, and
 # per launch shape: a model's layers, and a backward after its forward, reuse them instead of building again
 SCHEDULES = CheckedOnce(limit=16)
@@ -308,10 +312,11 @@ def canonical(startend_row_indices: torch.Tensor, causal: bool, varlen: bool, se
     summary = torch.full((4,), 2**31 - 1, dtype=torch.int32, device=idx.device)
     if tokens:
         block = 1024
-        _canonical_kernel[(cdiv(tokens, block), heads)](
-            idx, bounds, summary, *strides, bounds.stride(0), bounds.stride(1), per_row, tokens, heads,
-            C=columns, CAUSAL=causal, BLOCK=block,
-        )  # fmt: skip
+        CANONICAL(
+            (cdiv(tokens, block), heads),
+            (idx, bounds, summary, *strides, bounds.stride(0), bounds.stride(1), per_row, tokens, heads),
+            dict(C=columns, CAUSAL=causal, BLOCK=block),
+        )
     low, minus_high, *bad = summary.tolist()
     checks.flashmask_values(idx, causal, seqlen_q, [low, -minus_high, *(-1 if b == 2**31 - 1 else b for b in bad)])
     return FlashMask(bounds, uses_upper(columns, causal))
@@ -339,11 +344,14 @@ def key_tile_stats(p: AttnParams, block_n: int) -> torch.Tensor:
     fm = p.flashmask
     n_ids = cdiv(fm.bounds.shape[-1], block_n) + p.batch
     stats = torch.empty((fm.heads, 8 if fm.has_upper else 4, n_ids), dtype=torch.int32, device=fm.bounds.device)
-    _key_tile_stats_kernel[(n_ids, fm.heads)](
-        fm.bounds, stats, p.cu_seqlens_k if p.is_varlen else stats,
-        fm.bounds.stride(0), fm.bounds.stride(1), stats.stride(0), stats.stride(1),
-        p.batch, p.seqlen_k,
-        BLOCK_N=block_n, HAS_UPPER=fm.has_upper, IS_VARLEN=p.is_varlen,
+    STATS(
+        (n_ids, fm.heads),
+        (
+            fm.bounds, stats, p.cu_seqlens_k if p.is_varlen else stats,
+            fm.bounds.stride(0), fm.bounds.stride(1), stats.stride(0), stats.stride(1),
+            p.batch, p.seqlen_k,
+        ),
+        dict(BLOCK_N=block_n, HAS_UPPER=fm.has_upper, IS_VARLEN=p.is_varlen),
     )  # fmt: skip
     return stats
 
@@ -364,13 +372,18 @@ def build_tile_runs(
     runs = torch.empty((fm.heads, programs, n_list, 2), dtype=torch.int32, device=device)
     counts = torch.empty((fm.heads, programs, 2), dtype=torch.int32, device=device)
     cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if p.is_varlen else (counts, counts)
-    _schedule_kernel[(programs, fm.heads)](
-        stats, runs, counts, cu_q, cu_k,
-        stats.stride(0), stats.stride(1), runs.stride(0), counts.stride(0),
-        p.batch, p.seqlen_q, p.seqlen_k, n_list, p.window_left, p.window_right,
-        BLOCK_M=block_m, BLOCK_N=block_n, BY_KEYS=by_keys, HAS_UPPER=fm.has_upper, IS_VARLEN=p.is_varlen,
-        CHUNK=max(16, min(LIST_CHUNK, next_power_of_2(n_list))),
-        SEQ_CHUNK=max(16, min(SEQ_CHUNK, next_power_of_2(p.batch))),
+    SCHEDULE(
+        (programs, fm.heads),
+        (
+            stats, runs, counts, cu_q, cu_k,
+            stats.stride(0), stats.stride(1), runs.stride(0), counts.stride(0),
+            p.batch, p.seqlen_q, p.seqlen_k, n_list, p.window_left, p.window_right,
+        ),
+        dict(
+            BLOCK_M=block_m, BLOCK_N=block_n, BY_KEYS=by_keys, HAS_UPPER=fm.has_upper, IS_VARLEN=p.is_varlen,
+            CHUNK=max(16, min(LIST_CHUNK, next_power_of_2(n_list))),
+            SEQ_CHUNK=max(16, min(SEQ_CHUNK, next_power_of_2(p.batch))),
+        ),
     )  # fmt: skip
     return runs, counts
 
