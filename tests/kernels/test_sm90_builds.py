@@ -312,6 +312,44 @@ def test_paired_append_compiles_with_strides_of_two_widths():
     assert _compiled(ROTATE_CASE) == [{"compiled": True}]
 
 
+FLASHMASK_BUILD_CASES = """
+import itertools
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tileattn.kernels import flashmask
+
+def build(fn, consts):
+    sig, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+        else:
+            sig[name] = "*i32" if name[0].isupper() else "i32"
+    triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
+    return {"kernel": fn.__name__, **consts}
+
+for c, causal in ((1, True), (2, True), (2, False), (4, False)):
+    rows.append(build(flashmask._canonical_kernel, dict(C=c, CAUSAL=causal, BLOCK=1024)))
+for upper, varlen in itertools.product((False, True), repeat=2):
+    rows.append(build(flashmask._key_tile_stats_kernel, dict(BLOCK_N=128, HAS_UPPER=upper, IS_VARLEN=varlen)))
+    for by_keys in (False, True):
+        consts = dict(BLOCK_M=128, BLOCK_N=64, BY_KEYS=by_keys, HAS_UPPER=upper, IS_VARLEN=varlen)
+        rows.append(build(flashmask._schedule_kernel, dict(consts, CHUNK=1024, SEQ_CHUNK=16)))
+"""
+
+
+def test_flashmask_build_kernels_compile():
+    """The kernels that build a FlashMask's form and schedules compile for sm_90a in every variant (mode,
+    upper interval, packed, both sides): the GPU path of every FlashMask call goes through them."""
+    rows = _compiled(FLASHMASK_BUILD_CASES)
+    assert len(rows) == 4 + 4 + 8 and {r["kernel"] for r in rows} == {
+        "_canonical_kernel",
+        "_key_tile_stats_kernel",
+        "_schedule_kernel",
+    }, rows
+
+
 GLUON_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():
