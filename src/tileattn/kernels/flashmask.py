@@ -1,4 +1,5 @@
-"""Tile schedules of FlashMask calls: which tiles each program of a launch visits, masked or not.
+"""A FlashMask on the device: its kernels' form with its value checks (``canonical``, one launch and one
+host read), and the tile schedules of its calls: which tiles each program of a launch visits, masked or not.
 
 A program of the forward (or the dQ pass) owns a query tile and walks key tiles; a program of the dK/dV
 pass owns a key tile and walks query tiles. For each program, ``tile_runs`` classifies every tile on
