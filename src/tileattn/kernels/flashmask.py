@@ -207,6 +207,21 @@ def _tile_kinds(
 
 
 @triton.jit
+def _kinds_around(
+    o, own, len_q, len_k, first_key_tile, Stats, stride_sc, n_list, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BY_KEYS: tl.constexpr, HAS_UPPER: tl.constexpr,
+):  # fmt: skip
+    """``_tile_kinds`` of tiles ``o - 1``, ``o`` and ``o + 1``: where runs start and end."""
+    before = _tile_kinds(o - 1, own, len_q, len_k, first_key_tile, Stats, stride_sc, n_list, window_left, window_right,
+                         BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
+    kind = _tile_kinds(o, own, len_q, len_k, first_key_tile, Stats, stride_sc, n_list, window_left, window_right,
+                       BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
+    after = _tile_kinds(o + 1, own, len_q, len_k, first_key_tile, Stats, stride_sc, n_list, window_left, window_right,
+                        BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
+    return before, kind, after
+
+
+@triton.jit
 def _schedule_kernel(
     Stats, Runs, Counts, CuSeqlensQ, CuSeqlensK,
     stride_sh, stride_sc, stride_rh, stride_ch,  #
@@ -253,11 +268,12 @@ def _schedule_kernel(
         n_partial = 0
         for c0 in range(0, n_list, CHUNK):
             o = c0 + tl.arange(0, CHUNK)
-            kind = _tile_kinds(o, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left,
-                               window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
-            before = _tile_kinds(o - 1, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left,
-                                 window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
-            n_partial += tl.sum(((kind == 1) & (before != 1)).to(tl.int32), 0)
+            # (names of their own: a name assigned before a loop is carried through it, with one type)
+            kind_before, kind_here, kind_after = _kinds_around(
+                o, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left, window_right,
+                BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER,
+            )  # fmt: skip
+            n_partial += tl.sum(((kind_here == 1) & (kind_before != 1)).to(tl.int32), 0)
         # pass 2: a run's start and its end get the same rank among the runs of its kind
         n_starts_p = 0
         n_ends_p = 0
@@ -265,12 +281,8 @@ def _schedule_kernel(
         n_ends_f = 0
         for c0 in range(0, n_list, CHUNK):
             o = c0 + tl.arange(0, CHUNK)
-            kind = _tile_kinds(o, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left,
-                               window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
-            before = _tile_kinds(o - 1, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left,
-                                 window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
-            after = _tile_kinds(o + 1, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list, window_left,
-                                window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
+            before, kind, after = _kinds_around(o, own, len_q, len_k, first_key_tile, stats, stride_sc, n_list,
+                                                window_left, window_right, BLOCK_M, BLOCK_N, BY_KEYS, HAS_UPPER)  # fmt: skip
             for k in tl.static_range(1, 3):
                 start = (kind == k) & (before != k)
                 end = (kind == k) & (after != k)
