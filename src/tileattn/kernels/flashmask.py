@@ -195,7 +195,7 @@ def _tile_kinds(
         full = full & (n0 >= m1 - 1 + diag - window_left)
     # the bounds' min / max over the key tile (the mask hides every row of the tile / none of them)
     stats_ptrs = Stats + first_key_tile + n_tile + o * 0
-    mask_s = ~skip
+    mask_s = skip == 0  # (not ~skip: Triton 3.9's interpreter refuses that mask's dtype)
     for c in tl.static_range(0, 4 if HAS_UPPER else 2, 2):
         start_min = tl.load(stats_ptrs + (2 * c) * stride_sc, mask=mask_s, other=0)
         start_max = tl.load(stats_ptrs + (2 * c + 1) * stride_sc, mask=mask_s, other=0)
