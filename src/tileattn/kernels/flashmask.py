@@ -35,6 +35,7 @@ import triton.language as tl
 from tileattn import checks
 from tileattn.checks import CheckedOnce
 from tileattn.flashmask import uses_upper
+from tileattn.kernels.common import seq_bounds
 from tileattn.kernels.launch import Launcher
 from tileattn.params import AttnParams, FlashMask, cdiv, next_power_of_2
 
@@ -106,21 +107,6 @@ def _canonical_kernel(
 
 
 @triton.jit
-def _sequence(b, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """``(len_q, len_k, start_k)`` of sequence ``b``."""
-    if IS_VARLEN:
-        start_q = tl.load(CuSeqlensQ + b)
-        len_q = tl.load(CuSeqlensQ + b + 1) - start_q
-        start_k = tl.load(CuSeqlensK + b)
-        len_k = tl.load(CuSeqlensK + b + 1) - start_k
-    else:
-        len_q = seqlen_q
-        len_k = seqlen_k
-        start_k = b * seqlen_k
-    return len_q, len_k, start_k
-
-
-@triton.jit
 def _first_key_tile(b, CuSeqlensK, seqlen_k, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The number of sequence ``b``'s first key tile, ``b + start_k[b] // BLOCK_N`` (module docstring)."""
     if IS_VARLEN:
@@ -153,7 +139,9 @@ def _key_tile_stats_kernel(
             hi = mid
     b = lo - 1
     n = g - _first_key_tile(b, CuSeqlensK, seqlen_k, BLOCK_N, IS_VARLEN)
-    _, len_k, start_k = _sequence(b, CuSeqlensK, CuSeqlensK, 0, seqlen_k, IS_VARLEN)
+    _q_start, _len_q, start_k, len_k = seq_bounds(b, CuSeqlensK, CuSeqlensK, 0, seqlen_k, IS_VARLEN)
+    if not IS_VARLEN:  # (a dense mask's key tokens are b * seqlen_k + j)
+        start_k = b * seqlen_k
     if n * BLOCK_N < len_k:
         offs_j = n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_j = offs_j < len_k
@@ -260,7 +248,7 @@ def _schedule_kernel(
         tl.store(counts_ptr, 0)
         tl.store(counts_ptr + 1, 0)
     else:
-        len_q, len_k, _ = _sequence(b, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+        _q_start, len_q, _k_start, len_k = seq_bounds(b, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
         first_key_tile = _first_key_tile(b, CuSeqlensK, seqlen_k, BLOCK_N, IS_VARLEN)
         stats = Stats + h * stride_sh
         runs_ptr = Runs + h * stride_rh + t.to(tl.int64) * (2 * n_list)
@@ -345,9 +333,13 @@ def tile_runs(
         return build_tile_runs(p, block_m, block_n, by_keys, programs, key_tile_stats(p, block_n))
     tensors = (p.startend_row_indices, p.cu_seqlens_q, p.cu_seqlens_k)
     shape = (p.mask_causal, p.batch, p.seqlen_q, p.seqlen_k, device)
-    stats = SCHEDULES(tensors, (*shape, block_n), lambda: key_tile_stats(p, block_n))
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:  # (the statistics looked up only when a schedule is built)
+        stats = SCHEDULES(tensors, (*shape, block_n), lambda: key_tile_stats(p, block_n))
+        return build_tile_runs(p, block_m, block_n, by_keys, programs, stats)
+
     args = (*shape, p.window_left, p.window_right, block_m, block_n, by_keys, programs)
-    return SCHEDULES(tensors, args, lambda: build_tile_runs(p, block_m, block_n, by_keys, programs, stats))
+    return SCHEDULES(tensors, args, build)
 
 
 def key_tile_stats(p: AttnParams, block_n: int) -> torch.Tensor:
