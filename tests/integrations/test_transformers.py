@@ -425,7 +425,7 @@ def test_masks_become_flashmasks(rows_per_block, monkeypatch):
     """Visibility masks with at most two runs of hidden rows per key column become the FlashMask that
     hides exactly them, whatever the blocks of rows they are read in; a third run is refused."""
     import oracle
-    from tileattn.integrations import transformers as hf
+    from tileattn.integrations import hf_mask as hf
 
     g = torch.Generator().manual_seed(0)
     seqlen_q, seqlen_k = 13, 9
