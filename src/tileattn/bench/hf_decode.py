@@ -16,6 +16,7 @@ steps warmed up first: the graphs are recorded before the clock starts).
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -69,6 +70,9 @@ class Decoder:
         self.model, self.device = model, device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.forward = torch.compile(model.forward, mode=mode, fullgraph=True) if mode else model.forward
+        # (the cache's keyword: ``cache`` in newer transformers, ``past_key_values`` before)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
@@ -76,14 +80,15 @@ class Decoder:
     def prefill(self, prompt):
         self.cache.reset()
         positions = torch.arange(prompt.shape[1], device=self.device).expand(prompt.shape[0], -1)
-        logits = self.model(prompt, position_ids=positions, cache=self.cache, use_cache=True).logits[:, -1]
+        logits = self.model(prompt, position_ids=positions, use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.fill_(prompt.shape[1])
         return logits
 
     @torch.no_grad()
     def step(self):
-        logits = self.forward(self.token, position_ids=self.position, cache=self.cache, use_cache=True).logits[:, -1]
+        kwargs = {self.cache_kw: self.cache}
+        logits = self.forward(self.token, position_ids=self.position, use_cache=True, **kwargs).logits[:, -1]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.add_(1)
         return logits
