@@ -15,10 +15,21 @@ else:  # every launch through tileattn.kernels.launch is checked against the bui
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# Tests marked ``slow`` (large shapes, exhaustive grids) run only with TILEATTN_SLOW=1
+SLOW = os.environ.get("TILEATTN_SLOW") == "1"
 # Where the attention runs: "cuda" (the kernels on the GPU), "torch" (the CPU path) and
 # "interpret" (the kernels under Triton's interpreter, on CPU tensors). The CPU path runs on every
 # machine, the GPU's included.
 BACKENDS = ["cuda", "torch"] if HAS_CUDA else ["torch", "interpret"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="marked slow (large shapes, an exhaustive grid): TILEATTN_SLOW=1 runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,8 @@ prefix, then causal) forward and one backward, on every family. ``unpadded`` (fo
 ``packed`` (documents packed in rows, ``position_ids`` restarting, batch 1 and 2, against eager with the
 same ``position_ids``, which keeps the documents apart), and greedy ``generate`` with the dynamic and
 the static cache (each step's logits against an eager forward over the generated tokens) run on
-``GRID_BY_DEFAULT``'s families by default and on every family with ``TILEATTN_ZOO=all`` (the others are
-marked ``slow`` and skipped without it).
+``GRID_BY_DEFAULT``'s families by default and on every family with ``TILEATTN_ZOO=all`` or
+``TILEATTN_SLOW=1`` (the others are skipped without them).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from tileattn.testing import check_close  # noqa: E402
 
 REF, LOWP = torch.float64, torch.float32
 IMPL = "tileattn"
-ALL = os.environ.get("TILEATTN_ZOO") == "all"
-slow = [pytest.mark.slow, pytest.mark.skipif(not ALL, reason="the zoo's full grid: TILEATTN_ZOO=all")]
+ALL = os.environ.get("TILEATTN_ZOO") == "all" or os.environ.get("TILEATTN_SLOW") == "1"
+slow = [pytest.mark.skipif(not ALL, reason="the zoo's full grid: TILEATTN_ZOO=all")]
 
 
 @pytest.fixture(autouse=True)

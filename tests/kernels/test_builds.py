@@ -106,14 +106,39 @@ AT_SCALE_FEATURES = [
 ]
 
 
+AT_SCALE_BUILDS = [(16, "table"), (32, "table"), (64, "table"), (128, "table"), (128, "fallback"), (128, "long")]
+AT_SCALE_BUILDS += [(256, "table"), (256, "fallback")]
+# By default one case per build and per feature flag (the miscompiled one first); the rest of the grid
+# (48 cases, which take the GPU one at a time) is marked slow.
+AT_SCALE_DEFAULT = {
+    (256, "table", "plain"),
+    (128, "long", "causal"),
+    (128, "fallback", "window_size"),
+    (16, "table", "softcap-alibi"),
+    (64, "table", "varlen-causal"),
+    (32, "table", "varlen"),
+    (256, "fallback", "varlen"),
+    (128, "table", "causal"),
+}
+
+
+def _at_scale_cases():
+    cases = {
+        (headdim, variant, "-".join(feats) or "plain"): feats
+        for headdim, variant in AT_SCALE_BUILDS
+        for feats in AT_SCALE_FEATURES
+    }
+    assert AT_SCALE_DEFAULT <= cases.keys(), AT_SCALE_DEFAULT - cases.keys()
+    return [
+        pytest.param(
+            h, v, feats, id=f"{h}-{v}-{name}", marks=() if (h, v, name) in AT_SCALE_DEFAULT else pytest.mark.slow
+        )
+        for (h, v, name), feats in cases.items()
+    ]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes run on the GPU")
-@pytest.mark.parametrize("feats", AT_SCALE_FEATURES, ids=lambda f: "-".join(f) or "plain")
-@pytest.mark.parametrize(
-    "headdim,variant",
-    [(16, "table"), (32, "table"), (64, "table"), (128, "table"), (128, "fallback"), (128, "long")]
-    + [(256, "table"), (256, "fallback")],
-    ids=str,
-)
+@pytest.mark.parametrize("headdim,variant,feats", _at_scale_cases())
 def test_tables_gqa_at_scale(headdim, variant, feats, big_gpu_memory):
     # up to ~30 GiB each (the fp64 reference's scores): several at once ran the H200 out of memory
     from tileattn.kernels import configs
