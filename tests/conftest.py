@@ -14,6 +14,14 @@ else:  # every launch through tileattn.kernels.launch is checked against the bui
 
 import pytest  # noqa: E402
 
+# pytest-xdist's workers share the machine's cores: each takes its share of torch's threads (and so do the
+# processes they start, through OMP_NUM_THREADS), rather than every worker taking all of them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(min(torch.get_num_threads(), _THREADS))
+
 HAS_CUDA = torch.cuda.is_available()
 # Tests marked ``slow`` (large shapes, exhaustive grids) run only with TILEATTN_SLOW=1
 SLOW = os.environ.get("TILEATTN_SLOW") == "1"
@@ -42,8 +50,16 @@ def backend(request):
     return request.param
 
 
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory):
+    """A folder of this test session that every pytest-xdist worker sees (the session's base folder's
+    parent under xdist; the base folder itself without it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
 @pytest.fixture
-def big_gpu_memory(tmp_path_factory):
+def big_gpu_memory(shared_tmp):
     """For tests that hold tens of GiB on the GPU (tensors past 2**31 elements, fp64 references at scale):
     one at a time across pytest-xdist's workers, which share the GPU (several at once can run it out of
     memory), and their memory handed back to the device afterwards. Without a GPU, nothing."""
@@ -52,7 +68,7 @@ def big_gpu_memory(tmp_path_factory):
         return
     from filelock import FileLock
 
-    with FileLock(tmp_path_factory.getbasetemp().parent / "big_gpu_memory.lock"):
+    with FileLock(shared_tmp / "big_gpu_memory.lock"):
         yield
         # a failed test's traceback (kept for post-mortem debugging) holds its frames' tensors
         sys.last_type = sys.last_value = sys.last_traceback = None

@@ -187,15 +187,18 @@ def check_lse(name, lse, ref, ref_lowp, floor_scale=None):
 
 # Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
 # test runs in shards of fresh examples, spread over pytest-xdist workers since every new feature
-# combination compiles. TILEATTN_HYPOTHESIS_SHARDS / TILEATTN_HYPOTHESIS_EXAMPLES override the counts.
+# combination compiles: half of each test's GPU count per shard by default (the suite's run in one
+# device call), all of it with TILEATTN_SLOW=1. TILEATTN_HYPOTHESIS_SHARDS / TILEATTN_HYPOTHESIS_EXAMPLES
+# override the counts.
 PROPERTY_SHARDS = int(os.environ.get("TILEATTN_HYPOTHESIS_SHARDS", "4")) if torch.cuda.is_available() else 1
+_GPU_SHARE = 1 if os.environ.get("TILEATTN_SLOW") == "1" else 2
 
 
 def run_property(check, strategy, examples: dict, backend: str, shard: int) -> None:
     """Runs ``check(backend, example)`` over examples drawn from ``strategy``: ``examples[backend]`` of
     them (per shard on the GPU, each shard with its own seed)."""
-    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", examples[backend]))
     gpu = backend == "cuda"
+    n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", examples[backend] // (_GPU_SHARE if gpu else 1)))
     if not gpu and shard:  # (derandomized: every shard would draw the same examples)
         pytest.skip("off the GPU one shard draws the examples")
 

@@ -300,6 +300,8 @@ def _schedule(idx, causal, seqlen_q, block_m, block_n, by_keys):
     from tileattn.params import AttnParams, cdiv
 
     batch, _, seqlen_k, _ = idx.shape
+    # (the build kernels run where the attention would: the GPU if there is one, else the interpreter)
+    idx = idx.to("cuda" if torch.cuda.is_available() else "cpu")
     p = AttnParams(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=32, softmax_scale=1.0,
         window_right=0 if causal else -1, flashmask=flashmask.canonical(idx, causal, varlen=False),

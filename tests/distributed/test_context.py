@@ -149,14 +149,20 @@ CASES = [(w, n) for (w, interpret), names in NAMES.items() for n in names if not
 
 
 @pytest.fixture(scope="module")
-def group_runs(tmp_path_factory):
-    runs = {}
+def group_runs(shared_tmp):
+    """The group of each (world, interpret) runs every case of NAMES once per test session: the first
+    pytest-xdist worker to need it spawns it, the others wait for it and read its results."""
+    from filelock import FileLock
 
     def run(world, interpret):
-        key = (world, interpret)
-        if key not in runs:
-            runs[key] = _spawn(world, NAMES[key], tmp_path_factory.mktemp(f"world{world}"), interpret)
-        return runs[key]
+        key = f"world{world}" + ("-interpret" if interpret else "")
+        done = shared_tmp / f"{key}.json"
+        with FileLock(shared_tmp / f"{key}.lock"):
+            if not done.exists():
+                folder = shared_tmp / key
+                folder.mkdir(exist_ok=True)
+                done.write_text(json.dumps(_spawn(world, NAMES[(world, interpret)], folder, interpret)))
+        return json.loads(done.read_text())
 
     return run
 

@@ -566,3 +566,32 @@ def test_shim_installed_after_import_transformers(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "flash_attention_2 (2, 4, 97) True" in res.stdout, res.stdout + res.stderr
+
+
+def test_mask_functions_recognised_in_both_packed_forms():
+    """The packed-sequence mask is recognised as its base mask plus the sequence ids in both forms
+    transformers builds: ``and_masks(remap_positions(base, position_ids), same_sequence(ids))`` (newer) and
+    ``and_masks(base, same_sequence(ids))`` (older, before remap_positions_for_packed_sequence); anything
+    else is not (and is evaluated into a FlashMask)."""
+    from transformers import masking_utils as mu
+
+    from tileattn.integrations import hf_mask
+
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    window = mu.and_masks(mu.sliding_window_overlay(3), mu.causal_mask_function)
+    for base, want in [(mu.causal_mask_function, (True, None)), (window, (True, 3))]:
+        assert hf_mask._plain(base) == want
+        older = mu.and_masks(base, mu.packed_sequence_mask_function(ids))
+        found = hf_mask._packed(older)
+        assert found is not None and found[0] == want and found[1] is ids
+        if hasattr(mu, "remap_positions_for_packed_sequence"):
+            newer = mu.and_masks(
+                mu.remap_positions_for_packed_sequence(base, torch.arange(5)[None]),
+                mu.packed_sequence_mask_function(ids),
+            )
+            found = hf_mask._packed(newer)
+            assert found is not None and found[0] == want and found[1] is ids
+    chunked = mu.and_masks(mu.chunked_overlay(2, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
+    assert hf_mask._plain(chunked) is None
+    assert hf_mask._packed(mu.and_masks(chunked, mu.packed_sequence_mask_function(ids))) is None
+    assert hf_mask._packed(mu.and_masks(mu.causal_mask_function, mu.causal_mask_function)) is None

@@ -121,10 +121,14 @@ def _cells(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in closure)))
 
 
-def _made_by(fn, factory) -> bool:
-    """Whether ``fn`` is the inner function of the transformers mask factory ``factory``."""
-    return getattr(fn, "__module__", None) == mu.__name__ and getattr(fn, "__qualname__", "").startswith(
-        factory.__qualname__ + ".<locals>."
+def _made_by(fn, factory: str) -> bool:
+    """Whether ``fn`` is the inner function of the transformers mask factory named ``factory`` (False
+    where the installed transformers has no such factory)."""
+    made = getattr(mu, factory, None)
+    return (
+        made is not None
+        and getattr(fn, "__module__", None) == mu.__name__
+        and getattr(fn, "__qualname__", "").startswith(made.__qualname__ + ".<locals>.")
     )
 
 
@@ -135,35 +139,32 @@ def _plain(fn) -> tuple[bool, int | None] | None:
         return True, None
     if fn is mu.bidirectional_mask_function:
         return False, None
-    if _made_by(fn, mu.and_masks):
+    if _made_by(fn, "and_masks"):
         parts = _cells(fn).get("mask_functions", ())
         if len(parts) == 2:
             overlay, base = parts
-            if _made_by(overlay, mu.sliding_window_overlay) and base is mu.causal_mask_function:
+            if _made_by(overlay, "sliding_window_overlay") and base is mu.causal_mask_function:
                 return True, int(_cells(overlay)["sliding_window"])
-            if _made_by(overlay, mu.sliding_window_bidirectional_overlay) and base is mu.bidirectional_mask_function:
+            if _made_by(overlay, "sliding_window_bidirectional_overlay") and base is mu.bidirectional_mask_function:
                 return False, int(_cells(overlay)["sliding_window"])
     return None
 
 
 def _packed(fn) -> tuple[tuple[bool, int | None], torch.Tensor] | None:
     """The base mask and the sequence ids of transformers' packed-sequence mask (``position_ids``
-    restarting inside rows): ``and_masks(remap_positions(base, position_ids), same_sequence(ids))``."""
-    if not _made_by(fn, mu.and_masks):
+    restarting inside rows): ``and_masks(remap_positions(base, position_ids), same_sequence(ids))``, or in
+    older transformers (no ``remap_positions_for_packed_sequence``) ``and_masks(base, same_sequence(ids))``."""
+    if not _made_by(fn, "and_masks"):
         return None
     parts = _cells(fn).get("mask_functions", ())
-    if len(parts) != 2:
+    if len(parts) != 2 or not _made_by(parts[1], "packed_sequence_mask_function"):
         return None
-    remap, same = parts
-    if not (
-        _made_by(remap, mu.remap_positions_for_packed_sequence) and _made_by(same, mu.packed_sequence_mask_function)
-    ):
-        return None
-    base = _plain(_cells(remap)["mask_function"])
-    if base is None:
-        return None
+    first, same = parts
     # (within one sequence the positions grow by exactly 1, so the base mask on positions is the base
     # mask on indices)
+    base = _plain(_cells(first)["mask_function"] if _made_by(first, "remap_positions_for_packed_sequence") else first)
+    if base is None:
+        return None
     return base, _cells(same)["packed_sequence_mask"]
 
 

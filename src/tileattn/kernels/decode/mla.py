@@ -379,6 +379,7 @@ def mla_fwd(
             "USE_PDL": pdl,
             "VAR_SPLITS": True,
             "MIRROR": False,  # (ops.mla copies the record after the call)
+            "HAS_SINK": False,
         },
         num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
