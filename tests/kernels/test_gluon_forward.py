@@ -27,6 +27,9 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1000, 1000, 6, 3, 64, True, torch.float16),
     (2, 777, 777, 2, 1, 256, True, torch.bfloat16),
     (1, 63, 1025, 4, 4, 256, False, torch.float16),
+    # one key more than queries (bottom-right causal): each row tile's last row sees the first key of the
+    # next key tile, which a key loop that stops one key short drops
+    (1, 512, 513, 2, 1, 128, True, torch.bfloat16),
 ]
 BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items; block_m=192:
     # three consumer warpgroups (FlashAttention-3's head-dim-64 forward)
@@ -151,7 +154,10 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
     check_close("out (public call)", out, ref.out, low.out)
 
 
-WINDOW_CASES = GLUON_WINDOW_CASES + [(1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16)]
+WINDOW_CASES = GLUON_WINDOW_CASES + [
+    (1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16),
+    (1, 513, 513, 2, 2, 64, (32, 1), torch.float16),  # right side 1: row tiles' last rows reach the next key tile
+]
 
 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
