@@ -461,12 +461,14 @@ def test_static_cache_decode_step_compiles_in_one_graph():
     cache = StaticCache(config=model.config, max_cache_len=10)
     step = torch.compile(model.forward, backend="eager", fullgraph=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # (the cache's keyword: ``cache`` in newer transformers, ``past_key_values`` before, as 5.17 names it)
+    kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
     with torch.no_grad():
-        token = model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, attention_mask=mask, position_ids=positions, **kw).logits[:, -1:].argmax(-1)
         seq, scores = torch.cat([ids, token], 1), []
         for _ in range(2):
             mask = torch.cat([mask, torch.ones_like(token)], 1)
-            logits = step(token, attention_mask=mask, position_ids=positions[:, -1:] + 1, cache=cache).logits
+            logits = step(token, attention_mask=mask, position_ids=positions[:, -1:] + 1, **kw).logits
             positions = torch.cat([positions, positions[:, -1:] + 1], 1)
             scores.append(logits[:, -1])
             token = logits[:, -1:].argmax(-1)
