@@ -18,7 +18,8 @@ import pytest  # noqa: E402
 # processes they start, through OMP_NUM_THREADS), rather than every worker taking all of them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _THREADS = max(1, _CORES // _WORKERS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
     torch.set_num_threads(min(torch.get_num_threads(), _THREADS))
 
