@@ -23,9 +23,9 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
     torch.set_num_threads(min(torch.get_num_threads(), _THREADS))
 
+from helpers import SLOW  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
-# Tests marked ``slow`` (large shapes, exhaustive grids) run only with TILEATTN_SLOW=1
-SLOW = os.environ.get("TILEATTN_SLOW") == "1"
 # Where the attention runs: "cuda" (the kernels on the GPU), "torch" (the CPU path) and
 # "interpret" (the kernels under Triton's interpreter, on CPU tensors). The CPU path runs on every
 # machine, the GPU's included.

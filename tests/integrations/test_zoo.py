@@ -222,9 +222,9 @@ def check_generate(family, cache: str, inputs=None):
     model = zoo.build(family, IMPL, LOWP)
     try:
         gen = model.generate(**inputs, **options)
+    except Unsupported:
+        raise
     except Exception as error:
-        if isinstance(error, Unsupported):
-            raise
         try:  # (a failure of transformers' own generate, e.g. 5.17's chunked masks with a static cache)
             zoo.build(family, "sdpa", LOWP).generate(**inputs, **options)
         except type(error) as same:
@@ -234,12 +234,17 @@ def check_generate(family, cache: str, inputs=None):
     _steps_against_eager(family, gen, prompt_len, inputs, f"generate ({cache} cache)")
 
 
+_OWN_CODE: dict[str, bool] = {}  # family id -> _own_attention_code (one eager build per family)
+
+
 def _own_attention_code(family) -> bool:
     """Whether none of the installed transformers' modeling files that the family's model is built from
     goes through the attention interface (older releases of some families, e.g. Falcon and GPT-J in 5.17)."""
-    files = {type(m).__module__ for m in zoo.build(family, "eager").modules()}
-    files = {f for f in files if f.startswith("transformers.models.")}
-    return not any("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[f]) for f in files)
+    if family.id not in _OWN_CODE:
+        files = {type(m).__module__ for m in zoo.build(family, "eager").modules()}
+        files = {f for f in files if f.startswith("transformers.models.")}
+        _OWN_CODE[family.id] = not any("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[f]) for f in files)
+    return _OWN_CODE[family.id]
 
 
 def _run(family, scenario: str):

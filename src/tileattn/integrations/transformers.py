@@ -11,9 +11,9 @@ docs/huggingface.md lists the families.
 
 The mask. transformers builds one mask per forward and layer type from a *mask function* (causal,
 bidirectional, sliding window, chunked, prefix LM, packed documents...), the 2-D padding mask and the
-cache's offsets. Here it becomes a ``TileattnMask``, which the attention reads: causal, bidirectional and
-sliding-window masks (``hf_mask``) run ``flash_attn_func`` (nothing padded), ``flash_attn_varlen_func`` (padded batches;
-packed documents, the ``position_ids`` restarting inside rows, over the flattened rows) or
+cache's offsets. Here it becomes a ``TileattnMask`` (``hf_mask``), which the attention reads: causal,
+bidirectional and sliding-window masks run ``flash_attn_func`` (nothing padded), ``flash_attn_varlen_func``
+(padded batches; packed documents, the ``position_ids`` restarting inside rows, over the flattened rows) or
 ``flash_attn_with_kvcache`` (a static cache, or under ``torch.compile``: no host sync); any other mask
 function (Llama 4's chunks, PaliGemma's prefix, overlays for image tokens...) is evaluated block by block
 into a FlashMask, per key column the runs of query rows it hides, O(seq_len) memory, and runs
