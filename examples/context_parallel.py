@@ -111,6 +111,7 @@ def rank_main(rank: int, world: int, store: str, scheme: str, seqlen: int, queue
         out_err = ((out - ref).abs().max() / ref.abs().max()).item()
         grad_err = max(((g - p.grad).abs().max() / g.abs().max()).item() for g, p in zip(ref_grads, layer.parameters()))
         queue.put((out_err / eps, grad_err / eps, str(device.type), str(dtype)))
+    dist.barrier()  # every rank done before any tears the group down
     dist.destroy_process_group()
 
 

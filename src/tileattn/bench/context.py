@@ -170,6 +170,9 @@ def _worker(
     if rank == 0:
         with open(results, "w") as f:
             json.dump(rows, f)
+    # every rank done with the group before any tears it down: a gloo rank whose peer closes its sockets
+    # mid-teardown can abort (seen once in CI, SIGABRT after the last row was printed)
+    dist.barrier(group)
     dist.destroy_process_group()
 
 
