@@ -23,6 +23,7 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
     torch.set_num_threads(min(torch.get_num_threads(), _THREADS))
 
+from cover import covering_sample  # noqa: E402
 from helpers import SLOW  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -39,6 +40,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+    if HAS_CUDA:
+        _sample_gpu_grids(items)
+        _longest_first(items)
+
+
+def _longest_first(items) -> None:
+    """On the GPU, the items that take minutes go to pytest-xdist's workers first (its load scheduling hands
+    items out in this order), so that none of them starts last and runs on alone: the property tests' shards
+    (each new feature combination compiles: 100-180 s a shard on an H100) and the Gluon kernels' tests (large
+    shapes, 10-40 s a case). The rest keep their order."""
+
+    def rank(item) -> int:
+        if "shard" in getattr(getattr(item, "callspec", None), "params", {}) and _runs_on_gpu(item):
+            return 0
+        return 1 if "gluon" in item.nodeid.split("::")[0] else 2
+
+    items.sort(key=rank)  # (stable)
+
+
+def _runs_on_gpu(item) -> bool:
+    params = getattr(item, "callspec", None)
+    return params is None or params.params.get("backend", "cuda") == "cuda"
+
+
+def _sample_gpu_grids(items) -> None:
+    """The GPU items of each test marked ``gpu_cover`` (tests/cover.py) outside its covering sample are
+    skipped, saying so; the items its ``valid`` refuses (which skip themselves) take no part in it."""
+    grids: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("gpu_cover")
+        if mark is None or not hasattr(item, "callspec") or not _runs_on_gpu(item):
+            continue
+        params = {k: v for k, v in item.callspec.params.items() if k != "backend"}
+        valid = mark.kwargs.get("valid")
+        if valid is None or valid(**params):
+            grids.setdefault(item.function, (mark.kwargs.get("strength", 2), []))[1].append((item, params))
+    for strength, members in grids.values():
+        names = sorted(members[0][1])
+        rows = [tuple(repr(params[n]) for n in names) for _, params in members]
+        kept = covering_sample(rows, strength)
+        reason = (
+            f"outside this grid's {strength}-wise covering sample on the GPU ({len(kept)} of {len(rows)}; "
+            "tests/cover.py); CPU CI runs the whole grid under the interpreter (bf16 and GPU-only builds aside), "
+            "TILEATTN_SLOW=1 runs it here"
+        )
+        for i, (item, _) in enumerate(members):
+            if i not in kept:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

@@ -185,14 +185,16 @@ def check_lse(name, lse, ref, ref_lowp, floor_scale=None):
     check_close(name, lse, ref, ref_lowp, floor_scale=floor_scale)
 
 
-# Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
-# test runs in shards of fresh examples, spread over pytest-xdist workers since every new feature
-# combination compiles: half of each test's GPU count per shard by default (the suite's run in one
-# device call), all of it with TILEATTN_SLOW=1. TILEATTN_HYPOTHESIS_SHARDS / TILEATTN_HYPOTHESIS_EXAMPLES
-# override the counts.
-PROPERTY_SHARDS = int(os.environ.get("TILEATTN_HYPOTHESIS_SHARDS", "4")) if torch.cuda.is_available() else 1
 # Tests marked ``slow`` (large shapes, exhaustive grids) run only with TILEATTN_SLOW=1 (tests/conftest.py)
 SLOW = os.environ.get("TILEATTN_SLOW") == "1"
+# Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
+# test runs in shards of fresh examples, spread over pytest-xdist workers since every new feature
+# combination compiles: by default 2 shards of half each test's GPU count (the suite's run in one device
+# call), with TILEATTN_SLOW=1 4 shards of all of it. TILEATTN_HYPOTHESIS_SHARDS /
+# TILEATTN_HYPOTHESIS_EXAMPLES override the counts.
+PROPERTY_SHARDS = (
+    int(os.environ.get("TILEATTN_HYPOTHESIS_SHARDS", "4" if SLOW else "2")) if torch.cuda.is_available() else 1
+)
 _GPU_SHARE = 1 if SLOW else 2
 
 

@@ -24,6 +24,7 @@ GPU_ONLY_CASES = [
 DTYPES = [torch.float16, torch.bfloat16]
 
 
+@pytest.mark.gpu_cover(strength=1)  # (each case once on the GPU, fp16 and bf16 in turn: tests/cover.py)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_forward_backward(backend, case, dtype):

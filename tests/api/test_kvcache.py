@@ -27,12 +27,17 @@ from tileattn.kernels import configs
 from tileattn.testing import check_close
 
 
+def _applies(case, layout, **_):
+    return not (LAYOUTS[layout] and CASES[case][2].get("batch_idx"))
+
+
+@pytest.mark.gpu_cover(strength=2, valid=_applies)  # (every pair of values on the GPU: tests/cover.py)
 @pytest.mark.parametrize("dtype", [F16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_kvcache_matches_reference(backend, case, layout, num_splits, dtype):
-    if LAYOUTS[layout] and CASES[case][2].get("batch_idx"):
+    if not _applies(case, layout):
         pytest.skip("cache_batch_idx applies to dense caches")
     if backend != "cuda" and num_splits == 0 and (layout != "dense" or case not in ("decode-rotary", "batch-idx")):
         pytest.skip("the split heuristic is covered by two cases under the interpreter")

@@ -20,6 +20,7 @@ FEATURES = [
 ]
 
 
+@pytest.mark.gpu_cover(strength=2)  # (every pair of values on the GPU: tests/cover.py)
 @pytest.mark.parametrize("feats", FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -14,6 +14,7 @@ from helpers import builds, check_attention, on, randn
 TMA_CASES = [CASES[i] for i in (1, 3, 4, 5, 9, 10, 16, 18)]
 
 
+@pytest.mark.gpu_cover(strength=1)  # (each case once on the GPU, tma and tma-ws in turn: tests/cover.py)
 @pytest.mark.parametrize("warp_spec", [False, True], ids=["tma", "tma-ws"])
 @pytest.mark.parametrize("case", TMA_CASES, ids=_case_id)
 def test_tma_variants(backend, case, warp_spec):
@@ -33,6 +34,7 @@ def test_tma_variants(backend, case, warp_spec):
 DQ_ATOMIC_CASES = [CASES[i] for i in (1, 4, 5, 7, 10, 12, 15, 18)]
 
 
+@pytest.mark.gpu_cover(strength=2)  # (every pair of values on the GPU: tests/cover.py)
 @pytest.mark.parametrize("q_major", [False, True], ids=["k-major", "q-major"])
 @pytest.mark.parametrize("mode", [1, 2], ids=["atomic", "tma-reduce"])
 @pytest.mark.parametrize("case", DQ_ATOMIC_CASES, ids=_case_id)
@@ -43,6 +45,7 @@ def test_dq_atomic_variants(backend, case, mode, q_major):
         _run_case(backend, case, torch.float16)
 
 
+@pytest.mark.gpu_cover(strength=2)  # (every pair of values on the GPU: tests/cover.py)
 @pytest.mark.parametrize("variant", ["tma", "dq-atomic"])
 @pytest.mark.parametrize("feats", [{"causal": True}, {"window_size": (6, 2)}], ids=str)
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=str)
