@@ -264,10 +264,15 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
 
 
 def _warp_specialization(ptx: str) -> dict:
-    """From a Gluon kernel's PTX: the register budgets of its partitions (setmaxnreg) and its wgmma waits."""
+    """From a Gluon kernel's PTX: the register budgets of its partitions (setmaxnreg), its wgmma waits, the
+    shapes of its wgmmas (``m64n128k16``, ...) and the byte counts its TMA barriers expect."""
     return dict(
         setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+        wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+        expect_bytes=sorted(
+            {int(n) for n in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+_,\s*\[[^]]+\],\s*(\d+)", ptx)}
+        ),
     )
 
 

@@ -30,6 +30,9 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     # one key more than queries (bottom-right causal): each row tile's last row sees the first key of the
     # next key tile, which a key loop that stops one key short drops
     (1, 512, 513, 2, 1, 128, True, torch.bfloat16),
+    # head dim 96 as two column parts (64 + 32)
+    (2, 300, 257, 4, 2, 96, True, torch.bfloat16),
+    (1, 1025, 1025, 3, 3, 96, False, torch.float16),
 ]
 BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items; block_m=192:
     # three consumer warpgroups (FlashAttention-3's head-dim-64 forward)
@@ -44,6 +47,7 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
         dict(block_n=128, stages=3, programs=5),
         dict(block_m=192, block_n=64, stages=3),
     ],
+    96: [dict(block_n=128, stages=2), dict(block_m=192, block_n=64, stages=3, programs=7)],
     256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3)],
 }
 
@@ -96,6 +100,39 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
         check_close(f"d{name}", t.grad, r.grad, lo.grad)
 
 
+def test_public_call_at_head_dim_96_when_the_settings_give_it(monkeypatch):
+    """Head dim 96 runs here only where the settings have an entry for it (none until it is timed against
+    the portable forward): with one, the public call runs the Gluon plan, forward, and the portable
+    backward behind it, against the oracle; without, the portable forward."""
+    from dataclasses import replace
+
+    from tileattn.kernels.gluon import forward as hopper
+    from tileattn.params import KernelConfig
+
+    case = (2, 300, 300, 4, 2, 96, True, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
+    dout = torch.randn_like(q)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = oracle.attention(qr, kr, vr, causal=True)
+    ref.out.backward(dout.double())
+    lows = [t.detach().requires_grad_() for t in (q, k, v)]
+    low = oracle.attention(*lows, causal=True, precision=None)
+    low.out.backward(dout)
+    calls = record_calls(monkeypatch, hopper.Plan, "run")
+    base = configs.for_device(q.device)
+    with_96 = replace(base, fwd_gluon=dict(base.fwd_gluon, **{96: KernelConfig(128, 128, 4, 2)}))
+    for settings, runs in ((base, 0), (with_96, 1)):
+        for t in (q, k, v):
+            t.grad = None
+        with configs.override(settings):
+            out = tileattn.flash_attn_func(q, k, v, causal=True)
+            out.backward(dout)
+        assert len(calls) == runs, (settings.fwd_gluon.keys(), len(calls))
+        check_close(f"out (Gluon: {runs})", out, ref.out, low.out)
+        for name, t, r, lo in zip("qkv", (q, k, v), (qr, kr, vr), lows):
+            check_close(f"d{name} (Gluon forward: {runs})", t.grad, r.grad, lo.grad)
+
+
 def test_calls_it_cannot_compute_run_the_portable_kernels():
     """Dropout, softcap, a softmax scale of 0 or below, fp32, heads that are not one TMA row: not eligible
     (the portable forward runs); a packed qkv's q, k and v are, and windows."""
@@ -118,6 +155,7 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
 
 VARLEN_CASES = GLUON_VARLEN_CASES + [
     ([777, 5, 130], [777, 130, 5], 4, 4, 256, True, torch.bfloat16),  # rows before key 0's diagonal
+    ([130, 0, 301], [77, 3, 301], 4, 1, 96, True, torch.bfloat16),
 ]
 
 
@@ -157,7 +195,33 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
 WINDOW_CASES = GLUON_WINDOW_CASES + [
     (1, 300, 2000, 2, 1, 256, (-1, 17), torch.bfloat16),
     (1, 513, 513, 2, 2, 64, (32, 1), torch.float16),  # right side 1: row tiles' last rows reach the next key tile
+    (2, 700, 700, 4, 2, 96, (100, 0), torch.bfloat16),
 ]
+
+
+@pytest.mark.parametrize("heads_apart", [False, True], ids=["rows-of-positions", "rows-of-one-head"])
+def test_head_dim_96_reads_both_column_parts_in_each_layout(heads_apart):
+    """Head dim 96 runs as two column parts (64 + 32, ``HEAD_PARTS``): the second part's TMA tiles start
+    64 columns into each head, in both matrices TMA reads (flash_attn's rows of positions with the heads
+    side by side, and rows of one head's positions, as a (batch, nheads, seqlen, headdim) tensor
+    transposed), GQA, causal with more keys than queries; every column of the output against the oracle."""
+    from tileattn.kernels.gluon import forward as hopper
+
+    case = (2, 200, 333, 6, 2, 96, True, torch.bfloat16)
+    q, k, v = gluon_case_inputs(case, 3)
+    if heads_apart:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    ref = oracle.attention(q, k, v, causal=True)
+    low = oracle.attention(q, k, v, causal=True, precision=None)
+    p = AttnParams(2, 200, 333, 96, 96**-0.5, window_right=0)
+    assert hopper.eligible(q, k, v, p)
+    for build in BUILDS[96]:
+        out, lse = hopper.attn_fwd(q, k, v, p, **build)
+        for part in (slice(0, 64), slice(64, 96)):  # (each part on its own: the error names the one off)
+            check_close(
+                f"out[..., {part.start}:{part.stop}] {build}", out[..., part], ref.out[..., part], low.out[..., part]
+            )
+        check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
 
 
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)

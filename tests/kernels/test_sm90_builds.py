@@ -401,6 +401,32 @@ def test_gluon_forward_builds_as_designed():
     assert len(three) == 4 and all(row["stack"] == 0 for row in three), three
 
 
+GLUON_96_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon(96, causal, block_m=128, block_n=128, stages=2) for causal in (False, True)]
+    rows.append(compile_report.compile_gluon(96, False, True, block_m=192, block_n=64, stages=3))
+    rows.append(compile_report.compile_gluon(96, False, window=(256, 0), block_m=128, block_n=128, stages=3))
+"""
+
+
+def test_gluon_forward_at_head_dim_96_builds_as_two_column_parts():
+    """Head dim 96 in the Gluon forward, as 64 + 32 columns (Gluon's shapes are powers of two): the same
+    warp-specialized design, P·V as wgmmas of 64 and of 32 columns (no column computed for nothing), its key
+    loop waiting for the two P·V wgmmas of the last tile (wait 2), each TMA barrier expecting both parts'
+    bytes (a K or V stage of block_n × 96 columns, Q of every consumer's 64 × 96), few scalars spilled."""
+    _needs_gluon()
+    rows = _compiled(GLUON_96_CASES)
+    assert len(rows) == 4, rows
+    for row in rows:
+        block_m, block_n = row["options"]["block_m"], row["options"]["block_n"]
+        warps, regs = (12, 240) if block_m == 128 else (16, 160)
+        assert row["stack"] <= 16 and row["blocks_per_sm"] == 1 and row["warps"] == warps, row
+        assert {24, regs} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 2], row
+        assert {"m64n64k16", "m64n32k16", f"m64n{block_n}k16"} == set(row["wgmma_shapes"]), row
+        assert set(row["expect_bytes"]) == {block_n * 96 * 2, block_m * 96 * 2}, row
+
+
 GLUON_SINK_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

@@ -19,10 +19,14 @@ rows with three consumers; causal: those with the most keys first), each over th
 Only what the portable kernel's plain path does is here: (batch, seqlen, nheads, headdim) tensors
 whose rows TMA can read as one 2-D matrix, or packed batches (varlen: ``(total, nheads, headdim)``,
 sequence b's rows from cu_seqlens[b], the grid covering the longest sequence; a tile's rows past its
-sequence are the next one's, which the scores mask and the stores skip), bf16/fp16, head dims 64, 128
-and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Everything else runs the
-portable kernels (``kernels.forward``). Gluon kernels do not run in Triton's interpreter: they are tested on the GPU
-(tests/kernels/test_gluon_forward.py), and their builds without one (test_sm90_builds.py).
+sequence are the next one's, which the scores mask and the stores skip), bf16/fp16, head dims 64, 96,
+128 and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Head dim 96 runs as two
+column parts, 64 + 32 (Gluon's shapes are powers of two): two TMA tiles per tensor, Q·Kᵀ as two
+accumulating wgmmas, P·V into two accumulators, so no column is computed for nothing (the portable
+kernels pad it to 128). The settings (``configs.HOPPER.fwd_gluon``) choose which head dims the public
+calls run here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not
+run in Triton's interpreter: they are tested on the GPU (tests/kernels/test_gluon_forward.py), and their
+builds without one (test_sm90_builds.py).
 """
 
 from __future__ import annotations
@@ -53,7 +57,10 @@ LOG2E_K = gl.constexpr(LOG2E)  # (the kernels read constexpr globals only)
 
 WG_ROWS = 64  # query rows per consumer warpgroup (the wgmma M of one warpgroup)
 BLOCK_MS = (128, 192)  # a work item's query rows: two or three consumer warpgroups
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
+# Gluon's tensors have power-of-two shapes: a head dim of 96 runs as two column parts, 64 + 32 (two TMA
+# tiles and shared buffers per tensor, Q·Kᵀ as two accumulating wgmmas, P·V into two accumulators).
+HEAD_PARTS = {64: (64, 0), 96: (64, 32), 128: (128, 0), 256: (256, 0)}
 ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
@@ -96,15 +103,20 @@ def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, SPLIT: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ITEM: gl.constexpr = CONSUMERS * ROWS  # a work item's query rows
+    D0: gl.constexpr = q_desc.block_type.shape[1]  # (SPLIT: the second column part starts here)
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes + (q2_desc.block_type.nbytes if SPLIT else 0)
+    K_BYTES: gl.constexpr = k_desc.block_type.nbytes + (k2_desc.block_type.nbytes if SPLIT else 0)
+    V_BYTES: gl.constexpr = v_desc.block_type.nbytes + (v2_desc.block_type.nbytes if SPLIT else 0)
     num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles loaded so far: the ring's stage and phase
     done = 0  # work items so far: Q's phase
@@ -115,10 +127,14 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
         )  # fmt: skip
         if _live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # every consumer issued its last Q·Kᵀ of the last item
-            mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready, CONSUMERS * Q_BYTES)
             q_row, q_col = start(b, q0, h, q_lay, VARLEN)
             for wg in gl.static_range(CONSUMERS):  # each consumer warpgroup's ROWS rows
                 tma.async_copy_global_to_shared(q_desc, [q_row + q_base + wg * ROWS, q_col], q_ready, q_smem.index(wg))
+                if SPLIT:
+                    tma.async_copy_global_to_shared(
+                        q2_desc, [q_row + q_base + wg * ROWS, q_col + D0], q_ready, q2_smem.index(wg)
+                    )
             k_row, k_col = start(b, k0, h // group, k_lay, VARLEN)
             v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
@@ -126,11 +142,19 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
                 phase = (it // STAGES) & 1
                 key = (lo + j) * BLOCK_N
                 mbarrier.wait(k_free.index(s), phase ^ 1)  # every consumer is done with the stage's last K
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                mbarrier.expect(k_ready.index(s), K_BYTES)
                 tma.async_copy_global_to_shared(k_desc, [k_row + key, k_col], k_ready.index(s), k_smem.index(s))
+                if SPLIT:
+                    tma.async_copy_global_to_shared(
+                        k2_desc, [k_row + key, k_col + D0], k_ready.index(s), k2_smem.index(s)
+                    )
                 mbarrier.wait(v_free.index(s), phase ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                mbarrier.expect(v_ready.index(s), V_BYTES)
                 tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], v_ready.index(s), v_smem.index(s))
+                if SPLIT:
+                    tma.async_copy_global_to_shared(
+                        v2_desc, [v_row + key, v_col + D0], v_ready.index(s), v2_smem.index(s)
+                    )
                 it += 1
             done += 1
 
@@ -184,15 +208,19 @@ def _consume(
     MASK_RIGHT: gl.constexpr,
     VARLEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr,
     WG: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay) = args  # fmt: skip
+     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]  # (SPLIT: the first column part's, D1 the second's)
+    D1: gl.constexpr = q2_desc.block_type.shape[1] if SPLIT else 16  # (16: a placeholder, unused)
+    PV_OPS: gl.constexpr = 2 if SPLIT else 1  # the wgmmas of one P·V
     ITEM: gl.constexpr = q_smem.type.shape[0] * ROWS  # a work item's query rows
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -201,11 +229,14 @@ def _consume(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
+    o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D1, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o2_rows: gl.constexpr = gl.SliceLayout(1, o2_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(WG)
+    q2 = q2_smem.index(WG)
     num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
@@ -221,12 +252,16 @@ def _consume(
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            if SPLIT:
+                acc2 = gl.zeros([ROWS, D1], gl.float32, layout=o2_layout)
             mbarrier.wait(q_ready, done & 1)
             # Q·Kᵀ of tile j is issued with P·V of tile j - 1; the softmax of tile j runs while P·V does
             if n_tiles > 0:
                 cur = it % STAGES
                 mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
                 s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if SPLIT:
+                    s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
                 s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
                 mbarrier.arrive(k_free.index(cur), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
@@ -239,20 +274,33 @@ def _consume(
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    if SPLIT:
+                        s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
                     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    s_acc = warpgroup_mma_wait(1, deps=(s_acc,))  # Q·Kᵀ of tile j done, P·V of j - 1 running
+                    if SPLIT:
+                        acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
+                    # Q·Kᵀ of tile j done, P·V of j - 1 running
+                    s_acc = warpgroup_mma_wait(PV_OPS, deps=(s_acc,))
                     mbarrier.arrive(k_free.index(cur), count=1)
                     mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
                     s = _scores(s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                    if SPLIT:
+                        acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
+                        acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
+                    else:
+                        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                     mbarrier.arrive(v_free.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 last = (it + n_tiles - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                if SPLIT:
+                    acc2 = warpgroup_mma(p_op, v2_smem.index(last), acc2, is_async=True)
+                    acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
+                else:
+                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_free.index(last), count=1)
             else:
                 mbarrier.arrive(q_free, count=1)
@@ -271,8 +319,12 @@ def _consume(
             l_safe = gl.where(seen, l_i, 1.0)
             if HAS_SINK:  # (the accumulator's rescale to the sink's max, folded into the normalisation)
                 out = acc * gl.convert_layout(alpha / l_safe, o_rows)[:, None]
+                if SPLIT:
+                    out2 = acc2 * gl.convert_layout(alpha / l_safe, o2_rows)[:, None]
             else:
                 out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+                if SPLIT:
+                    out2 = acc2 / gl.convert_layout(l_safe, o2_rows)[:, None]
             lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
             # (packed batches: batch strides 0 and rows from the sequence's first, q0)
             r0 = q0 if VARLEN else 0
@@ -280,15 +332,27 @@ def _consume(
             o_ptrs = Out + b.to(gl.int64) * stride_ob + h * stride_oh + (r0 + o_row).to(gl.int64)[:, None] * stride_om
             o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptrs + o_col[None, :], out.to(dtype), mask=(o_row < seqlen_q)[:, None])
+            if SPLIT:  # the second column part
+                o2_row = first_row + gl.arange(0, ROWS, layout=o2_rows)
+                o2_ptrs = (
+                    Out + b.to(gl.int64) * stride_ob + h * stride_oh + (r0 + o2_row).to(gl.int64)[:, None] * stride_om
+                )
+                o2_col = HEAD_DIM + gl.arange(0, D1, layout=gl.SliceLayout(0, o2_layout))
+                gl.store(o2_ptrs + o2_col[None, :], out2.to(dtype), mask=(o2_row < seqlen_q)[:, None])
             lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
             gl.store(lse_ptr + (r0 + rows).to(gl.int64) * stride_lse, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
 def _consume_default(
-    args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, HAS_SINK: gl.constexpr
+    args,
+    MASK_LEFT: gl.constexpr,
+    MASK_RIGHT: gl.constexpr,
+    VARLEN: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 0)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 0)
 
 
 @gluon.jit
@@ -298,27 +362,39 @@ def _consume_worker(
     MASK_RIGHT: gl.constexpr,
     VARLEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
+    SPLIT: gl.constexpr,
     WG: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, WG)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, WG)
 
 
 @gluon.jit
 def _fwd_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, CuQ, CuK, Sink,
+    q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-    CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False,
+    CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
 ):  # fmt: skip
+    """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
+    64 + 32, ``HEAD_PARTS``); None without SPLIT."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if SPLIT:
+        D1: gl.constexpr = q2_desc.block_type.shape[1]
+        q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [CONSUMERS, ROWS, D1], q2_desc.layout)
+        k2_smem = gl.allocate_shared_memory(k2_desc.dtype, [STAGES, BLOCK_N, D1], k2_desc.layout)
+        v2_smem = gl.allocate_shared_memory(v2_desc.dtype, [STAGES, BLOCK_N, D1], v2_desc.layout)
+    else:
+        q2_smem = q_smem
+        k2_smem = k_smem
+        v2_smem = v_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -337,14 +413,14 @@ def _fwd_kernel(
             Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
             nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
-            (v_batch_rows, v_head_rows, v_head_cols))  # fmt: skip
+            (v_batch_rows, v_head_rows, v_head_cols), q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem)  # fmt: skip
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 1)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 2)),
-                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 1)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 2)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 4, 1],
             [160, 160, 24],
@@ -352,9 +428,9 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, 1)),
-                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 1)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 1],
             [240, 24],
@@ -424,14 +500,17 @@ class Plan:
         self.varlen = p.is_varlen
         self.out_shape = q4.shape[1:] if p.is_varlen else q4.shape
         self.lse_shape = p.lse_shape(q4)
-        q_layout = tile_layout(WG_ROWS, headdim, q4.dtype)
-        kv_layout = tile_layout(block_n, headdim, q4.dtype)
         q2, k2, v2 = rows
-        self.descs = (
-            TensorDescriptor.from_tensor(q2.matrix, [WG_ROWS, headdim], q_layout),
-            TensorDescriptor.from_tensor(k2.matrix, [block_n, headdim], kv_layout),
-            TensorDescriptor.from_tensor(v2.matrix, [block_n, headdim], kv_layout),
-        )
+        # one descriptor per tensor and column part (head dim 96: 64 + 32; the others: one part)
+        parts = [d for d in HEAD_PARTS[headdim] if d]
+        descs = [
+            tuple(
+                TensorDescriptor.from_tensor(t.matrix, [r, d], tile_layout(r, d, q4.dtype))
+                for t, r in ((q2, WG_ROWS), (k2, block_n), (v2, block_n))
+            )
+            for d in parts
+        ]
+        self.descs = descs[0] + (descs[1] if len(parts) > 1 else ())
         items = cdiv(p.seqlen_q, block_m) * nheads * p.batch
         grid = (min(items, programs or _sm_count(q4.device)),)
         # (out and lse contiguous: out's (batch, row, head) strides, lse's (batch, head) strides and row stride)
@@ -444,7 +523,7 @@ class Plan:
         )  # fmt: skip
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
-            CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None,
+            CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1,
         )  # fmt: skip
         # (the register file over 12 or 16 warps)
         self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
@@ -455,10 +534,11 @@ class Plan:
         device = q.device
         out = torch.empty(self.out_shape, device=device, dtype=q.dtype)
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
-        q_desc, k_desc, v_desc = (rebased(d, t) for d, t in zip(self.descs, (q, k, v)))
+        descs = tuple(rebased(d, t) for d, t in zip(self.descs, (q, k, v, q, k, v)))
         cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse, lse)
         sink = p.learnable_sink if p.learnable_sink is not None else lse
-        self.launch((q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, sink))
+        # (one column part: no second descriptors, None in their place, nothing made per call for them)
+        self.launch((*descs, *(None,) * (6 - len(descs)), out, lse, cu_q, cu_k, sink))
         return out, lse
 
 
