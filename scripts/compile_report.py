@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import torch
 import triton
@@ -265,7 +266,8 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
 
 def _warp_specialization(ptx: str) -> dict:
     """From a Gluon kernel's PTX: the register budgets of its partitions (setmaxnreg), its wgmma waits, the
-    shapes of its wgmmas (``m64n128k16``, ...) and the byte counts its TMA barriers expect."""
+    shapes of its wgmmas (``m64n128k16``, ...), the byte counts its TMA barriers expect and its named-barrier
+    instructions written as inline PTX (``{"bar.sync 8, 256": count, ...}``; Triton's own are ``barrier.sync``)."""
     return dict(
         setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         wgmma_waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
@@ -273,6 +275,7 @@ def _warp_specialization(ptx: str) -> dict:
         expect_bytes=sorted(
             {int(n) for n in re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+_,\s*\[[^]]+\],\s*(\d+)", ptx)}
         ),
+        named_barriers=dict(sorted(Counter(re.findall(r"\bbar\.(?:sync|arrive) \d+, \d+", ptx)).items())),
     )
 
 

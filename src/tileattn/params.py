@@ -87,6 +87,9 @@ class KernelConfig:
     # its add runs under them; the dQ columns per product and add (32: room for a second (Q, dO) stage)
     dq_first: bool = False
     dq_chunk: int = 64
+    # Gluon forward only (two consumer warpgroups): they take turns issuing their wgmmas through named
+    # barriers, one's softmax under the other's matmuls (FlashAttention-3's ping-pong)
+    pingpong: bool = False
 
 
 @dataclass(frozen=True)

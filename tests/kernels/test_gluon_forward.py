@@ -47,7 +47,11 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
         dict(block_n=128, stages=3, programs=5),
         dict(block_m=192, block_n=64, stages=3),
     ],
-    96: [dict(block_n=128, stages=2), dict(block_m=192, block_n=64, stages=3, programs=7)],
+    96: [
+        dict(block_n=128, stages=2),
+        dict(block_n=128, stages=2, programs=5),
+        dict(block_m=192, block_n=64, stages=3, programs=7),
+    ],
     256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3)],
 }
 
@@ -68,6 +72,52 @@ def test_builds_match_the_oracle(case):
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
 
 
+# The ping-pong builds run in a process of their own with a time limit: turns that do not balance hang (a
+# warpgroup waiting at a barrier nobody arrives at), which then fails this test instead of hanging the suite.
+PINGPONG_CHECK = """
+import torch, oracle
+from helpers import check_lse, gluon_case_inputs
+from tileattn.kernels.gluon import forward as hopper
+from tileattn.params import AttnParams
+from tileattn.testing import check_close
+
+for case in CASES:
+    batch, seqlen_q, seqlen_k, _, _, headdim, causal, _ = case
+    q, k, v = gluon_case_inputs(case, 3)
+    ref = oracle.attention(q, k, v, causal=causal)
+    low = oracle.attention(q, k, v, causal=causal, precision=None)
+    p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
+    for build in BUILDS[headdim]:
+        out, lse = hopper.attn_fwd(q, k, v, p, pingpong=True, **build)
+        check_close(f"out {case} {build}", out, ref.out, low.out)
+        check_lse(f"lse {case} {build}", lse, ref.lse, low.lse.float())
+    print("ok", case, flush=True)
+"""
+PINGPONG_CASES = [c for c in CASES if c[5] != 64] + [(2, 700, 700, 4, 2, 128, False, torch.float16)]
+
+
+def test_pingpong_builds_match_the_oracle():
+    """The ping-pong build (``pingpong``: the two consumer warpgroups take turns issuing their wgmmas through
+    named barriers) at head dims 96, 128 and 256, one program per SM and a few programs looping over many
+    work items (the turns carry on from one item to the next), against the oracle."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parents[1]
+    builds = {d: [b for b in BUILDS[d] if b.get("block_m", 128) == 128] for d in (96, 128, 256)}
+    script = f"CASES = {PINGPONG_CASES!r}\nBUILDS = {builds!r}\n".replace("torch.", "")
+    script = "from torch import bfloat16, float16\n" + script + PINGPONG_CHECK
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    try:
+        res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"a ping-pong build hung (600 s); it had printed:\n{e.stdout}")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert res.stdout.count("ok") == len(PINGPONG_CASES), res.stdout
+
+
 def test_block_m_is_checked():
     """A work item is two or three consumer warpgroups of 64 rows: other block_m values are refused."""
     from tileattn.kernels.gluon import forward as hopper
@@ -76,6 +126,8 @@ def test_block_m_is_checked():
     q, k, v = gluon_case_inputs(case, 3)
     with pytest.raises(ValueError, match="block_m must be one of"):
         hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=256)
+    with pytest.raises(ValueError, match="pingpong takes turns between two"):
+        hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=192, pingpong=True)
 
 
 @pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))
@@ -120,7 +172,7 @@ def test_public_call_at_head_dim_96_when_the_settings_give_it(monkeypatch):
     low.out.backward(dout)
     calls = record_calls(monkeypatch, hopper.Plan, "run")
     base = configs.for_device(q.device)
-    with_96 = replace(base, fwd_gluon=dict(base.fwd_gluon, **{96: KernelConfig(128, 128, 4, 2)}))
+    with_96 = replace(base, fwd_gluon={**base.fwd_gluon, 96: KernelConfig(128, 128, 4, 2)})
     for settings, runs in ((base, 0), (with_96, 1)):
         for t in (q, k, v):
             t.grad = None

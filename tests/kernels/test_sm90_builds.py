@@ -427,6 +427,35 @@ def test_gluon_forward_at_head_dim_96_builds_as_two_column_parts():
         assert set(row["expect_bytes"]) == {block_n * 96 * 2, block_m * 96 * 2}, row
 
 
+GLUON_PINGPONG_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon(d, causal, pingpong=True) for d in (128, 256) for causal in (False, True)]
+    rows.append(compile_report.compile_gluon(96, False, True, block_m=128, block_n=128, stages=2, pingpong=True))
+    rows.append(compile_report.compile_gluon(128, True))
+"""
+
+
+def test_gluon_forward_pingpong_builds_take_turns():
+    """The ping-pong (``pingpong``: FlashAttention-3's warp scheduler barriers, by inline PTX): each consumer
+    warpgroup waits for its turn (``bar.sync``, its own barrier, 8 or 9) before each of its three wgmma
+    issue sites (the first Q·Kᵀ, the loop's Q·Kᵀ + P·V, the last P·V) and passes it on after (``bar.arrive``
+    on the other's), the second warpgroup once more at its start (the first turn is the first's): so every
+    wait has its arrival and none is left over but that one. Builds without it use no such barrier. The
+    design otherwise as without (registers, waits, one block per SM)."""
+    _needs_gluon()
+    rows = _compiled(GLUON_PINGPONG_CASES)
+    assert len(rows) == 6, rows
+    turns = {"bar.sync 8, 256": 3, "bar.arrive 9, 256": 3, "bar.sync 9, 256": 3, "bar.arrive 8, 256": 4}
+    for row in rows[:-1]:
+        assert row["named_barriers"] == turns, row
+        assert row["stack"] <= 128 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
+        assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == (
+            [0, 2] if row["headdim"] == 96 else [0, 1]
+        )
+    assert rows[-1]["named_barriers"] == {}, rows[-1]
+
+
 GLUON_SINK_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

@@ -272,7 +272,7 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
                 cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[headdim]
                 return hopper.Plan(
                     q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
-                    programs=None if short else hopper.ONE_PER_TILE,
+                    programs=None if short else hopper.ONE_PER_TILE, pingpong=cfg.pingpong,
                 )  # fmt: skip
     return FwdPlan(q4, k4, v4, p, s)
 

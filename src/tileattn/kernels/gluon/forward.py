@@ -189,6 +189,37 @@ def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT:
 
 
 @gluon.jit
+def _bar(ASM: gl.constexpr):
+    """A named-barrier instruction (``bar.sync`` / ``bar.arrive``) by inline PTX: Gluon has no API for them
+    (Triton 3.6's inline assembly needs one result: a dummy)."""
+    gl.inline_asm_elementwise(ASM + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _turn_wait(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: waits for this consumer warpgroup's turn to issue its wgmmas. FlashAttention-3's warp
+    scheduler barriers: named barrier 8 + WG counts 256 threads, this warpgroup's 128 at its ``bar.sync``
+    and the other's 128 at its ``bar.arrive`` (``_turn_pass``). Triton's warp specialization uses barriers 0,
+    1 and 2 + worker; 8 and 9 are free."""
+    if PINGPONG:
+        if WG == 0:
+            _bar("bar.sync 8, 256;")
+        else:
+            _bar("bar.sync 9, 256;")
+
+
+@gluon.jit
+def _turn_pass(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: gives the turn to the other consumer warpgroup, once this one's wgmmas are issued: its
+    matmuls then run on the tensor cores while this one runs the softmax."""
+    if PINGPONG:
+        if WG == 0:
+            _bar("bar.arrive 9, 256;")
+        else:
+            _bar("bar.arrive 8, 256;")
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """One online-softmax step on raw scores: (p, alpha, m, l), m in raw units; the scale folds into one
     FMA per score (exp2(s * scale - m * scale)). Rows that saw no key yet keep m = -inf and give p = 0,
@@ -209,6 +240,7 @@ def _consume(
     VARLEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
+    PINGPONG: gl.constexpr,
     WG: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
@@ -240,6 +272,8 @@ def _consume(
     num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
+    if WG == 1:  # (PINGPONG: the first turn is the first warpgroup's)
+        _turn_pass(WG, PINGPONG)
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _tile(
             t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
@@ -259,9 +293,11 @@ def _consume(
             if n_tiles > 0:
                 cur = it % STAGES
                 mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
+                _turn_wait(WG, PINGPONG)
                 s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if SPLIT:
                     s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
+                _turn_pass(WG, PINGPONG)
                 s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
                 mbarrier.arrive(k_free.index(cur), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
@@ -273,12 +309,14 @@ def _consume(
                     mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
                     mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    _turn_wait(WG, PINGPONG)
                     s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     if SPLIT:
                         s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
                     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                     if SPLIT:
                         acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
+                    _turn_pass(WG, PINGPONG)
                     # Q·Kᵀ of tile j done, P·V of j - 1 running
                     s_acc = warpgroup_mma_wait(PV_OPS, deps=(s_acc,))
                     mbarrier.arrive(k_free.index(cur), count=1)
@@ -295,9 +333,12 @@ def _consume(
                 last = (it + n_tiles - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
+                _turn_wait(WG, PINGPONG)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 if SPLIT:
                     acc2 = warpgroup_mma(p_op, v2_smem.index(last), acc2, is_async=True)
+                _turn_pass(WG, PINGPONG)
+                if SPLIT:
                     acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
                 else:
                     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -351,8 +392,9 @@ def _consume_default(
     VARLEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 0)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, 0)
 
 
 @gluon.jit
@@ -363,9 +405,10 @@ def _consume_worker(
     VARLEN: gl.constexpr,
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
+    PINGPONG: gl.constexpr,
     WG: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, WG)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, WG)
 
 
 @gluon.jit
@@ -377,6 +420,7 @@ def _fwd_kernel(
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False,
 ):  # fmt: skip
     """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
     64 + 32, ``HEAD_PARTS``); None without SPLIT."""
@@ -417,9 +461,9 @@ def _fwd_kernel(
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 1)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 2)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, 1)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, 2)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 4, 1],
@@ -428,8 +472,8 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, 1)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, 1)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 1],
@@ -460,7 +504,7 @@ def eligible_rows(
 
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
-    stages: int = 2, programs: int | None = None, rows: tuple | None = None,
+    stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -468,11 +512,15 @@ def attn_fwd(
     program per SM, or fewer where there is less work; ``ONE_PER_TILE``: one per work item, each starting
     where a non-persistent launch would put it). ``block_m``: a work item's query rows, ``WG_ROWS`` per
     consumer warpgroup: 128 (two warpgroups at 240 registers) or 192 (three at 160, FlashAttention-3's
-    head-dim-64 build). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    head-dim-64 build). ``pingpong``: the two consumer warpgroups take turns issuing their wgmmas (named
+    barriers), so that one's softmax runs under the other's matmuls (FlashAttention-3's ping-pong; two
+    warpgroups only). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
-    plan = Plan(q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs)
+    plan = Plan(
+        q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong
+    )
     out, lse = plan.run(q4, k4, v4, p)
     return out.view(q4.shape), lse
 
@@ -489,12 +537,17 @@ class Plan:
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
+        pingpong: bool = False,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(
                 f"block_m must be one of {BLOCK_MS} (consumer warpgroups of {WG_ROWS} rows), got {block_m}"
             )
         consumers = block_m // WG_ROWS
+        if pingpong and consumers != 2:
+            raise ValueError(
+                f"pingpong takes turns between two consumer warpgroups (block_m=128), got block_m={block_m}"
+            )
         headdim = q4.shape[3]
         nheads, nheads_k = q4.shape[2], k4.shape[2]
         self.varlen = p.is_varlen
@@ -523,7 +576,7 @@ class Plan:
         )  # fmt: skip
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
-            CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1,
+            CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
         )  # fmt: skip
         # (the register file over 12 or 16 warps)
         self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
