@@ -279,13 +279,44 @@ def _warp_specialization(ptx: str) -> dict:
     )
 
 
+def wgmma_schedule(kernel) -> list[str]:
+    """A Gluon kernel's SASS (nvdisasm, bundled with Triton), read for where the softmax falls against the
+    wgmma waits: one line per run of HGMMA instructions, then in order what follows up to the next run,
+    ``E<n>`` for n MUFU.EX2 (the exponentials), ``W1`` / ``W0`` for a wait for all but one / all wgmma
+    groups (e.g. ``H16 W1 E66 W0``: Q·Kᵀ and P·V issued, the exponentials between the two waits, under
+    the running P·V). Empty where nvdisasm is not there."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return []
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    runs: list[list] = []
+    for m in re.finditer(r"HGMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)|MUFU\.EX2", sass):
+        kind = "H" if m.group(0).startswith("HGMMA") else "E" if m.group(0).startswith("MUFU") else "W" + m.group(1)
+        if kind == "H" and (not runs or runs[-1][-1][0] != "H"):
+            runs.append([["H", 0]])
+        if not runs:
+            continue
+        last = runs[-1][-1]
+        if last[0] == kind and kind in "HE":
+            last[1] += 1
+        else:
+            runs[-1].append([kind, 1])
+    return [" ".join(f"{k}{n}" if k in "HE" else k for k, n in run) for run in runs]
+
+
 def compile_gluon(
     headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), sink: bool = False, **options
 ) -> dict:
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
     with a sliding ``window`` (flash_attn's window_size), with attention sinks (``sink``), with ``options``
-    (block_m, block_n, stages; the settings table's entry by default): its resources, and from the PTX the
-    register budgets of its partitions (setmaxnreg) and its wgmma waits."""
+    (block_m, block_n, stages, pingpong, mask_loops; the settings table's entry by default): its resources,
+    from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and shapes, TMA byte
+    counts and named barriers, and from the SASS where the exponentials fall against the waits
+    (``schedule``: ``wgmma_schedule``)."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import AttnParams
@@ -318,6 +349,7 @@ def compile_gluon(
         options=options,
         **_warp_specialization(ptx),
         **resources(kernel),
+        schedule=wgmma_schedule(kernel),
     )
 
 

@@ -90,6 +90,9 @@ class KernelConfig:
     # Gluon forward only (two consumer warpgroups): they take turns issuing their wgmmas through named
     # barriers, one's softmax under the other's matmuls (FlashAttention-3's ping-pong)
     pingpong: bool = False
+    # Gluon forward only: the key loop as three branch-free loops (tiles that need a mask, those that need
+    # none, those that do), so that ptxas can schedule the softmax under the running P·V
+    mask_loops: bool = False
 
 
 @dataclass(frozen=True)

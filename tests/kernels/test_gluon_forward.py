@@ -35,24 +35,31 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (1, 1025, 1025, 3, 3, 96, False, torch.float16),
 ]
 BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items; block_m=192:
-    # three consumer warpgroups (FlashAttention-3's head-dim-64 forward)
+    # three consumer warpgroups (FlashAttention-3's head-dim-64 forward); mask_loops: the key loop as three
+    # branch-free loops (its bounds decide which tiles skip the mask: each head dim has one such build)
     64: [
         dict(block_n=128, stages=2),
         dict(block_n=128, stages=3, programs=7),
         dict(block_m=192, block_n=64, stages=4),
         dict(block_m=192, block_n=128, stages=3, programs=7),
+        dict(block_m=192, block_n=64, stages=4, programs=7, mask_loops=True),
     ],
     128: [
         dict(block_n=128, stages=2),
         dict(block_n=128, stages=3, programs=5),
         dict(block_m=192, block_n=64, stages=3),
+        dict(block_n=128, stages=2, programs=5, mask_loops=True),
     ],
     96: [
         dict(block_n=128, stages=2),
-        dict(block_n=128, stages=2, programs=5),
+        dict(block_n=128, stages=2, programs=5, mask_loops=True),
         dict(block_m=192, block_n=64, stages=3, programs=7),
     ],
-    256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3)],
+    256: [
+        dict(block_n=64, stages=2),
+        dict(block_n=64, stages=2, programs=3),
+        dict(block_n=64, stages=2, mask_loops=True),
+    ],
 }
 
 

@@ -456,6 +456,48 @@ def test_gluon_forward_pingpong_builds_take_turns():
     assert rows[-1]["named_barriers"] == {}, rows[-1]
 
 
+GLUON_MASK_LOOP_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    for options in ({}, {"mask_loops": True}):
+        rows += [compile_report.compile_gluon(128, causal, **options) for causal in (False, True)]
+        rows.append(compile_report.compile_gluon(128, False, window=(256, 0), **options))
+"""
+
+
+def _exponentials_under_pv(schedule: list[str]) -> tuple[int, int]:
+    """Of the exponentials in a build's key loops (``compile_report.wgmma_schedule`` lines that issue Q·Kᵀ
+    and P·V and wait for Q·Kᵀ alone first: ``H16 W1 E61 W0 E5``), how many run between that wait and the
+    wait for P·V, i.e. under the running P·V; and how many there are."""
+    under = total = 0
+    for loop in schedule:
+        if " W1 " not in f" {loop} ":
+            continue
+        ops = loop.split()
+        before_w0 = ops[: ops.index("W0")] if "W0" in ops else ops
+        under += sum(int(op[1:]) for op in before_w0 if op.startswith("E"))
+        total += sum(int(op[1:]) for op in ops if op.startswith("E"))
+    return under, total
+
+
+def test_gluon_forward_mask_loops_put_the_softmax_under_the_pv():
+    """With the key loop in one loop whose mask sits behind a branch, ptxas waits for the P·V before the
+    softmax (the branch splits the loop body, and the wait moves to the top of the block after it): no
+    exponential runs under the P·V, no intra-warpgroup overlap. With ``mask_loops`` (three branch-free
+    loops: tiles that need a mask, those that need none, those that do) most of them do (dense: the loop
+    over unmasked tiles all of them, causal all of both loops', windows about 60 %). Dense, causal and
+    windowed. (What it is worth is for the GPU to say: docs/perf.md.)"""
+    _needs_gluon()
+    rows = _compiled(GLUON_MASK_LOOP_CASES)
+    assert len(rows) == 6, rows
+    for one, three in zip(rows[:3], rows[3:]):
+        under, total = _exponentials_under_pv(one["schedule"])
+        assert total and under == 0, one
+        under, total = _exponentials_under_pv(three["schedule"])
+        assert total and under >= total / 2, three
+        assert three["stack"] <= 256 and three["wgmma_waits"] == [0, 1], three
+
+
 GLUON_SINK_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

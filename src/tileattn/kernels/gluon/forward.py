@@ -161,11 +161,13 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
 
 @gluon.jit
 def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
-            MASK_RIGHT: gl.constexpr):  # fmt: skip
+            MASK_RIGHT: gl.constexpr, MODE: gl.constexpr = 0):  # fmt: skip
     """Raw scores of key tile j, -inf where a key is past the sequence or outside the row's window (bounds:
     ``(seqlen_q, seqlen_k, window_left, window_right)``): row i sees key k iff ``i + shift - window_left
     <= k <= i + shift + window_right`` (the sides MASK_LEFT and MASK_RIGHT bound; causal: window_right 0),
-    bottom-right aligned as flash_attn's (shift = seqlen_k - seqlen_q)."""
+    bottom-right aligned as flash_attn's (shift = seqlen_k - seqlen_q). MODE 0: the mask where the tile
+    needs one (a branch); 1: the mask, without the branch; 2: none (the caller knows the tile needs none:
+    ``_mask_phases``)."""
     seqlen_q, seqlen_k, window_left, window_right = bounds
     s = s_acc
     ROWS: gl.constexpr = s_acc.type.shape[0]
@@ -177,15 +179,39 @@ def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT:
         need = need | (start + BLOCK_N - 1 > first_row + shift + window_right)
     if MASK_LEFT:
         need = need | (start < first_row + ROWS - 1 + shift - window_left)
-    if need:
-        key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
-        hidden = key[None, :] >= seqlen_k
-        if MASK_RIGHT:
-            hidden = hidden | (key[None, :] > rows[:, None] + (shift + window_right))
-        if MASK_LEFT:
-            hidden = hidden | (key[None, :] < rows[:, None] + (shift - window_left))
-        s = gl.where(hidden, float("-inf"), s)
+    if MODE == 1:
+        need = True
+    if MODE != 2:
+        if need:
+            key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
+            hidden = key[None, :] >= seqlen_k
+            if MASK_RIGHT:
+                hidden = hidden | (key[None, :] > rows[:, None] + (shift + window_right))
+            if MASK_LEFT:
+                hidden = hidden | (key[None, :] < rows[:, None] + (shift - window_left))
+            s = gl.where(hidden, float("-inf"), s)
     return s
+
+
+@gluon.jit
+def _mask_phases(lo, n_tiles, first_row, bounds, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):  # fmt: skip
+    """Where a warpgroup's key loop (tiles 1 .. n_tiles - 1 of a work item, tile 0 at key tile ``lo``) needs
+    no mask: tiles ``[a, b)``. Before a, a tile holds keys left of the last row's window (MASK_LEFT); from
+    b, keys right of the first row's (MASK_RIGHT) or past the sequence. ``_scores``' ``need`` is False
+    exactly on ``[a, b)``: it needs start >= L and start + BLOCK_N <= R below."""
+    seqlen_q, seqlen_k, window_left, window_right = bounds
+    shift = seqlen_k - seqlen_q
+    a = 1
+    if MASK_LEFT:  # the first tile whose keys all lie at or right of the last row's first key, L
+        left = gl.maximum(first_row + ROWS - 1 + shift - window_left, 0)
+        a = gl.maximum(gl.cdiv(left, BLOCK_N) - lo, 1)
+    right = seqlen_k  # R: one past the first row's last key
+    if MASK_RIGHT:
+        right = gl.minimum(right, gl.maximum(first_row + shift + window_right + 1, 0))
+    a = gl.minimum(a, n_tiles)
+    b = gl.minimum(gl.maximum(right // BLOCK_N - lo, a), n_tiles)
+    return a, b
 
 
 @gluon.jit
@@ -241,6 +267,7 @@ def _consume(
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
     PINGPONG: gl.constexpr,
+    MASK_LOOPS: gl.constexpr,
     WG: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
@@ -303,33 +330,55 @@ def _consume(
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
                 s = _scores(s_acc, lo, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                for j in range(1, n_tiles):
-                    prev = (it + j - 1) % STAGES
-                    cur = (it + j) % STAGES
-                    mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    _turn_wait(WG, PINGPONG)
-                    s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    if SPLIT:
-                        s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    if SPLIT:
-                        acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
-                    _turn_pass(WG, PINGPONG)
-                    # Q·Kᵀ of tile j done, P·V of j - 1 running
-                    s_acc = warpgroup_mma_wait(PV_OPS, deps=(s_acc,))
-                    mbarrier.arrive(k_free.index(cur), count=1)
-                    mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
-                    s = _scores(s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                    if SPLIT:
-                        acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
-                        acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
-                    else:
-                        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                    mbarrier.arrive(v_free.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                # MASK_LOOPS: the key loop in three loops, tiles that need a mask (branch-free), those that need
+                # none (no mask code), and those that do, so that no branch splits the loop body: ptxas then
+                # schedules part of the softmax before the P·V wait. Else one loop, the mask behind a branch.
+                ja, jb = 1, n_tiles
+                if MASK_LOOPS:
+                    ja, jb = _mask_phases(lo, n_tiles, first_row, bounds, ROWS, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                for phase in gl.static_range(3 if MASK_LOOPS else 1):
+                    j_start = 1
+                    j_end = n_tiles
+                    if MASK_LOOPS:
+                        if phase == 0:
+                            j_end = ja
+                        elif phase == 1:
+                            j_start = ja
+                            j_end = jb
+                        else:
+                            j_start = jb
+                    for j in range(j_start, j_end):
+                        prev = (it + j - 1) % STAGES
+                        cur = (it + j) % STAGES
+                        mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
+                        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        _turn_wait(WG, PINGPONG)
+                        s_acc = warpgroup_mma(
+                            q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True
+                        )
+                        if SPLIT:
+                            s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
+                        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                        if SPLIT:
+                            acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
+                        _turn_pass(WG, PINGPONG)
+                        # Q·Kᵀ of tile j done, P·V of j - 1 running
+                        s_acc = warpgroup_mma_wait(PV_OPS, deps=(s_acc,))
+                        mbarrier.arrive(k_free.index(cur), count=1)
+                        mbarrier.arrive(q_free, count=1, pred=j == n_tiles - 1)
+                        s = _scores(
+                            s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT,
+                            (2 if phase == 1 else 1) if MASK_LOOPS else 0,
+                        )  # fmt: skip
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                        if SPLIT:
+                            acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
+                            acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
+                        else:
+                            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                        mbarrier.arrive(v_free.index(prev), count=1)
+                        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 last = (it + n_tiles - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -393,8 +442,9 @@ def _consume_default(
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
     PINGPONG: gl.constexpr,
+    MASK_LOOPS: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, 0)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 0)
 
 
 @gluon.jit
@@ -406,9 +456,10 @@ def _consume_worker(
     HAS_SINK: gl.constexpr,
     SPLIT: gl.constexpr,
     PINGPONG: gl.constexpr,
+    MASK_LOOPS: gl.constexpr,
     WG: gl.constexpr,
 ):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, WG)
+    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, WG)
 
 
 @gluon.jit
@@ -420,7 +471,7 @@ def _fwd_kernel(
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
-    PINGPONG: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False,
 ):  # fmt: skip
     """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
     64 + 32, ``HEAD_PARTS``); None without SPLIT."""
@@ -461,9 +512,9 @@ def _fwd_kernel(
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, 1)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, 2)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 1)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 2)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 4, 1],
@@ -472,8 +523,8 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, 1)),
+                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS)),
+                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 1)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 1],
@@ -505,6 +556,7 @@ def eligible_rows(
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
     stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
+    mask_loops: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -514,13 +566,17 @@ def attn_fwd(
     consumer warpgroup: 128 (two warpgroups at 240 registers) or 192 (three at 160, FlashAttention-3's
     head-dim-64 build). ``pingpong``: the two consumer warpgroups take turns issuing their wgmmas (named
     barriers), so that one's softmax runs under the other's matmuls (FlashAttention-3's ping-pong; two
-    warpgroups only). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    warpgroups only). ``mask_loops``: the key loop as three loops (tiles that need a mask, those that need
+    none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
+    running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``rows``: what
+    ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
     plan = Plan(
-        q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong
-    )
+        q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong,
+        mask_loops=mask_loops,
+    )  # fmt: skip
     out, lse = plan.run(q4, k4, v4, p)
     return out.view(q4.shape), lse
 
@@ -537,7 +593,7 @@ class Plan:
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
-        pingpong: bool = False,
+        pingpong: bool = False, mask_loops: bool = False,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(
@@ -577,6 +633,7 @@ class Plan:
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
+            MASK_LOOPS=mask_loops,
         )  # fmt: skip
         # (the register file over 12 or 16 warps)
         self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
