@@ -394,6 +394,7 @@ def compile_gluon_bwd(
         tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
         atomics=len(re.findall(r"^\s*(?:@!?%\w+\s+)?(?:red|atom)\.global", ptx, re.M)),
         **resources(kernel),
+        schedule=wgmma_schedule(kernel),
     )
 
 
