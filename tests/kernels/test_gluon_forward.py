@@ -158,39 +158,20 @@ def test_block_m_is_checked():
         hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=192, pingpong=True)
 
 
-@pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))
+@pytest.mark.parametrize(
+    "headdim",
+    [*sorted(configs.HOPPER.fwd_gluon), pytest.param(96, marks=pytest.mark.slow)],  # (96: not in the settings yet)
+)
 def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
-    from tileattn.kernels.gluon import forward as hopper
-
-    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
-    case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
-    q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
-    out = tileattn.flash_attn_func(q, k, v, causal=True)
-    assert len(calls) == 1
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-    ref = oracle.attention(qr, kr, vr, causal=True)
-    ref.out.backward(dout.double())
-    lows = [t.detach().requires_grad_() for t in (q, k, v)]
-    low = oracle.attention(*lows, causal=True, precision=None)
-    low.out.backward(dout)
-    check_close("out", out, ref.out, low.out)
-    for name, t, r, lo in zip("qkv", (q, k, v), (qr, kr, vr), lows):
-        check_close(f"d{name}", t.grad, r.grad, lo.grad)
-
-
-@pytest.mark.slow  # (a build the settings do not pick yet)
-def test_public_call_at_head_dim_96_when_the_settings_give_it(monkeypatch):
-    """Head dim 96 runs here only where the settings have an entry for it (none until it is timed against
-    the portable forward): with one, the public call runs the Gluon plan, forward, and the portable
-    backward behind it, against the oracle; without, the portable forward."""
+    """The public call runs the Gluon forward at the head dims the settings give it, with the portable
+    backward behind it, against the oracle. A head dim the settings leave out (96 until it is timed) runs the
+    portable forward, and the Gluon forward once an entry gives it one."""
     from dataclasses import replace
 
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import KernelConfig
 
-    case = (2, 300, 300, 4, 2, 96, True, torch.bfloat16)
+    case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
     dout = torch.randn_like(q)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
@@ -199,19 +180,22 @@ def test_public_call_at_head_dim_96_when_the_settings_give_it(monkeypatch):
     lows = [t.detach().requires_grad_() for t in (q, k, v)]
     low = oracle.attention(*lows, causal=True, precision=None)
     low.out.backward(dout)
-    calls = record_calls(monkeypatch, hopper.Plan, "run")
     base = configs.for_device(q.device)
-    with_96 = replace(base, fwd_gluon={**base.fwd_gluon, 96: KernelConfig(128, 128, 4, 2)})
-    for settings, runs in ((base, 0), (with_96, 1)):
+    runs = [(base, headdim in base.fwd_gluon)]
+    if headdim not in base.fwd_gluon:
+        runs.append((replace(base, fwd_gluon={**base.fwd_gluon, headdim: KernelConfig(128, 128, 4, 2)}), True))
+    calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
+    for settings, gluon in runs:
+        calls.clear()
         for t in (q, k, v):
             t.grad = None
         with configs.override(settings):
             out = tileattn.flash_attn_func(q, k, v, causal=True)
             out.backward(dout)
-        assert len(calls) == runs, (settings.fwd_gluon.keys(), len(calls))
-        check_close(f"out (Gluon: {runs})", out, ref.out, low.out)
+        assert len(calls) == gluon, (sorted(settings.fwd_gluon), len(calls))
+        check_close(f"out (Gluon: {gluon})", out, ref.out, low.out)
         for name, t, r, lo in zip("qkv", (q, k, v), (qr, kr, vr), lows):
-            check_close(f"d{name} (Gluon forward: {runs})", t.grad, r.grad, lo.grad)
+            check_close(f"d{name} (Gluon forward: {gluon})", t.grad, r.grad, lo.grad)
 
 
 def test_calls_it_cannot_compute_run_the_portable_kernels():

@@ -434,35 +434,6 @@ def _consume(
 
 
 @gluon.jit
-def _consume_default(
-    args,
-    MASK_LEFT: gl.constexpr,
-    MASK_RIGHT: gl.constexpr,
-    VARLEN: gl.constexpr,
-    HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    MASK_LOOPS: gl.constexpr,
-):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 0)
-
-
-@gluon.jit
-def _consume_worker(
-    args,
-    MASK_LEFT: gl.constexpr,
-    MASK_RIGHT: gl.constexpr,
-    VARLEN: gl.constexpr,
-    HAS_SINK: gl.constexpr,
-    SPLIT: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    MASK_LOOPS: gl.constexpr,
-    WG: gl.constexpr,
-):
-    _consume(args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, WG)
-
-
-@gluon.jit
 def _fwd_kernel(
     q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
@@ -512,9 +483,9 @@ def _fwd_kernel(
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 1)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 2)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 0)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 1)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 2)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 4, 1],
@@ -523,8 +494,8 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume_default, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS)),
-                (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 1)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 0)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 1)),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
             ],
             [4, 1],
