@@ -284,7 +284,7 @@ def wgmma_schedule(kernel) -> list[str]:
     wgmma waits: one line per run of HGMMA instructions, then in order what follows up to the next run,
     ``E<n>`` for n MUFU.EX2 (the exponentials), ``W1`` / ``W0`` for a wait for all but one / all wgmma
     groups (e.g. ``H16 W1 E66 W0``: Q·Kᵀ and P·V issued, the exponentials between the two waits, under
-    the running P·V). Empty where nvdisasm is not there."""
+    the running P·V; QGMMA, the FP8 wgmma, counts as H too). Empty where nvdisasm is not there."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         return []
@@ -294,8 +294,8 @@ def wgmma_schedule(kernel) -> list[str]:
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
     runs: list[list] = []
-    for m in re.finditer(r"HGMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)|MUFU\.EX2", sass):
-        kind = "H" if m.group(0).startswith("HGMMA") else "E" if m.group(0).startswith("MUFU") else "W" + m.group(1)
+    for m in re.finditer(r"[HQ]GMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)|MUFU\.EX2", sass):
+        kind = "H" if "GMMA" in m.group(0) else "E" if m.group(0).startswith("MUFU") else "W" + m.group(1)
         if kind == "H" and (not runs or runs[-1][-1][0] != "H"):
             runs.append([["H", 0]])
         if not runs:
@@ -309,31 +309,33 @@ def wgmma_schedule(kernel) -> list[str]:
 
 
 def compile_gluon(
-    headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), sink: bool = False, **options
-) -> dict:
+    headdim: int, causal: bool, varlen: bool = False, window: tuple = (-1, -1), sink: bool = False,
+    fp8: bool = False, **options,
+) -> dict:  # fmt: skip
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
     with a sliding ``window`` (flash_attn's window_size), with attention sinks (``sink``), with ``options``
     (block_m, block_n, stages, pingpong, mask_loops; the settings table's entry by default): its resources,
     from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and shapes, TMA byte
     counts and named barriers, and from the SASS where the exponentials fall against the waits
-    (``schedule``: ``wgmma_schedule``)."""
+    (``schedule``: ``wgmma_schedule``). ``fp8``: e4m3 inputs with descales (``settings.fwd_gluon_fp8``)."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import AttnParams
 
     batch, seqlen, nheads = 2, 1024, 2048 // headdim
-    q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.bfloat16)
+    q = torch.zeros(batch, seqlen, nheads, headdim, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     cu = None
     if varlen:  # the same rows as one packed batch of two sequences
         q = q.view(1, batch * seqlen, nheads, headdim)
         cu = torch.tensor([0, seqlen, 2 * seqlen], dtype=torch.int32)
-    cfg = configs.HOPPER.fwd_gluon.get(headdim)
+    cfg = (configs.HOPPER.fwd_gluon_fp8 if fp8 else configs.HOPPER.fwd_gluon).get(headdim)
     if cfg is not None:
         options = dict(dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages), **options)
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,
         learnable_sink=torch.zeros(nheads) if sink else None,
+        descales=torch.ones(3, batch, nheads) if fp8 else None,
     )  # fmt: skip
     hopper.attn_fwd(q, q, q, p, programs=132, **options)  # (the H200's SMs: the grid, not the build)
     name, kernel, kw = _LAUNCHES.pop()
@@ -346,6 +348,7 @@ def compile_gluon(
         varlen=varlen,
         window=window,
         sink=sink,
+        fp8=fp8,
         options=options,
         **_warp_specialization(ptx),
         **resources(kernel),

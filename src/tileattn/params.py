@@ -209,6 +209,9 @@ class Settings:
     # forward
     fwd_gluon: Mapping[int, KernelConfig] = field(default_factory=dict)
     fwd_gluon_short: Mapping[int, KernelConfig] = field(default_factory=dict)
+    # FP8 (e4m3) inputs in the Gluon forward, by head dim (one program per query tile; none: the portable
+    # forward, which reads V through Triton's key-major copy or ``fp8_v_transposed``'s)
+    fwd_gluon_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     gluon_short_seqlen_k: int = 4096
     # the Gluon backward on sm90 (``kernels.gluon.backward``: one dK/dV/dQ kernel, dQ added in fp32, so never
     # with ``deterministic``), by head dim: block_m query rows per tile, block_n keys per program (128),

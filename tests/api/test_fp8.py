@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import oracle
 import tileattn
 from attention_cases import _cu
-from helpers import check_attention, check_lse, check_refused, on, run_property
+from helpers import check_attention, check_lse, check_refused, needs_gluon, on, record_calls, run_property
 from tileattn import fp8
 from tileattn.kernels import configs
 
@@ -174,13 +174,16 @@ def test_fp8_random_calls(backend, shard):
 
 
 def test_fp8_varlen_one_descale_per_sequence(backend):
-    _, device = on(backend)
-    ctx, _ = on(backend)
+    _check_fp8_varlen(backend, 32)
+
+
+def _check_fp8_varlen(backend, headdim):
+    ctx, device = on(backend)
     lengths = [9, 0, 30, 1]
     cu = _cu(lengths, device)
     total = sum(lengths)
     scale = torch.repeat_interleave(torch.tensor([1.0, 1.0, 20.0, 0.05]), torch.tensor(lengths))[:, None, None]
-    q, k, v = (torch.randn(total, heads, 32) * scale for heads in (4, 2, 2))
+    q, k, v = (torch.randn(total, heads, headdim) * scale for heads in (4, 2, 2))
     q, k, v = q.to(device), k.to(device), v.to(device)
     (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(t, 2, cu) for t in (q, k, v))
     with ctx:
@@ -199,6 +202,28 @@ def test_fp8_varlen_one_descale_per_sequence(backend):
         varlen=(cu, cu, 30),
         lowp_kwargs=FP8_PROBS,
     )
+
+
+@needs_gluon("the Gluon forward")
+@pytest.mark.slow  # (a build the settings do not pick yet: docs/perf.md)
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_fp8_gluon_forward(headdim, monkeypatch):
+    """The Gluon forward on FP8 inputs (``Settings.fwd_gluon_fp8``, empty until it is timed): Q·Kᵀ and P·V
+    on FP8 wgmma, V read through its transposed copy, P through shared memory; GQA, causal with more keys
+    than queries, a window, packed with a descale per sequence; also with the ping-pong and the three-loop
+    key loop; every call through it (recorded), against the oracle on the dequantized inputs."""
+    from tileattn.kernels.gluon import forward as hopper
+    from tileattn.params import KernelConfig
+
+    base = configs.for_device(torch.device("cuda"))
+    entry = KernelConfig(128, 64 if headdim == 256 else 128, 4, 2)
+    calls = record_calls(monkeypatch, hopper.Plan, "run")
+    for cfg in (entry, replace(entry, mask_loops=True, pingpong=True)):
+        with configs.override(replace(base, fwd_gluon_fp8={headdim: cfg})):
+            _check_fp8_call("cuda", (2, 300, 557, 4, 2, headdim), {"causal": True})
+            _check_fp8_call("cuda", (1, 257, 129, 2, 2, headdim), {"window_size": (40, 7)}, scale=3.0)
+            _check_fp8_varlen("cuda", headdim)
+    assert len(calls) == 6
 
 
 def test_fp8_descales_default_to_one_and_backward_is_refused():

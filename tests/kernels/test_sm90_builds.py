@@ -498,6 +498,32 @@ def test_gluon_forward_mask_loops_put_the_softmax_under_the_pv():
         assert three["stack"] <= 256 and three["wgmma_waits"] == [0, 1], three
 
 
+GLUON_FP8_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon(d, True, fp8=True, block_m=128, block_n=64 if d == 256 else 128, stages=2)
+             for d in (64, 128, 256)]
+    rows.append(compile_report.compile_gluon(128, False, True, fp8=True, block_m=128, block_n=128, stages=2,
+                                             pingpong=True, mask_loops=True))
+"""
+
+
+def test_gluon_forward_fp8_builds_on_fp8_wgmma():
+    """The Gluon forward on FP8 inputs (``fp8``): both matmuls on e4m3 wgmma (K = 32 a step), the design
+    otherwise as in 16 bits (two consumer warpgroups at 240 registers, a loader at 24, one block per SM, the
+    key loop's waits), each stage's K tile and V tile (of V transposed, head dim x keys) block_n x head dim
+    bytes, no spills; with the ping-pong and packed too."""
+    _needs_gluon()
+    rows = _compiled(GLUON_FP8_CASES)
+    assert len(rows) == 4, rows
+    for row in rows:
+        d, block_n = row["headdim"], row["options"]["block_n"]
+        assert row["fp8"] and {f"m64n{block_n}k32", f"m64n{d}k32"} == set(row["wgmma_shapes"]), row
+        assert set(row["expect_bytes"]) == {block_n * d, 2 * 64 * d}, row
+        assert row["stack"] == 0 and row["blocks_per_sm"] == 1 and row["warps"] == 12, row
+        assert {24, 240} <= set(row["setmaxnreg"]) and row["wgmma_waits"] == [0, 1], row
+
+
 GLUON_SINK_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

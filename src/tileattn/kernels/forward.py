@@ -257,7 +257,8 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
     past ``s.grid_z_batch`` (``attn_fwd`` runs those as packed)."""
     q4, k4, v4 = (p.as_4d(t) for t in (q, k, v))
     headdim = q.shape[-1]
-    if headdim in s.fwd_gluon and q.is_cuda:
+    gluon_table, short_table = (s.fwd_gluon_fp8, {}) if p.is_fp8 else (s.fwd_gluon, s.fwd_gluon_short)
+    if headdim in gluon_table and q.is_cuda:
         from tileattn.kernels import gluon
 
         if gluon.available():
@@ -267,9 +268,9 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
             if rows is not None:
                 keys = p.seqlen_k  # the keys a query block (a long-loop work item's rows) sees at most
                 if p.window_left >= 0 and p.window_right >= 0:
-                    keys = min(keys, p.window_left + p.window_right + s.fwd_gluon[headdim].block_m)
-                short = keys < s.gluon_short_seqlen_k and headdim in s.fwd_gluon_short
-                cfg = (s.fwd_gluon_short if short else s.fwd_gluon)[headdim]
+                    keys = min(keys, p.window_left + p.window_right + gluon_table[headdim].block_m)
+                short = keys < s.gluon_short_seqlen_k and headdim in short_table
+                cfg = (short_table if short else gluon_table)[headdim]
                 return hopper.Plan(
                     q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
                     programs=None if short else hopper.ONE_PER_TILE, pingpong=cfg.pingpong,
@@ -391,11 +392,16 @@ def _contiguous_strides(shape: tuple, p: AttnParams) -> tuple[int, int, int]:
 def _transposed(v4: torch.Tensor) -> torch.Tensor:
     """V ``(batch, seqlen_k, nheads_k, headdim)`` as ``(batch, nheads_k, headdim, seqlen_k)`` with rows of
     16-byte multiples (so TMA can read it), a view of a padded copy."""
-    batch, seqlen, nheads_k, headdim = v4.shape
-    padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
-    vt = torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
+    vt = _transposed_buffer(v4)
     vt.copy_(v4.permute(0, 2, 3, 1))
     return vt
+
+
+def _transposed_buffer(v4: torch.Tensor) -> torch.Tensor:
+    """``_transposed``'s buffer for V of this shape, uninitialised."""
+    batch, seqlen, nheads_k, headdim = v4.shape
+    padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
+    return torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
 
 
 def _vt_strides(vt: torch.Tensor, p: AttnParams) -> tuple[int, int, int]:

@@ -43,10 +43,13 @@ def start(b, seq_start, head, layout, VARLEN: gl.constexpr):
     return row + head * head_rows, head * head_cols
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
 @functools.cache
 def tile_layout(rows: int, headdim: int, dtype: torch.dtype):
     """The shared-memory layout of a ``rows × headdim`` tile (made once: ~6 µs of host time each)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, headdim], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for([rows, headdim], _GL_DTYPES[dtype])
 
 
 @functools.cache
@@ -83,18 +86,23 @@ def tma_rows(t4: torch.Tensor) -> TmaRows | None:
     return None
 
 
-def plain_attention(q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: bool = False) -> bool:
+def plain_attention(
+    q4: torch.Tensor, p: AttnParams, head_dims: tuple, dropout: bool = False, fp8_head_dims: tuple = ()
+) -> bool:
     """What the Gluon kernels (``gluon.forward``, ``gluon.backward``) compute: on sm90, plain attention (no
-    FP8, softcap, ALiBi or FlashMask; dropout only where ``dropout``), causal or not, sliding windows, dense
-    or packed (varlen), bf16/fp16 at one of ``head_dims``, a positive softmax scale (they scale the raw
-    products in the exponent: with a scale of 0 or below a masked -inf would turn into NaN or +inf, and the
-    row max of the products would not be the scores')."""
+    softcap, ALiBi or FlashMask; dropout only where ``dropout``), causal or not, sliding windows, dense or
+    packed (varlen), bf16/fp16 at one of ``head_dims`` or FP8 (e4m3 with descales) at one of
+    ``fp8_head_dims``, a positive softmax scale (they scale the raw products in the exponent: with a scale
+    of 0 or below a masked -inf would turn into NaN or +inf, and the row max of the products would not be
+    the scores')."""
     if not (q4.is_cuda and _sm90(q4.device.index)) or not p.softmax_scale > 0:
         return False
-    if p.is_fp8 or p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
+    if p.softcap > 0 or p.alibi_slopes is not None or p.flashmask is not None:
         return False
     if p.dropout_p > 0 and not dropout:
         return False
+    if p.is_fp8:
+        return q4.dtype == torch.float8_e4m3fn and q4.shape[-1] in fp8_head_dims
     return q4.dtype in (torch.bfloat16, torch.float16) and q4.shape[-1] in head_dims
 
 

@@ -23,8 +23,10 @@ sequence are the next one's, which the scores mask and the stores skip), bf16/fp
 128 and 256, causal or not, sliding windows, GQA/MQA; ``eligible`` says when. Head dim 96 runs as two
 column parts, 64 + 32 (Gluon's shapes are powers of two): two TMA tiles per tensor, Q·Kᵀ as two
 accumulating wgmmas, P·V into two accumulators, so no column is computed for nothing (the portable
-kernels pad it to 128). The settings (``configs.HOPPER.fwd_gluon``) choose which head dims the public
-calls run here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not
+kernels pad it to 128). FP8 inputs (e4m3 with descales, head dims 64, 128 and 256) run both matmuls on
+FP8 wgmma: V through a transposed copy made per call (FP8 wgmma reads its B operand key-major only), P
+at 2**8 times its value in e4m3 through shared memory, the output bf16, as the portable FP8 forward. The
+settings (``configs.HOPPER.fwd_gluon``, ``fwd_gluon_fp8``) choose which head dims the public calls run here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not
 run in Triton's interpreter: they are tested on the GPU (tests/kernels/test_gluon_forward.py), and their
 builds without one (test_sm90_builds.py).
 """
@@ -36,7 +38,13 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.gluon.common import (
@@ -61,6 +69,7 @@ HEAD_DIMS = (64, 96, 128, 256)
 # Gluon's tensors have power-of-two shapes: a head dim of 96 runs as two column parts, 64 + 32 (two TMA
 # tiles and shared buffers per tensor, Q·Kᵀ as two accumulating wgmmas, P·V into two accumulators).
 HEAD_PARTS = {64: (64, 0), 96: (64, 32), 128: (128, 0), 256: (256, 0)}
+FP8_HEAD_DIMS = (64, 128, 256)  # FP8 (e4m3 q, k, v with descales): one column part
 ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
@@ -103,11 +112,12 @@ def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, SPLIT: gl.constexpr):
+def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, SPLIT: gl.constexpr,
+          IS_FP8: gl.constexpr):  # fmt: skip
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
      nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
-     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem) = args  # fmt: skip
+     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -136,7 +146,15 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
                         q2_desc, [q_row + q_base + wg * ROWS, q_col + D0], q_ready, q2_smem.index(wg)
                     )
             k_row, k_col = start(b, k0, h // group, k_lay, VARLEN)
-            v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
+            if IS_FP8:  # V transposed: rows (batch entry, kv head, head dim), its keys along the columns
+                v_row = (h // group) * v_lay[1]
+                v_col = 0
+                if VARLEN:
+                    v_col = k0
+                else:
+                    v_row += b * v_lay[0]
+            else:
+                v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
                 s = it % STAGES
                 phase = (it // STAGES) & 1
@@ -150,7 +168,10 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
                     )
                 mbarrier.wait(v_free.index(s), phase ^ 1)
                 mbarrier.expect(v_ready.index(s), V_BYTES)
-                tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], v_ready.index(s), v_smem.index(s))
+                if IS_FP8:
+                    tma.async_copy_global_to_shared(v_desc, [v_row, v_col + key], v_ready.index(s), v_smem.index(s))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [v_row + key, v_col], v_ready.index(s), v_smem.index(s))
                 if SPLIT:
                     tma.async_copy_global_to_shared(
                         v2_desc, [v_row + key, v_col + D0], v_ready.index(s), v2_smem.index(s)
@@ -246,16 +267,41 @@ def _turn_pass(WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
+def _softmax_step(s, m_i, l_i, qk_scale, P_LOG2: gl.constexpr = 0):
     """One online-softmax step on raw scores: (p, alpha, m, l), m in raw units; the scale folds into one
     FMA per score (exp2(s * scale - m * scale)). Rows that saw no key yet keep m = -inf and give p = 0,
-    alpha = 0."""
+    alpha = 0. P_LOG2 (FP8): p and l at 2**P_LOG2 times their value, so that p rounded to e4m3 keeps small
+    probabilities above its subnormals (the portable kernels' ``common.online_softmax``)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
     alpha = gl.exp2(m_i * qk_scale - m_scaled)
+    if P_LOG2 != 0:
+        m_scaled = m_scaled - P_LOG2
     p = gl.exp2(s * qk_scale - m_scaled[:, None])
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _v_operand(v_tile, IS_FP8: gl.constexpr):
+    """P·V's B operand: a V tile ``[BLOCK_N, HEAD_DIM]``, or with FP8 a tile of V transposed ``[HEAD_DIM,
+    BLOCK_N]`` viewed as ``[BLOCK_N, HEAD_DIM]`` (FP8 wgmma reads B key-major only)."""
+    if IS_FP8:
+        v_tile = v_tile.permute((1, 0))
+    return v_tile
+
+
+@gluon.jit
+def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, IS_FP8: gl.constexpr):
+    """P·V's A operand: p in registers, or with FP8 in this warpgroup's shared buffer (Triton 3.6 cannot
+    keep an 8-bit register operand alive across a wgmma wait), written once the last P·V has read it."""
+    if IS_FP8:
+        p_smem.store(p.to(dtype))
+        fence_async_shared()  # (the generic proxy's writes, seen by the wgmma's async proxy)
+        p_op = p_smem
+    else:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return p_op
 
 
 @gluon.jit
@@ -268,12 +314,13 @@ def _consume(
     SPLIT: gl.constexpr,
     PINGPONG: gl.constexpr,
     MASK_LOOPS: gl.constexpr,
+    IS_FP8: gl.constexpr,
     WG: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
      nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
-     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem) = args  # fmt: skip
+     q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
@@ -281,21 +328,25 @@ def _consume(
     D1: gl.constexpr = q2_desc.block_type.shape[1] if SPLIT else 16  # (16: a placeholder, unused)
     PV_OPS: gl.constexpr = 2 if SPLIT else 1  # the wgmmas of one P·V
     ITEM: gl.constexpr = q_smem.type.shape[0] * ROWS  # a work item's query rows
-    dtype: gl.constexpr = q_desc.dtype
+    dtype: gl.constexpr = q_desc.dtype  # (P·V's: e4m3 with FP8 inputs)
+    out_dtype: gl.constexpr = gl.bfloat16 if IS_FP8 else dtype
+    P_LOG2: gl.constexpr = 8 if IS_FP8 else 0  # (FP8: p at 2**8 times its value, as the portable kernels)
+    K_STEP: gl.constexpr = 32 if IS_FP8 else 16  # (a wgmma's K: 32 bytes of the inputs)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_STEP]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, K_STEP]
     )
     o2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D1, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o2_rows: gl.constexpr = gl.SliceLayout(1, o2_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(WG)
     q2 = q2_smem.index(WG)
+    p_smem = p_smem.index(WG)  # (FP8: this warpgroup's P)
     num_m = gl.cdiv(max_q, ITEM)
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
@@ -307,6 +358,12 @@ def _consume(
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if _live(q_base, seqlen_q, VARLEN):
+            scale = qk_scale
+            if IS_FP8:  # Descales: (3, batch, nheads_k), q's, k's and v's; q·k's fold into the scale
+                per_input = batch * (nheads // group)
+                d_base = Descales + b * (nheads // group) + h // group
+                scale = qk_scale * gl.load(d_base) * gl.load(d_base + per_input)
+                v_descale = gl.load(d_base + 2 * per_input)
             first_row = q_base + WG * ROWS  # this warpgroup's first query position
             bounds = (seqlen_q, seqlen_k, window_left, window_right)
             rows = first_row + gl.arange(0, ROWS, layout=s_rows)
@@ -329,7 +386,7 @@ def _consume(
                 mbarrier.arrive(k_free.index(cur), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
                 s = _scores(s_acc, lo, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2)
                 # MASK_LOOPS: the key loop in three loops, tiles that need a mask (branch-free), those that need
                 # none (no mask code), and those that do, so that no branch splits the loop body: ptxas then
                 # schedules part of the softmax before the P·V wait. Else one loop, the mask behind a branch.
@@ -352,14 +409,14 @@ def _consume(
                         cur = (it + j) % STAGES
                         mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        p_op = _p_operand(p, p_smem, dtype, p_layout, IS_FP8)
                         _turn_wait(WG, PINGPONG)
                         s_acc = warpgroup_mma(
                             q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True
                         )
                         if SPLIT:
                             s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
-                        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                        acc = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), IS_FP8), acc, is_async=True)
                         if SPLIT:
                             acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
                         _turn_pass(WG, PINGPONG)
@@ -371,24 +428,28 @@ def _consume(
                             s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                             (2 if phase == 1 else 1) if MASK_LOOPS else 0,
                         )  # fmt: skip
-                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2)
                         if SPLIT:
                             acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
                             acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
+                        elif IS_FP8:  # (P in shared memory: nothing in registers to keep)
+                            acc = warpgroup_mma_wait(0, deps=(acc,))
                         else:
                             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                         mbarrier.arrive(v_free.index(prev), count=1)
                         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 last = (it + n_tiles - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = _p_operand(p, p_smem, dtype, p_layout, IS_FP8)
                 _turn_wait(WG, PINGPONG)
-                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma(p_op, _v_operand(v_smem.index(last), IS_FP8), acc, is_async=True)
                 if SPLIT:
                     acc2 = warpgroup_mma(p_op, v2_smem.index(last), acc2, is_async=True)
                 _turn_pass(WG, PINGPONG)
                 if SPLIT:
                     acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
+                elif IS_FP8:
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                 mbarrier.arrive(v_free.index(last), count=1)
@@ -397,61 +458,79 @@ def _consume(
             it += n_tiles
             done += 1
 
-            m_i = m_i * qk_scale  # (log2 domain; -inf where no key was seen)
+            m_i = m_i * scale  # (log2 domain; -inf where no key was seen)
             if HAS_SINK:  # the head's sink joins the denominator: rows that saw no key get LSE = sink
                 sink = gl.load(Sink + h) * LOG2E_K
                 m_new = gl.maximum(m_i, sink)
                 alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.exp2(sink - m_new)
+                if IS_FP8:  # (at the sum's 2**P_LOG2)
+                    l_i = l_i * alpha + gl.exp2(sink - m_new + P_LOG2)
+                else:
+                    l_i = l_i * alpha + gl.exp2(sink - m_new)
                 m_i = m_new
             # A row that saw no key (nor a sink) has l == 0: output 0, LSE +inf (the portable kernels' convention)
             seen = l_i > 0.0
             l_safe = gl.where(seen, l_i, 1.0)
+            norm = l_safe  # the output's divisor
+            if IS_FP8:  # (p and l carry 2**P_LOG2, which acc / l cancels; V's descale scales the output)
+                norm = l_safe / v_descale
             if HAS_SINK:  # (the accumulator's rescale to the sink's max, folded into the normalisation)
-                out = acc * gl.convert_layout(alpha / l_safe, o_rows)[:, None]
+                out = acc * gl.convert_layout(alpha / norm, o_rows)[:, None]
                 if SPLIT:
-                    out2 = acc2 * gl.convert_layout(alpha / l_safe, o2_rows)[:, None]
+                    out2 = acc2 * gl.convert_layout(alpha / norm, o2_rows)[:, None]
             else:
-                out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+                out = acc / gl.convert_layout(norm, o_rows)[:, None]
                 if SPLIT:
-                    out2 = acc2 / gl.convert_layout(l_safe, o2_rows)[:, None]
-            lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+                    out2 = acc2 / gl.convert_layout(norm, o2_rows)[:, None]
+            if IS_FP8:
+                lse = gl.where(seen, (m_i + gl.log2(l_safe) - P_LOG2) * LN2, float("inf"))
+            else:
+                lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
             # (packed batches: batch strides 0 and rows from the sequence's first, q0)
             r0 = q0 if VARLEN else 0
             o_row = first_row + gl.arange(0, ROWS, layout=o_rows)
             o_ptrs = Out + b.to(gl.int64) * stride_ob + h * stride_oh + (r0 + o_row).to(gl.int64)[:, None] * stride_om
             o_col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            gl.store(o_ptrs + o_col[None, :], out.to(dtype), mask=(o_row < seqlen_q)[:, None])
+            gl.store(o_ptrs + o_col[None, :], out.to(out_dtype), mask=(o_row < seqlen_q)[:, None])
             if SPLIT:  # the second column part
                 o2_row = first_row + gl.arange(0, ROWS, layout=o2_rows)
                 o2_ptrs = (
                     Out + b.to(gl.int64) * stride_ob + h * stride_oh + (r0 + o2_row).to(gl.int64)[:, None] * stride_om
                 )
                 o2_col = HEAD_DIM + gl.arange(0, D1, layout=gl.SliceLayout(0, o2_layout))
-                gl.store(o2_ptrs + o2_col[None, :], out2.to(dtype), mask=(o2_row < seqlen_q)[:, None])
+                gl.store(o2_ptrs + o2_col[None, :], out2.to(out_dtype), mask=(o2_row < seqlen_q)[:, None])
             lse_ptr = Lse + b.to(gl.int64) * stride_lb + h * stride_lh
             gl.store(lse_ptr + (r0 + rows).to(gl.int64) * stride_lse, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
 def _fwd_kernel(
-    q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink,
+    q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink, Descales,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
     v_batch_rows, v_head_rows, v_head_cols,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
-    PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False,
+    PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False, IS_FP8: gl.constexpr = False,
+    P_LAYOUT: gl.constexpr = None,
 ):  # fmt: skip
     """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
-    64 + 32, ``HEAD_PARTS``); None without SPLIT."""
+    64 + 32, ``HEAD_PARTS``); None without SPLIT. ``IS_FP8``: e4m3 q, k and V transposed (``v_desc`` reads
+    ``[HEAD_DIM, BLOCK_N]`` tiles of a ``(batch, nheads_k, headdim, seqlen_k)`` copy), ``Descales`` fp32
+    ``(3, batch, nheads_k)``, ``P_LAYOUT`` the shared layout of each consumer's e4m3 P; the output bf16."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(
+        v_desc.dtype, [STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]], v_desc.layout
+    )  # ([BLOCK_N, HEAD_DIM] tiles, or with FP8 [HEAD_DIM, BLOCK_N] ones of V transposed)
+    if IS_FP8:
+        p_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, BLOCK_N], P_LAYOUT)
+    else:
+        p_smem = q_smem  # (unused)
     if SPLIT:
         D1: gl.constexpr = q2_desc.block_type.shape[1]
         q2_smem = gl.allocate_shared_memory(q2_desc.dtype, [CONSUMERS, ROWS, D1], q2_desc.layout)
@@ -479,14 +558,15 @@ def _fwd_kernel(
             Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
             nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
-            (v_batch_rows, v_head_rows, v_head_cols), q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem)  # fmt: skip
+            (v_batch_rows, v_head_rows, v_head_cols), q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem,
+            Descales, p_smem)  # fmt: skip
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 0)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 1)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, 2)),
-                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 0)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 1)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 2)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT, IS_FP8)),
             ],
             [4, 4, 1],
             [160, 160, 24],
@@ -494,9 +574,9 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 0)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, 1)),
-                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 0)),
+                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 1)),
+                (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT, IS_FP8)),
             ],
             [4, 1],
             [240, 24],
@@ -509,19 +589,35 @@ def _sm_count(device: torch.device) -> int:
 
 
 def eligible(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams) -> bool:
-    """Whether the Gluon forward computes this call: ``plain_attention`` at head dim 64, 128 or 256 (packed
-    batches: the tensors as ``p.as_4d`` views them), q, k and v each one TMA matrix (``tma_rows``)."""
+    """Whether the Gluon forward computes this call: ``plain_attention`` at head dim 64, 96, 128 or 256, or
+    FP8 at 64, 128 or 256 (packed batches: the tensors as ``p.as_4d`` views them), q, k and v each one TMA
+    matrix (``tma_rows``; FP8: q and k, V is read through a transposed copy)."""
     return eligible_rows(q4, k4, v4, p) is not None
 
 
 def eligible_rows(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams
 ) -> tuple[TmaRows, TmaRows, TmaRows] | None:
-    """q, k and v as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None."""
-    if not plain_attention(q4, p, HEAD_DIMS):
+    """q, k and v as the 2-D matrices TMA reads (``tma_rows``) where ``eligible`` holds, else None (FP8:
+    V's is its transposed copy's, ``transposed_rows``)."""
+    if not plain_attention(q4, p, HEAD_DIMS, fp8_head_dims=FP8_HEAD_DIMS):
         return None
-    rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
+    rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
     return None if None in rows else rows
+
+
+def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows:
+    """V ``(batch, seqlen_k, nheads_k, headdim)`` transposed (``kernels.forward._transposed``: ``(batch,
+    nheads_k, headdim, seqlen_k)``, rows of 16-byte multiples), as the 2-D matrix TMA reads: a row per
+    (batch entry, kv head, head-dim column), the keys along it. ``vt``: the copy (None: an empty one of the
+    same geometry, for a plan's descriptor)."""
+    from tileattn.kernels.forward import _transposed_buffer
+
+    batch, seqlen, nheads_k, headdim = v4.shape
+    if vt is None:
+        vt = _transposed_buffer(v4)
+    rows = vt.as_strided((batch * nheads_k * headdim, seqlen), (vt.stride(2), 1))
+    return TmaRows(rows, nheads_k * headdim, headdim, 0)
 
 
 def attn_fwd(
@@ -543,7 +639,7 @@ def attn_fwd(
     ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
-        rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4))
+        rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
     plan = Plan(
         q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong,
         mask_loops=mask_loops,
@@ -559,7 +655,7 @@ class Plan:
     v as ``p.as_4d`` views them or not, the sinks, cu_seqlens). Its outputs are ``kernels.forward``'s:
     out shaped as q, lse as ``p.lse_shape``."""
 
-    __slots__ = ("launch", "descs", "out_shape", "lse_shape", "varlen")
+    __slots__ = ("launch", "descs", "out_shape", "lse_shape", "varlen", "fp8")
 
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
@@ -578,15 +674,17 @@ class Plan:
         headdim = q4.shape[3]
         nheads, nheads_k = q4.shape[2], k4.shape[2]
         self.varlen = p.is_varlen
+        self.fp8 = p.is_fp8
         self.out_shape = q4.shape[1:] if p.is_varlen else q4.shape
         self.lse_shape = p.lse_shape(q4)
         q2, k2, v2 = rows
         # one descriptor per tensor and column part (head dim 96: 64 + 32; the others: one part)
         parts = [d for d in HEAD_PARTS[headdim] if d]
+        v_tile = (headdim, block_n) if self.fp8 else (block_n, None)  # (FP8: tiles of V transposed)
         descs = [
             tuple(
-                TensorDescriptor.from_tensor(t.matrix, [r, d], tile_layout(r, d, q4.dtype))
-                for t, r in ((q2, WG_ROWS), (k2, block_n), (v2, block_n))
+                TensorDescriptor.from_tensor(t.matrix, [r, c or d], tile_layout(r, c or d, q4.dtype))
+                for t, (r, c) in ((q2, (WG_ROWS, None)), (k2, (block_n, None)), (v2, v_tile))
             )
             for d in parts
         ]
@@ -604,8 +702,10 @@ class Plan:
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
-            MASK_LOOPS=mask_loops,
+            MASK_LOOPS=mask_loops, IS_FP8=self.fp8,
         )  # fmt: skip
+        if self.fp8:
+            constexprs["P_LAYOUT"] = tile_layout(WG_ROWS, block_n, torch.float8_e4m3fn)
         # (the register file over 12 or 16 warps)
         self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
 
@@ -613,13 +713,18 @@ class Plan:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         device = q.device
-        out = torch.empty(self.out_shape, device=device, dtype=q.dtype)
+        out = torch.empty(self.out_shape, device=device, dtype=torch.bfloat16 if self.fp8 else q.dtype)
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
+        if self.fp8:  # (V's transposed copy, made per call: FP8 wgmma reads P·V's B operand key-major)
+            from tileattn.kernels.forward import _transposed
+
+            v = _transposed(v if v.dim() == 4 else v.unsqueeze(0))
         descs = tuple(rebased(d, t) for d, t in zip(self.descs, (q, k, v, q, k, v)))
         cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse, lse)
         sink = p.learnable_sink if p.learnable_sink is not None else lse
+        descales = p.descales if self.fp8 else lse
         # (one column part: no second descriptors, None in their place, nothing made per call for them)
-        self.launch((*descs, *(None,) * (6 - len(descs)), out, lse, cu_q, cu_k, sink))
+        self.launch((*descs, *(None,) * (6 - len(descs)), out, lse, cu_q, cu_k, sink, descales))
         return out, lse
 
 
