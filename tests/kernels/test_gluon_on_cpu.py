@@ -1,7 +1,8 @@
-"""The Gluon forward's three-loop key loop (``mask_loops``) skips the mask on the tiles ``_mask_phases``
-names: each of them must be fully visible to every row of the warpgroup, and every fully visible tile of
-the loop should be among them. ``_mask_phases`` is scalar arithmetic: its own code runs here on Python ints
-(Gluon's ``maximum``, ``minimum`` and ``cdiv`` as Python's), on CPU, against the visibility rule itself."""
+"""What of the Gluon forward runs without a GPU, run on CPU: the three-loop key loop (``mask_loops``) skips
+the mask on the tiles ``_mask_phases`` names, and each of them must be fully visible to every row of the
+warpgroup, every fully visible tile of the loop among them (``_mask_phases`` is scalar arithmetic: its own
+code runs here on Python ints, Gluon's ``maximum``, ``minimum`` and ``cdiv`` as Python's, against the
+visibility rule itself); and FP8's V, the transposed copy as the TMA matrix the kernel reads."""
 
 import types
 
@@ -67,3 +68,25 @@ def test_the_tiles_without_a_mask_are_the_fully_visible_ones(case):
         if _fully_visible((lo + j) * block_n, block_n, wg_rows, seqlen_q, seqlen_k, bounds[2:], mask_left, mask_right)
     }
     assert set(range(a, b)) == visible, (a, b, sorted(visible))
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 3, 64), (1, 130, 2, 128)])
+def test_fp8_reads_v_through_its_transposed_rows(shape):
+    """FP8's V: the transposed copy as the TMA matrix the kernel reads (``transposed_rows``): the tile of
+    (batch entry b, kv head h) starts at row b * batch_rows + h * head_rows, head-dim column c is row c
+    after it, key s is column s; rows are padded to 16 bytes (TMA's row pitch)."""
+    import torch
+
+    from tileattn.kernels.forward import _transposed
+    from tileattn.kernels.gluon.forward import transposed_rows
+
+    v = torch.randn(shape).to(torch.float8_e4m3fn)
+    batch, seqlen, nheads_k, headdim = shape
+    rows = transposed_rows(v, _transposed(v))
+    assert rows.matrix.shape == (batch * nheads_k * headdim, seqlen) and rows.matrix.stride(0) % 16 == 0
+    assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (nheads_k * headdim, headdim, 0)
+    for b in range(batch):
+        for h in range(nheads_k):
+            first = b * rows.batch_rows + h * rows.head_rows
+            tile = rows.matrix[first : first + headdim].view(torch.uint8)
+            assert torch.equal(tile, v[b, :, h, :].T.contiguous().view(torch.uint8))
