@@ -77,12 +77,12 @@ def test_fp8_reads_v_through_its_transposed_rows(shape):
     after it, key s is column s; rows are padded to 16 bytes (TMA's row pitch)."""
     import torch
 
-    from tileattn.kernels.forward import _transposed
+    from tileattn.kernels.common import transposed_v
     from tileattn.kernels.gluon.forward import transposed_rows
 
     v = torch.randn(shape).to(torch.float8_e4m3fn)
     batch, seqlen, nheads_k, headdim = shape
-    rows = transposed_rows(v, _transposed(v))
+    rows = transposed_rows(v, transposed_v(v))
     assert rows.matrix.shape == (batch * nheads_k * headdim, seqlen) and rows.matrix.stride(0) % 16 == 0
     assert (rows.batch_rows, rows.head_rows, rows.head_cols) == (nheads_k * headdim, headdim, 0)
     for b in range(batch):

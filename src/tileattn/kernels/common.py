@@ -95,6 +95,22 @@ def varlen_schedule(cu_seqlens: torch.Tensor | None, batch: int, block: int, sca
     return torch.cumsum(torch.div(lengths + (block - 1), block, rounding_mode="floor"), 0, dtype=torch.int32), 0
 
 
+def transposed_v(v4: torch.Tensor) -> torch.Tensor:
+    """V ``(batch, seqlen_k, nheads_k, headdim)`` as ``(batch, nheads_k, headdim, seqlen_k)`` with rows of
+    16-byte multiples (so TMA can read it), a view of a padded copy: how FP8 tensor cores read V, key-major
+    (the portable forward with ``Settings.fp8_v_transposed``, the Gluon forward)."""
+    vt = transposed_v_buffer(v4)
+    vt.copy_(v4.permute(0, 2, 3, 1))
+    return vt
+
+
+def transposed_v_buffer(v4: torch.Tensor) -> torch.Tensor:
+    """``transposed_v``'s buffer for V of this shape, uninitialised."""
+    batch, seqlen, nheads_k, headdim = v4.shape
+    padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
+    return torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
+
+
 def packed_lengths(p: AttnParams, device: torch.device) -> AttnParams:
     """``p`` of a dense batch, restated as a packed batch of equal lengths (``cu_seqlens`` on ``device``).
     Dropout counters and masks depend only on (sequence, row, column) and the max lengths, so the

@@ -306,7 +306,7 @@ class FwdPlan:
         cfg = fwd_config(p, s)
         self.v_t = v_t = p.is_fp8 and s.fp8_v_transposed
         if v_t:
-            v4 = _transposed(v4)
+            v4 = common.transposed_v(v4)
         use_tma = common.use_tma(cfg, k4, v4)
         if cfg.tma and not use_tma:
             cfg = fwd_config(p, s, tma_ok=False)
@@ -360,7 +360,7 @@ class FwdPlan:
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
         q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out)) if self.varlen else (q, k, v, out)
         if self.v_t:
-            v4 = _transposed(v4)
+            v4 = common.transposed_v(v4)
         tile_ends = p.cu_seqlens_q
         if self.tiles:
             tile_ends, _ = common.varlen_schedule(p.cu_seqlens_q, self.batch, self.tiles, 0)
@@ -389,23 +389,8 @@ def _contiguous_strides(shape: tuple, p: AttnParams) -> tuple[int, int, int]:
     return seqlen * nheads * d, nheads * d, d
 
 
-def _transposed(v4: torch.Tensor) -> torch.Tensor:
-    """V ``(batch, seqlen_k, nheads_k, headdim)`` as ``(batch, nheads_k, headdim, seqlen_k)`` with rows of
-    16-byte multiples (so TMA can read it), a view of a padded copy."""
-    vt = _transposed_buffer(v4)
-    vt.copy_(v4.permute(0, 2, 3, 1))
-    return vt
-
-
-def _transposed_buffer(v4: torch.Tensor) -> torch.Tensor:
-    """``_transposed``'s buffer for V of this shape, uninitialised."""
-    batch, seqlen, nheads_k, headdim = v4.shape
-    padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
-    return torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
-
-
 def _vt_strides(vt: torch.Tensor, p: AttnParams) -> tuple[int, int, int]:
-    """(batch, head-dim row, head) strides of a ``_transposed`` V (batch stride 0 when varlen)."""
+    """(batch, head-dim row, head) strides of a ``common.transposed_v`` V (batch stride 0 when varlen)."""
     s = vt.stride()
     return (0 if p.is_varlen else s[0]), s[2], s[1]
 

@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tileattn.kernels.common import transposed_v, transposed_v_buffer
 from tileattn.kernels.gluon.common import (
     LOG2E,
     TmaRows,
@@ -505,11 +506,11 @@ def _consume(
 
 @gluon.jit
 def _fwd_kernel(
-    q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink, Descales,
+    q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
-    v_batch_rows, v_head_rows, v_head_cols,
+    v_batch_rows, v_head_rows, v_head_cols, Descales,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
     PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False, IS_FP8: gl.constexpr = False,
@@ -607,15 +608,13 @@ def eligible_rows(
 
 
 def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows:
-    """V ``(batch, seqlen_k, nheads_k, headdim)`` transposed (``kernels.forward._transposed``: ``(batch,
+    """V ``(batch, seqlen_k, nheads_k, headdim)`` transposed (``kernels.common.transposed_v``: ``(batch,
     nheads_k, headdim, seqlen_k)``, rows of 16-byte multiples), as the 2-D matrix TMA reads: a row per
     (batch entry, kv head, head-dim column), the keys along it. ``vt``: the copy (None: an empty one of the
     same geometry, for a plan's descriptor)."""
-    from tileattn.kernels.forward import _transposed_buffer
-
     batch, seqlen, nheads_k, headdim = v4.shape
     if vt is None:
-        vt = _transposed_buffer(v4)
+        vt = transposed_v_buffer(v4)
     rows = vt.as_strided((batch * nheads_k * headdim, seqlen), (vt.stride(2), 1))
     return TmaRows(rows, nheads_k * headdim, headdim, 0)
 
@@ -716,15 +715,13 @@ class Plan:
         out = torch.empty(self.out_shape, device=device, dtype=torch.bfloat16 if self.fp8 else q.dtype)
         lse = torch.empty(self.lse_shape, device=device, dtype=torch.float32)
         if self.fp8:  # (V's transposed copy, made per call: FP8 wgmma reads P·V's B operand key-major)
-            from tileattn.kernels.forward import _transposed
-
-            v = _transposed(v if v.dim() == 4 else v.unsqueeze(0))
+            v = transposed_v(v if v.dim() == 4 else v.unsqueeze(0))
         descs = tuple(rebased(d, t) for d, t in zip(self.descs, (q, k, v, q, k, v)))
         cu_q, cu_k = (p.cu_seqlens_q, p.cu_seqlens_k) if self.varlen else (lse, lse)
         sink = p.learnable_sink if p.learnable_sink is not None else lse
         descales = p.descales if self.fp8 else lse
         # (one column part: no second descriptors, None in their place, nothing made per call for them)
-        self.launch((*descs, *(None,) * (6 - len(descs)), out, lse, cu_q, cu_k, sink, descales))
+        self.launch((*descs, *(None,) * (6 - len(descs)), out, lse, cu_q, cu_k, sink), (descales,))
         return out, lse
 
 
