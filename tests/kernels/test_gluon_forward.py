@@ -147,7 +147,8 @@ def test_pingpong_builds_match_the_oracle():
 
 
 def test_block_m_is_checked():
-    """A work item is two or three consumer warpgroups of 64 rows: other block_m values are refused."""
+    """A work item is two or three consumer warpgroups of 64 rows: other block_m values are refused, the
+    ping-pong with three, and FP8 at a head dim of two column parts (96)."""
     from tileattn.kernels.gluon import forward as hopper
 
     case = (1, 64, 64, 2, 2, 64, False, torch.bfloat16)
@@ -156,6 +157,10 @@ def test_block_m_is_checked():
         hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=256)
     with pytest.raises(ValueError, match="pingpong takes turns between two"):
         hopper.attn_fwd(q, k, v, AttnParams(1, 64, 64, 64, 0.125), block_m=192, pingpong=True)
+    q8 = torch.zeros(1, 64, 2, 96, device="cuda").to(torch.float8_e4m3fn)
+    descales = torch.ones(3, 1, 2, device="cuda")
+    with pytest.raises(ValueError, match=r"FP8 inputs take head dims \(64, 128, 256\)"):
+        hopper.attn_fwd(q8, q8, q8, AttnParams(1, 64, 64, 96, 0.1, descales=descales))
 
 
 @pytest.mark.parametrize(

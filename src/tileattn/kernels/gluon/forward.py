@@ -674,6 +674,8 @@ class Plan:
         nheads, nheads_k = q4.shape[2], k4.shape[2]
         self.varlen = p.is_varlen
         self.fp8 = p.is_fp8
+        if self.fp8 and headdim not in FP8_HEAD_DIMS:
+            raise ValueError(f"FP8 inputs take head dims {FP8_HEAD_DIMS} here (one column part), got {headdim}")
         self.out_shape = q4.shape[1:] if p.is_varlen else q4.shape
         self.lse_shape = p.lse_shape(q4)
         q2, k2, v2 = rows
