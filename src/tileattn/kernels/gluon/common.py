@@ -1,7 +1,8 @@
 """What the Gluon forward and backward share: which calls they compute (``plain_attention``), q, k, v
 and dO as the 2-D matrices their TMA copies read (``tma_rows``, ``TmaRows``), the shared-memory layout
-of a tile, and where a batch entry's sequence and a head's rows lie in those matrices (``sequence``,
-``start``)."""
+of a tile, where a batch entry's sequence and a head's rows lie in those matrices (``sequence``,
+``start``), and named barriers by inline PTX (``named_barrier``; FlashAttention-3's warpgroup turns,
+``turn_wait`` / ``turn_pass``)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,37 @@ def start(b, seq_start, head, layout, VARLEN: gl.constexpr):
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+@gluon.jit
+def named_barrier(ASM: gl.constexpr):
+    """A named-barrier instruction (``bar.sync`` / ``bar.arrive``) by inline PTX: Gluon has no API for them
+    (Triton 3.6's inline assembly needs one result: a dummy)."""
+    gl.inline_asm_elementwise(ASM + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def turn_wait(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: waits for this consumer warpgroup's turn to issue its wgmmas. FlashAttention-3's warp
+    scheduler barriers: named barrier 8 + WG counts 256 threads, this warpgroup's 128 at its ``bar.sync``
+    and the other's 128 at its ``bar.arrive`` (``turn_pass``). Triton's warp specialization uses barriers 0,
+    1 and 2 + worker; 8 and 9 are free."""
+    if PINGPONG:
+        if WG == 0:
+            named_barrier("bar.sync 8, 256;")
+        else:
+            named_barrier("bar.sync 9, 256;")
+
+
+@gluon.jit
+def turn_pass(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: gives the turn to the other consumer warpgroup, once this one's wgmmas are issued: its
+    matmuls then run on the tensor cores while this one runs the softmax."""
+    if PINGPONG:
+        if WG == 0:
+            named_barrier("bar.arrive 9, 256;")
+        else:
+            named_barrier("bar.arrive 8, 256;")
 
 
 @functools.cache

@@ -26,9 +26,10 @@ accumulating wgmmas, P·V into two accumulators, so no column is computed for no
 kernels pad it to 128). FP8 inputs (e4m3 with descales, head dims 64, 128 and 256) run both matmuls on
 FP8 wgmma: V through a transposed copy made per call (FP8 wgmma reads its B operand key-major only), P
 at 2**8 times its value in e4m3 through shared memory, the output bf16, as the portable FP8 forward. The
-settings (``configs.HOPPER.fwd_gluon``, ``fwd_gluon_fp8``) choose which head dims the public calls run here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not
-run in Triton's interpreter: they are tested on the GPU (tests/kernels/test_gluon_forward.py), and their
-builds without one (test_sm90_builds.py).
+settings (``configs.HOPPER.fwd_gluon``, ``fwd_gluon_fp8``) choose which head dims the public calls run
+here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not run in
+Triton's interpreter: they are tested on the GPU (tests/kernels/test_gluon_forward.py), their builds
+without one (test_sm90_builds.py), their scalar logic on CPU (test_gluon_on_cpu.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from tileattn.kernels.gluon.common import (
     start,
     tile_layout,
     tma_rows,
+    turn_pass,
+    turn_wait,
 )
 from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, cdiv
@@ -147,13 +150,10 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
                         q2_desc, [q_row + q_base + wg * ROWS, q_col + D0], q_ready, q2_smem.index(wg)
                     )
             k_row, k_col = start(b, k0, h // group, k_lay, VARLEN)
-            if IS_FP8:  # V transposed: rows (batch entry, kv head, head dim), its keys along the columns
-                v_row = (h // group) * v_lay[1]
-                v_col = 0
+            if IS_FP8:  # V transposed: rows (batch entry, kv head, head dim), a sequence's keys along the columns
+                v_row, v_col = start(b, 0, h // group, v_lay, VARLEN)
                 if VARLEN:
-                    v_col = k0
-                else:
-                    v_row += b * v_lay[0]
+                    v_col += k0
             else:
                 v_row, v_col = start(b, k0, h // group, v_lay, VARLEN)
             for j in range(n_tiles):
@@ -195,23 +195,22 @@ def _scores(s_acc, j, first_row, rows, bounds, BLOCK_N: gl.constexpr, MASK_LEFT:
     ROWS: gl.constexpr = s_acc.type.shape[0]
     start = j * BLOCK_N
     shift = seqlen_k - seqlen_q
-    # the tile needs a mask where it crosses the key tail, the first row's last key or the last row's first
-    need = start + BLOCK_N > seqlen_k
-    if MASK_RIGHT:
-        need = need | (start + BLOCK_N - 1 > first_row + shift + window_right)
-    if MASK_LEFT:
-        need = need | (start < first_row + ROWS - 1 + shift - window_left)
-    if MODE == 1:
-        need = True
-    if MODE != 2:
-        if need:
-            key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
-            hidden = key[None, :] >= seqlen_k
-            if MASK_RIGHT:
-                hidden = hidden | (key[None, :] > rows[:, None] + (shift + window_right))
-            if MASK_LEFT:
-                hidden = hidden | (key[None, :] < rows[:, None] + (shift - window_left))
-            s = gl.where(hidden, float("-inf"), s)
+    need = MODE == 1  # (MODE 1 and 2: a constant)
+    # MODE 0: the tile needs a mask where it crosses the key tail, the first row's last key or the last row's first
+    if MODE == 0:
+        need = start + BLOCK_N > seqlen_k
+        if MASK_RIGHT:
+            need = need | (start + BLOCK_N - 1 > first_row + shift + window_right)
+        if MASK_LEFT:
+            need = need | (start < first_row + ROWS - 1 + shift - window_left)
+    if need:
+        key = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_acc.type.layout))
+        hidden = key[None, :] >= seqlen_k
+        if MASK_RIGHT:
+            hidden = hidden | (key[None, :] > rows[:, None] + (shift + window_right))
+        if MASK_LEFT:
+            hidden = hidden | (key[None, :] < rows[:, None] + (shift - window_left))
+        s = gl.where(hidden, float("-inf"), s)
     return s
 
 
@@ -234,37 +233,6 @@ def _mask_phases(lo, n_tiles, first_row, bounds, ROWS: gl.constexpr, BLOCK_N: gl
     a = gl.minimum(a, n_tiles)
     b = gl.minimum(gl.maximum(right // BLOCK_N - lo, a), n_tiles)
     return a, b
-
-
-@gluon.jit
-def _bar(ASM: gl.constexpr):
-    """A named-barrier instruction (``bar.sync`` / ``bar.arrive``) by inline PTX: Gluon has no API for them
-    (Triton 3.6's inline assembly needs one result: a dummy)."""
-    gl.inline_asm_elementwise(ASM + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _turn_wait(WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: waits for this consumer warpgroup's turn to issue its wgmmas. FlashAttention-3's warp
-    scheduler barriers: named barrier 8 + WG counts 256 threads, this warpgroup's 128 at its ``bar.sync``
-    and the other's 128 at its ``bar.arrive`` (``_turn_pass``). Triton's warp specialization uses barriers 0,
-    1 and 2 + worker; 8 and 9 are free."""
-    if PINGPONG:
-        if WG == 0:
-            _bar("bar.sync 8, 256;")
-        else:
-            _bar("bar.sync 9, 256;")
-
-
-@gluon.jit
-def _turn_pass(WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: gives the turn to the other consumer warpgroup, once this one's wgmmas are issued: its
-    matmuls then run on the tensor cores while this one runs the softmax."""
-    if PINGPONG:
-        if WG == 0:
-            _bar("bar.arrive 9, 256;")
-        else:
-            _bar("bar.arrive 8, 256;")
 
 
 @gluon.jit
@@ -352,7 +320,7 @@ def _consume(
     it = 0  # K/V tiles consumed so far: the ring's stage and phase
     done = 0
     if WG == 1:  # (PINGPONG: the first turn is the first warpgroup's)
-        _turn_pass(WG, PINGPONG)
+        turn_pass(WG, PINGPONG)
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _tile(
             t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
@@ -378,11 +346,11 @@ def _consume(
             if n_tiles > 0:
                 cur = it % STAGES
                 mbarrier.wait(k_ready.index(cur), (it // STAGES) & 1)
-                _turn_wait(WG, PINGPONG)
+                turn_wait(WG, PINGPONG)
                 s_acc = warpgroup_mma(q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if SPLIT:
                     s_acc = warpgroup_mma(q2, k2_smem.index(cur).permute((1, 0)), s_acc, is_async=True)
-                _turn_pass(WG, PINGPONG)
+                turn_pass(WG, PINGPONG)
                 s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
                 mbarrier.arrive(k_free.index(cur), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
@@ -391,27 +359,18 @@ def _consume(
                 # MASK_LOOPS: the key loop in three loops, tiles that need a mask (branch-free), those that need
                 # none (no mask code), and those that do, so that no branch splits the loop body: ptxas then
                 # schedules part of the softmax before the P·V wait. Else one loop, the mask behind a branch.
-                ja, jb = 1, n_tiles
+                edges = (1, n_tiles)  # the loops' first tiles, and one past the last's last
                 if MASK_LOOPS:
-                    ja, jb = _mask_phases(lo, n_tiles, first_row, bounds, ROWS, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                for phase in gl.static_range(3 if MASK_LOOPS else 1):
-                    j_start = 1
-                    j_end = n_tiles
-                    if MASK_LOOPS:
-                        if phase == 0:
-                            j_end = ja
-                        elif phase == 1:
-                            j_start = ja
-                            j_end = jb
-                        else:
-                            j_start = jb
-                    for j in range(j_start, j_end):
+                    a, b_ = _mask_phases(lo, n_tiles, first_row, bounds, ROWS, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+                    edges = (1, a, b_, n_tiles)
+                for phase in gl.static_range(len(edges) - 1):
+                    for j in range(edges[phase], edges[phase + 1]):
                         prev = (it + j - 1) % STAGES
                         cur = (it + j) % STAGES
                         mbarrier.wait(k_ready.index(cur), ((it + j) // STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                         p_op = _p_operand(p, p_smem, dtype, p_layout, IS_FP8)
-                        _turn_wait(WG, PINGPONG)
+                        turn_wait(WG, PINGPONG)
                         s_acc = warpgroup_mma(
                             q, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True
                         )
@@ -420,7 +379,7 @@ def _consume(
                         acc = warpgroup_mma(p_op, _v_operand(v_smem.index(prev), IS_FP8), acc, is_async=True)
                         if SPLIT:
                             acc2 = warpgroup_mma(p_op, v2_smem.index(prev), acc2, is_async=True)
-                        _turn_pass(WG, PINGPONG)
+                        turn_pass(WG, PINGPONG)
                         # Q·Kᵀ of tile j done, P·V of j - 1 running
                         s_acc = warpgroup_mma_wait(PV_OPS, deps=(s_acc,))
                         mbarrier.arrive(k_free.index(cur), count=1)
@@ -442,11 +401,11 @@ def _consume(
                 last = (it + n_tiles - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
                 p_op = _p_operand(p, p_smem, dtype, p_layout, IS_FP8)
-                _turn_wait(WG, PINGPONG)
+                turn_wait(WG, PINGPONG)
                 acc = warpgroup_mma(p_op, _v_operand(v_smem.index(last), IS_FP8), acc, is_async=True)
                 if SPLIT:
                     acc2 = warpgroup_mma(p_op, v2_smem.index(last), acc2, is_async=True)
-                _turn_pass(WG, PINGPONG)
+                turn_pass(WG, PINGPONG)
                 if SPLIT:
                     acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
                 elif IS_FP8:
@@ -681,15 +640,19 @@ class Plan:
         q2, k2, v2 = rows
         # one descriptor per tensor and column part (head dim 96: 64 + 32; the others: one part)
         parts = [d for d in HEAD_PARTS[headdim] if d]
-        v_tile = (headdim, block_n) if self.fp8 else (block_n, None)  # (FP8: tiles of V transposed)
-        descs = [
-            tuple(
-                TensorDescriptor.from_tensor(t.matrix, [r, c or d], tile_layout(r, c or d, q4.dtype))
-                for t, (r, c) in ((q2, (WG_ROWS, None)), (k2, (block_n, None)), (v2, v_tile))
+
+        def desc(rows: TmaRows, block: list[int]) -> TensorDescriptor:
+            return TensorDescriptor.from_tensor(rows.matrix, block, tile_layout(*block, q4.dtype))
+
+        self.descs = tuple(
+            d
+            for cols in parts
+            for d in (
+                desc(q2, [WG_ROWS, cols]),
+                desc(k2, [block_n, cols]),
+                desc(v2, [cols, block_n] if self.fp8 else [block_n, cols]),  # (FP8: tiles of V transposed)
             )
-            for d in parts
-        ]
-        self.descs = descs[0] + (descs[1] if len(parts) > 1 else ())
+        )
         items = cdiv(p.seqlen_q, block_m) * nheads * p.batch
         grid = (min(items, programs or _sm_count(q4.device)),)
         # (out and lse contiguous: out's (batch, row, head) strides, lse's (batch, head) strides and row stride)
