@@ -149,7 +149,9 @@ class DecodeSettings:
     # whether the planner counts on programmatic dependent launches (None: whether the device takes them)
     has_pdl: bool | None = None
     # FP8 caches: the dtype their tiles are widened to for the matmuls: "f16" (q converted too; one
-    # conversion per two values, 1.3-1.7x the speed of "q" for bf16 q) or "q" (q's dtype)
+    # conversion per two values, 1.3-1.7x the speed of "q" for bf16 q), "q" (q's dtype), or "fp8": only V
+    # is widened (to fp16), q·kᵀ runs on the FP8 tensor cores with q's rows quantized to e4m3 by their
+    # own factors (q's precision then is e4m3's, as an FP8 forward's is; head dims from 32, else "f16")
     fp8_widen: str = "f16"
 
 

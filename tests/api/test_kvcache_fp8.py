@@ -35,7 +35,9 @@ def _dequantized_dense(cache, args, capacity, descale):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", FP8_CASES)
-def test_fp8_cache_matches_reference(backend, case, layout, num_splits):
+def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=False):
+    """(q_e4m3: the call quantizes q's rows to e4m3, so the PyTorch error that sets the bound is that of
+    the same rows quantized as ``_rows_e4m3`` does.)"""
     seqlen_q, seqlen_new, opts = CASES[case]
     if opts.get("batch_idx") and LAYOUTS[layout]:
         pytest.skip("cache_batch_idx is for contiguous caches")
@@ -70,24 +72,33 @@ def test_fp8_cache_matches_reference(backend, case, layout, num_splits):
     ref_args["cache_seqlens"] = seqlens + seqlen_new
     kf, vf = _dequantized_dense(kc8, args, capacity, kd), _dequantized_dense(vc8, args, capacity, vd)
     ref = kvcache_ref(q, kf, vf, **ref_args)
-    ref_lowp = kvcache_ref(q, kf.to(q.dtype), vf.to(q.dtype), precision=None, **ref_args)
+    q_lowp = _rows_e4m3(q) if q_e4m3 else q
+    ref_lowp = kvcache_ref(q_lowp, kf.to(q.dtype), vf.to(q.dtype), precision=None, **ref_args)
     check_close(f"fp8 cache {case} {layout}", out, ref.out, ref_lowp.out)
     check_lse(f"fp8 cache {case} {layout} lse", lse, ref.lse, ref_lowp.lse)
 
 
-@pytest.mark.parametrize("widen", ["q", "f16"])
+def _rows_e4m3(q):
+    """q with each row (of the head dim) through e4m3 by its own factor, amax / 448, in q's dtype."""
+    amax = q.float().abs().amax(-1, keepdim=True)
+    factor = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    return ((q.float() / factor).clamp(-448, 448).to(E4M3).float() * factor).to(q.dtype)
+
+
+@pytest.mark.parametrize("widen", ["q", "f16", "fp8"])
 def test_fp8_cache_widenings(widen):
     """Each way the decode kernel widens FP8 tiles (DecodeSettings.fp8_widen), paged and split: the launches
-    build the setting's way (WIDEN), and compute what the reference does."""
+    build the setting's way (WIDEN), and compute what the reference does ("fp8": with q's rows in e4m3)."""
     from tileattn import kvcache
     from tileattn.kernels.decode import plan
 
     device = _kernel_device()
     kvcache.calls.clear()
     with configs.override(_settings(device, fp8_widen=widen)):
-        test_fp8_cache_matches_reference("cuda" if device == "cuda" else "interpret", "alibi-leftpad", "page4", 3)
+        backend = "cuda" if device == "cuda" else "interpret"
+        test_fp8_cache_matches_reference(backend, "alibi-leftpad", "page4", 3, q_e4m3=widen == "fp8")
     built = [attn.constexprs["WIDEN"] for call in kvcache.calls.values() for attn, _ in plan.plans_in(call.plans)]
-    assert built and set(built) == {{"q": 0, "f16": 1}[widen]}, built
+    assert built and set(built) == {{"q": 0, "f16": 1, "fp8": 2}[widen]}, built
 
 
 def test_paged_kv_cache_fp8_steps(backend):

@@ -154,6 +154,42 @@ def test_decode_builds_as_the_settings_assume():
     assert combine["loads_before_wait"] == 0, combine
 
 
+FP8_DECODE_CASES = """
+import dataclasses
+import re
+import torch
+from tileattn.kernels import configs, decode
+from tileattn.params import AttnParams, CacheLayout
+for widen in ("f16", "fp8"):
+    h200 = dataclasses.replace(configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, fp8_widen=widen))
+    q = torch.empty(8, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(8, 32768, 8, 128, dtype=torch.float8_e4m3fn)
+    descale = torch.ones(8, 8)
+    c = CacheLayout(seqlens_k=torch.full((8,), 32768, dtype=torch.int32), max_seqlen_k=32768,
+                    k_descale=descale, v_descale=descale)
+    p = AttnParams(batch=8, seqlen_q=1, seqlen_k=32768, headdim=128, softmax_scale=0.1)
+    with configs.override(h200):
+        decode.attn_fwd_kvcache(q, cache, cache, p, c, configs.current(q.device))
+    for name, kernel, kw in compile_report._LAUNCHES:
+        if name == "_attn_fwd_kvcache":
+            ptx = kernel.asm["ptx"]
+            mma = sorted(set(re.findall(r"(?:mma\\.sync|wgmma\\.mma_async\\.sync)\\.aligned\\.[\\w.]+", ptx)))
+            cvt = len(re.findall(r"cvt\\.rn\\.f16x2\\.e4m3x2", ptx))
+            rows.append(dict(widen=widen, block_m=kw["BLOCK_M"], mma=mma, widenings=cvt, **compile_report.resources(kernel)))
+    compile_report._LAUNCHES.clear()
+"""
+
+
+def test_fp8_cache_decode_builds():
+    """FP8 caches at 8 x 32k (GQA 32/8, head dim 128): DecodeSettings.fp8_widen "f16" widens K and V for
+    16-row fp16 MMAs; "fp8" runs q·kᵀ as e4m3 warpgroup MMAs (64-row blocks: the only MMA that takes e4m3
+    on Hopper) and widens V alone, half the conversions, spill-free."""
+    f16, fp8 = _compiled(FP8_DECODE_CASES)
+    assert f16["block_m"] == 16 and f16["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"], f16
+    assert fp8["block_m"] == 64 and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in fp8["mma"], fp8
+    assert fp8["widenings"] <= 0.55 * f16["widenings"] and fp8["stack"] == 0 and f16["stack"] == 0, (f16, fp8)
+
+
 CHECK_CASES = (
     H200
     + """

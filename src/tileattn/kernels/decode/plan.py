@@ -41,14 +41,21 @@ def remember_plan(table: dict, key, value):
 
 
 @functools.cache
-def _tile_config(rows: int, block_d: int, interpret: bool, stages: int, tma: bool) -> KernelConfig:
+def _tile_config(rows: int, block_d: int, interpret: bool, stages: int, tma: bool, fp8_qk: bool) -> KernelConfig:
     """The split kernel's tiles: query-row blocks of the packed rows (at most 64), 128-key tiles up to head
-    dim 128; the interpreter's small tiles."""
+    dim 128; the interpreter's small tiles. ``fp8_qk`` (q·kᵀ on FP8 tensor cores): blocks of 64 rows
+    whatever the rows, since only the warpgroup MMA (64 rows) takes e4m3 on Hopper; smaller blocks would
+    widen both operands to fp16 again."""
     if interpret:
         return KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=tma)
-    block_m = min(64, max(16, next_power_of_2(rows)))
+    block_m = 64 if fp8_qk else min(64, max(16, next_power_of_2(rows)))
     block_n = 128 if block_d <= 128 else 64
     return KernelConfig(block_m, block_n, num_warps=4, num_stages=stages, tma=tma)
+
+
+def _widen(d: DecodeSettings, p: AttnParams) -> int:
+    """The split kernel's WIDEN for FP8 caches under ``d.fp8_widen`` ("fp8" needs head dims from 32)."""
+    return {"q": 0, "f16": 1, "fp8": 2 if p.block_d >= 32 else 1}[d.fp8_widen]
 
 
 @functools.cache
@@ -119,7 +126,8 @@ def new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams, s: Settings
     """The ``Base`` of calls with this metadata under settings ``s`` (``s.decode``, ``s.interpret``)."""
     d = s.decode
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
-    cfg = _tile_config(rows, p.block_d, s.interpret, d.stages, d.tma or d.paged_tma)
+    fp8_qk = k_cache.dtype == torch.float8_e4m3fn and _widen(d, p) == 2
+    cfg = _tile_config(rows, p.block_d, s.interpret, d.stages, d.tma or d.paged_tma, fp8_qk)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
     sms = d.sm_count if d.sm_count is not None else device_sm_count(q4.device)
     return Base(d, s.interpret, cfg, programs, p.lse_shape(q4), sms)
@@ -249,9 +257,10 @@ def plan_launches(
             "WAIT_PRIOR": pdl_attn,
             "TABLE_TO_L2": paged and prefetch_grid and d.paged_table_l2 and not interpret and not torch.version.hip,
             "KV_FP8": c.k_descale is not None,
-            "WIDEN": {"q": 0, "f16": 1}[d.fp8_widen],
+            "WIDEN": _widen(d, p),
             "CHECK": c.call if c.record is not None else 0,
             "HAS_SINK": p.learnable_sink is not None,
+            "INTERPRET": interpret,
         },
         num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,

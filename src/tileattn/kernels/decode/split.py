@@ -20,7 +20,7 @@ from tileattn.kernels.launch import Launcher
 
 @triton.jit
 def _kv_tiles(
-    acc, l_i, m_i, q,
+    acc, l_i, m_i, q, q_descale,
     K_base, V_base, k_desc, v_desc, Table_row,
     stride_kn, stride_vn, stride_kp, stride_vp,
     k_start, num_pages, i, offs_n_base, offs_d,
@@ -93,7 +93,8 @@ def _kv_tiles(
                 V_tile + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
             )
         if KV_FP8:
-            k = _widened(k, q.dtype, WIDEN)
+            if WIDEN != 2:  # (WIDEN 2: q is e4m3 too, and q·kᵀ runs on the FP8 tensor cores)
+                k = _widened(k, q.dtype, WIDEN)
             v = _widened(v, q.dtype, WIDEN)
         if PREFETCH_TABLE:
             K_tile, rows_k, V_tile, rows_v = paging.cache_rows(
@@ -105,6 +106,8 @@ def _kv_tiles(
                 MASKED or PREFETCH_TABLE, OFFS_64,
             )  # fmt: skip
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
+        if KV_FP8 and WIDEN == 2:
+            qk = qk * q_descale  # (q's rows were quantized by these factors)
         s, _ = common.scores(
             qk, i[:, None], offs_n[None, :],
             seqlen_q, seqlen_k,
@@ -119,7 +122,7 @@ def _kv_tiles(
 
 @triton.jit
 def _widened(x, dtype, WIDEN: tl.constexpr):
-    """An e4m3 tile in a 16-bit dtype, exactly: ``dtype`` (WIDEN 0) or fp16 (1, one conversion
+    """An e4m3 tile in a 16-bit dtype, exactly: ``dtype`` (WIDEN 0) or fp16 (1 and 2, one conversion
     instruction per two values; bf16 takes three more, through fp32)."""
     if WIDEN == 0:
         y = x.to(dtype)
@@ -186,7 +189,7 @@ def _attn_fwd_kvcache(
     LAUNCH_DEPENDENTS: tl.constexpr, DEFER_SCALE: tl.constexpr,
     ROTARY_Q: tl.constexpr, ROT_INTERLEAVED: tl.constexpr, ROT_PER_TOKEN: tl.constexpr,
     TABLE_TO_L2: tl.constexpr, UNIT: tl.constexpr, WAIT_PRIOR: tl.constexpr, KV_FP8: tl.constexpr,
-    WIDEN: tl.constexpr, CHECK: tl.constexpr, HAS_SINK: tl.constexpr = False,
+    WIDEN: tl.constexpr, CHECK: tl.constexpr, HAS_SINK: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """Program (row block, batch·kv head, split). Without SPLIT it writes the normalised output and
     LSE; with SPLIT, fp32 partials (LSE -inf for a split that saw no key) for ``_combine``, over a run
@@ -215,7 +218,9 @@ def _attn_fwd_kvcache(
     KV_FP8: the caches hold e4m3 values standing for ``x_fp8 * descale``, with fp32 ``(batch, nheads_k)``
     descales ``KDescale`` / ``VDescale`` (contiguous): k's multiplies the softmax scale, v's the output.
     Tiles are widened as WIDEN says (``_widened``; with 1, q is converted to fp16 too, saturated at
-    fp16's ±65504, and p is fp16).
+    fp16's ±65504, and p is fp16). With 2, only V is widened to fp16: each row of q is quantized to e4m3
+    by its own factor (its largest magnitude / 448) and q·kᵀ runs on the FP8 tensor cores, the factor
+    multiplying the row's scores.
 
     CHECK (a ``params.CALL_*``; 0: none): the call defers its index checks to the kernels, which write
     the first bad value into the error record ``Record`` (``_check_entry``, after the entry's work; the
@@ -314,11 +319,17 @@ def _attn_fwd_kvcache(
         ).to(q.dtype)  # fmt: skip
 
     v_descale = 1.0
+    q_descale = 1.0
     if KV_FP8:
         sm_scale = sm_scale * tl.load(KDescale + bh)  # (bh = b * nheads_k + hk)
         v_descale = tl.load(VDescale + bh)
         if WIDEN == 1:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        if WIDEN == 2:  # each row to e4m3 by its own factor, amax / 448 (1 for a row of zeros)
+            q32 = q.to(tl.float32)
+            amax = tl.max(tl.abs(q32), axis=1)
+            q_descale = tl.where(amax > 0.0, amax / 448.0, 1.0)[:, None]  # [BLOCK_M, 1]
+            q = common.to_e4m3(q32 / q_descale, INTERPRET)
     qk_scale = sm_scale * common.LOG2E  # scores in the log2 domain: exp2 in the softmax
     softcap_scale = 0.0
     softcap_log2 = 0.0
@@ -371,7 +382,7 @@ def _attn_fwd_kvcache(
         elif INTERLEAVE:  # tile t of any segment is split (t mod num_splits)'s (t counted from column 0)
             a += (split + num_splits - a // BLOCK_N % num_splits) % num_splits * BLOCK_N
         acc, l_i, m_i = _kv_tiles(
-            acc, l_i, m_i, q,
+            acc, l_i, m_i, q, q_descale,
             K_base, V_base, k_desc, v_desc, Table_row,
             stride_kn, stride_vn, stride_kb, stride_vb,
             k_start, num_rows_cache, i, offs_n, offs_d,
