@@ -104,11 +104,12 @@ def transposed_v(v4: torch.Tensor) -> torch.Tensor:
     return vt
 
 
-def transposed_v_buffer(v4: torch.Tensor) -> torch.Tensor:
-    """``transposed_v``'s buffer for V of this shape, uninitialised."""
+def transposed_v_buffer(v4: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """``transposed_v``'s buffer for V of this shape, uninitialised, on ``device`` (default: V's; "meta"
+    for a plan's descriptor, whose address is replaced per call)."""
     batch, seqlen, nheads_k, headdim = v4.shape
     padded = -(-seqlen * v4.element_size() // 16) * 16 // v4.element_size()
-    return torch.empty(batch, nheads_k, headdim, padded, device=v4.device, dtype=v4.dtype)[..., :seqlen]
+    return torch.empty(batch, nheads_k, headdim, padded, device=device or v4.device, dtype=v4.dtype)[..., :seqlen]
 
 
 def packed_lengths(p: AttnParams, device: torch.device) -> AttnParams:

@@ -261,6 +261,19 @@ def _v_operand(v_tile, IS_FP8: gl.constexpr):
 
 
 @gluon.jit
+def _pv_wait(acc, acc2, p_op, SPLIT: gl.constexpr, IS_FP8: gl.constexpr):
+    """``(acc, acc2)`` once the running P·V is done, its operands held until then (SPLIT: both
+    accumulators; FP8: P in shared memory, nothing in registers to keep; else ``acc2`` passes through)."""
+    if SPLIT:
+        acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
+    elif IS_FP8:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    else:
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    return acc, acc2
+
+
+@gluon.jit
 def _p_operand(p, p_smem, dtype: gl.constexpr, p_layout: gl.constexpr, IS_FP8: gl.constexpr):
     """P·V's A operand: p in registers, or with FP8 in this warpgroup's shared buffer (Triton 3.6 cannot
     keep an 8-bit register operand alive across a wgmma wait), written once the last P·V has read it."""
@@ -341,6 +354,8 @@ def _consume(
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             if SPLIT:
                 acc2 = gl.zeros([ROWS, D1], gl.float32, layout=o2_layout)
+            else:
+                acc2 = acc  # (a placeholder: one column part has no second accumulator)
             mbarrier.wait(q_ready, done & 1)
             # Q·Kᵀ of tile j is issued with P·V of tile j - 1; the softmax of tile j runs while P·V does
             if n_tiles > 0:
@@ -389,13 +404,9 @@ def _consume(
                             (2 if phase == 1 else 1) if MASK_LOOPS else 0,
                         )  # fmt: skip
                         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2)
+                        acc, acc2 = _pv_wait(acc, acc2, p_op, SPLIT, IS_FP8)
                         if SPLIT:
-                            acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
                             acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
-                        elif IS_FP8:  # (P in shared memory: nothing in registers to keep)
-                            acc = warpgroup_mma_wait(0, deps=(acc,))
-                        else:
-                            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
                         mbarrier.arrive(v_free.index(prev), count=1)
                         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 last = (it + n_tiles - 1) % STAGES
@@ -406,12 +417,7 @@ def _consume(
                 if SPLIT:
                     acc2 = warpgroup_mma(p_op, v2_smem.index(last), acc2, is_async=True)
                 turn_pass(WG, PINGPONG)
-                if SPLIT:
-                    acc, acc2, p_op = warpgroup_mma_wait(0, deps=(acc, acc2, p_op))
-                elif IS_FP8:
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                else:
-                    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                acc, acc2 = _pv_wait(acc, acc2, p_op, SPLIT, IS_FP8)
                 mbarrier.arrive(v_free.index(last), count=1)
             else:
                 mbarrier.arrive(q_free, count=1)
@@ -569,11 +575,12 @@ def eligible_rows(
 def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows:
     """V ``(batch, seqlen_k, nheads_k, headdim)`` transposed (``kernels.common.transposed_v``: ``(batch,
     nheads_k, headdim, seqlen_k)``, rows of 16-byte multiples), as the 2-D matrix TMA reads: a row per
-    (batch entry, kv head, head-dim column), the keys along it. ``vt``: the copy (None: an empty one of the
-    same geometry, for a plan's descriptor)."""
+    (batch entry, kv head, head-dim column), the keys along it. ``vt``: the copy (None: a buffer of its
+    geometry on the meta device, for a plan's descriptor: shape and strides from it, each call's address
+    from that call's copy)."""
     batch, seqlen, nheads_k, headdim = v4.shape
     if vt is None:
-        vt = transposed_v_buffer(v4)
+        vt = transposed_v_buffer(v4, device="meta")
     rows = vt.as_strided((batch * nheads_k * headdim, seqlen), (vt.stride(2), 1))
     return TmaRows(rows, nheads_k * headdim, headdim, 0)
 
