@@ -49,6 +49,7 @@ def kvcache_ref(
     rotary_interleaved=True,
     precision=torch.float64,
     learnable_sink=None,
+    probs_dtype=None,
 ) -> CacheRef:
     """What ``flash_attn_with_kvcache`` computes, from its definition: k and v written at
     ``cache_seqlens[b] + t`` (k rotated at those positions), q rotated at ``cache_seqlens[b] + i`` when
@@ -58,7 +59,7 @@ def kvcache_ref(
 
     Args: as ``flash_attn_with_kvcache`` (``rotary = (cos, sin)`` or None); ``precision`` as
     ``oracle.attention`` (float64, or None for the inputs' precision); ``learnable_sink`` as the oracle's
-    ``sink``. The caches are not modified."""
+    ``sink``, ``probs_dtype`` as its own (plain FP8 attention's probabilities). The caches are not modified."""
     batch, seqlen_q = q.shape[:2]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     kc = dense_view(k_cache, block_table, capacity).clone()
@@ -97,6 +98,7 @@ def kvcache_ref(
             window_seqlen_k=capacity,
             precision=precision,
             sink=learnable_sink,
+            probs_dtype=probs_dtype,
         )
         outs.append(res.out)
         lses.append(res.lse)

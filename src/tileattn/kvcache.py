@@ -158,8 +158,8 @@ def flash_attn_with_kvcache(
             with float16/bfloat16 q, k, v): fp32 ``(batch, nheads_k)`` factors (None: 1.0), sequence b's
             keys and values of kv head h being ``cache * descale[b, h]``. New k and v are divided by them,
             saturated at ±448 and rounded to e4m3 as they are written; the decode kernel widens the
-            cache's tiles to fp16 (``DecodeSettings.fp8_widen``) and folds the factors into the scores
-            and the output.
+            cache's tiles to fp16 (or, as ``DecodeSettings.fp8_widen`` says, quantizes q's rows and the
+            probabilities for the FP8 tensor cores) and folds the factors into the scores and the output.
         learnable_sink: keyword-only, attention sinks as in ``flash_attn_func`` (fp32 ``(nheads,)``;
             ``s_aux`` is the same argument under vLLM's name); forward only here, as the whole call.
 

@@ -151,7 +151,9 @@ class DecodeSettings:
     # FP8 caches: the dtype their tiles are widened to for the matmuls: "f16" (q converted too; one
     # conversion per two values, 1.3-1.7x the speed of "q" for bf16 q), "q" (q's dtype), or "fp8": only V
     # is widened (to fp16), q·kᵀ runs on the FP8 tensor cores with q's rows quantized to e4m3 by their
-    # own factors (q's precision then is e4m3's, as an FP8 forward's is; head dims from 32, else "f16")
+    # own factors (q's precision then is e4m3's, as an FP8 forward's is; head dims from 32, else "f16"),
+    # or "none": as "fp8", and P·V on the FP8 tensor cores too, p rounded to e4m3 at 2**8 times its value
+    # (an FP8 forward's probabilities)
     fp8_widen: str = "f16"
 
 

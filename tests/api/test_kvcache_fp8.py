@@ -35,9 +35,10 @@ def _dequantized_dense(cache, args, capacity, descale):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", FP8_CASES)
-def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=False):
+def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=False, p_e4m3=False):
     """(q_e4m3: the call quantizes q's rows to e4m3, so the PyTorch error that sets the bound is that of
-    the same rows quantized as ``_rows_e4m3`` does.)"""
+    the same rows quantized as ``_rows_e4m3`` does; p_e4m3: it rounds the probabilities to e4m3 too, so
+    that error is plain FP8 attention's, its probabilities in e4m3 as the oracle's ``probs_dtype`` does.)"""
     seqlen_q, seqlen_new, opts = CASES[case]
     if opts.get("batch_idx") and LAYOUTS[layout]:
         pytest.skip("cache_batch_idx is for contiguous caches")
@@ -73,7 +74,8 @@ def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=F
     kf, vf = _dequantized_dense(kc8, args, capacity, kd), _dequantized_dense(vc8, args, capacity, vd)
     ref = kvcache_ref(q, kf, vf, **ref_args)
     q_lowp = _rows_e4m3(q) if q_e4m3 else q
-    ref_lowp = kvcache_ref(q_lowp, kf.to(q.dtype), vf.to(q.dtype), precision=None, **ref_args)
+    probs = {"probs_dtype": E4M3} if p_e4m3 else {}
+    ref_lowp = kvcache_ref(q_lowp, kf.to(q.dtype), vf.to(q.dtype), precision=None, **probs, **ref_args)
     check_close(f"fp8 cache {case} {layout}", out, ref.out, ref_lowp.out)
     check_lse(f"fp8 cache {case} {layout} lse", lse, ref.lse, ref_lowp.lse)
 
@@ -85,10 +87,11 @@ def _rows_e4m3(q):
     return ((q.float() / factor).clamp(-448, 448).to(E4M3).float() * factor).to(q.dtype)
 
 
-@pytest.mark.parametrize("widen", ["q", "f16", "fp8"])
+@pytest.mark.parametrize("widen", ["q", "f16", "fp8", "none"])
 def test_fp8_cache_widenings(widen):
     """Each way the decode kernel widens FP8 tiles (DecodeSettings.fp8_widen), paged and split: the launches
-    build the setting's way (WIDEN), and compute what the reference does ("fp8": with q's rows in e4m3)."""
+    build the setting's way (WIDEN), and compute what the reference does ("fp8": with q's rows in e4m3;
+    "none": and the probabilities)."""
     from tileattn import kvcache
     from tileattn.kernels.decode import plan
 
@@ -96,9 +99,11 @@ def test_fp8_cache_widenings(widen):
     kvcache.calls.clear()
     with configs.override(_settings(device, fp8_widen=widen)):
         backend = "cuda" if device == "cuda" else "interpret"
-        test_fp8_cache_matches_reference(backend, "alibi-leftpad", "page4", 3, q_e4m3=widen == "fp8")
+        test_fp8_cache_matches_reference(
+            backend, "alibi-leftpad", "page4", 3, q_e4m3=widen in ("fp8", "none"), p_e4m3=widen == "none"
+        )
     built = [attn.constexprs["WIDEN"] for call in kvcache.calls.values() for attn, _ in plan.plans_in(call.plans)]
-    assert built and set(built) == {{"q": 0, "f16": 1, "fp8": 2}[widen]}, built
+    assert built and set(built) == {{"q": 0, "f16": 1, "fp8": 2, "none": 3}[widen]}, built
 
 
 def test_paged_kv_cache_fp8_steps(backend):

@@ -160,7 +160,7 @@ import re
 import torch
 from tileattn.kernels import configs, decode
 from tileattn.params import AttnParams, CacheLayout
-for widen in ("f16", "fp8"):
+for widen in ("f16", "fp8", "none"):
     h200 = dataclasses.replace(configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, fp8_widen=widen))
     q = torch.empty(8, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(8, 32768, 8, 128, dtype=torch.float8_e4m3fn)
@@ -183,11 +183,14 @@ for widen in ("f16", "fp8"):
 def test_fp8_cache_decode_builds():
     """FP8 caches at 8 x 32k (GQA 32/8, head dim 128): DecodeSettings.fp8_widen "f16" widens K and V for
     16-row fp16 MMAs; "fp8" runs q·kᵀ as e4m3 warpgroup MMAs (64-row blocks: the only MMA that takes e4m3
-    on Hopper) and widens V alone, half the conversions, spill-free."""
-    f16, fp8 = _compiled(FP8_DECODE_CASES)
+    on Hopper) and widens V alone, half the conversions, spill-free; "none" runs P·V so too (V's tiles
+    read key-major by byte permutes) and widens nothing."""
+    f16, fp8, none = _compiled(FP8_DECODE_CASES)
     assert f16["block_m"] == 16 and f16["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"], f16
     assert fp8["block_m"] == 64 and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in fp8["mma"], fp8
     assert fp8["widenings"] <= 0.55 * f16["widenings"] and fp8["stack"] == 0 and f16["stack"] == 0, (f16, fp8)
+    e4m3 = ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
+    assert none["block_m"] == 64 and none["mma"] == e4m3 and none["widenings"] == 0 and none["stack"] == 0, none
 
 
 CHECK_CASES = (

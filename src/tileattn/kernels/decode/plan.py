@@ -54,8 +54,10 @@ def _tile_config(rows: int, block_d: int, interpret: bool, stages: int, tma: boo
 
 
 def _widen(d: DecodeSettings, p: AttnParams) -> int:
-    """The split kernel's WIDEN for FP8 caches under ``d.fp8_widen`` ("fp8" needs head dims from 32)."""
-    return {"q": 0, "f16": 1, "fp8": 2 if p.block_d >= 32 else 1}[d.fp8_widen]
+    """The split kernel's WIDEN for FP8 caches under ``d.fp8_widen`` ("fp8" and "none" need head dims from
+    32, else they are "f16")."""
+    fp8 = p.block_d >= 32
+    return {"q": 0, "f16": 1, "fp8": 2 if fp8 else 1, "none": 3 if fp8 else 1}[d.fp8_widen]
 
 
 @functools.cache
@@ -126,7 +128,7 @@ def new_base(q4: torch.Tensor, k_cache: torch.Tensor, p: AttnParams, s: Settings
     """The ``Base`` of calls with this metadata under settings ``s`` (``s.decode``, ``s.interpret``)."""
     d = s.decode
     rows = q4.shape[2] // k_cache.shape[2] * p.seqlen_q
-    fp8_qk = k_cache.dtype == torch.float8_e4m3fn and _widen(d, p) == 2
+    fp8_qk = k_cache.dtype == torch.float8_e4m3fn and _widen(d, p) >= 2
     cfg = _tile_config(rows, p.block_d, s.interpret, d.stages, d.tma or d.paged_tma, fp8_qk)
     programs = cdiv(rows, cfg.block_m) * p.batch * k_cache.shape[2]
     sms = d.sm_count if d.sm_count is not None else device_sm_count(q4.device)

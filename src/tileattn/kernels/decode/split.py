@@ -34,6 +34,7 @@ def _kv_tiles(
     PREFETCH_TABLE: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
     DEFER_SCALE: tl.constexpr, UNIT: tl.constexpr, KV_FP8: tl.constexpr = False, WIDEN: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax over the key tiles at lo, lo + step, ... below hi (columns counted from k_start;
     step is BLOCK_N, or a multiple with interleaved splits). With UNIT > 1 (splits interleaved in runs
@@ -45,7 +46,8 @@ def _kv_tiles(
     (rows past seqlen_k read as zeros), for paged ones over the pool's rows of this kv head (unmasked
     tiles only; the page lookup gives the tile's first row). The pointer addresses computed for the
     other tiles are dropped as dead code where unused. With KV_FP8 the e4m3 tiles are widened for the
-    matmuls (``_widened``); the caller has folded the descales into the scale and the output."""
+    matmuls (``_widened``; WIDEN 3: none, p in e4m3 at 2**P8 times its value, as is the running sum);
+    the caller has folded the descales into the scale and the output."""
     first = lo
     if UNIT > 1:
         first = unit_lo
@@ -93,9 +95,10 @@ def _kv_tiles(
                 V_tile + rows_v[:, None] + offs_d[None, :], offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, PAD_D
             )
         if KV_FP8:
-            if WIDEN != 2:  # (WIDEN 2: q is e4m3 too, and q·kᵀ runs on the FP8 tensor cores)
+            if WIDEN < 2:  # (WIDEN 2 and 3: q is e4m3 too, and q·kᵀ runs on the FP8 tensor cores)
                 k = _widened(k, q.dtype, WIDEN)
-            v = _widened(v, q.dtype, WIDEN)
+            if WIDEN < 3:  # (WIDEN 3: so does P·V)
+                v = _widened(v, q.dtype, WIDEN)
         if PREFETCH_TABLE:
             K_tile, rows_k, V_tile, rows_v = paging.cache_rows(
                 K_base, V_base, Table_row,
@@ -106,7 +109,7 @@ def _kv_tiles(
                 MASKED or PREFETCH_TABLE, OFFS_64,
             )  # fmt: skip
         qk = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] = q @ kᵀ
-        if KV_FP8 and WIDEN == 2:
+        if KV_FP8 and WIDEN >= 2:
             qk = qk * q_descale  # (q's rows were quantized by these factors)
         s, _ = common.scores(
             qk, i[:, None], offs_n[None, :],
@@ -115,9 +118,17 @@ def _kv_tiles(
             window_left, window_right,
             MASKED, HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
         )  # fmt: skip
-        p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
+        p, m_i, l_i, acc = common.online_softmax(
+            s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0, P8 if KV_FP8 and WIDEN == 3 else 0
+        )
+        if KV_FP8 and WIDEN == 3:
+            p = common.to_e4m3(p, INTERPRET)
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, BLOCK_D] += p @ v
     return acc, l_i, m_i
+
+
+# WIDEN 3: p (and the running sum) at 2**P8 times its value, so that small probabilities stay normal in e4m3
+P8 = tl.constexpr(8)
 
 
 @triton.jit
@@ -220,7 +231,8 @@ def _attn_fwd_kvcache(
     Tiles are widened as WIDEN says (``_widened``; with 1, q is converted to fp16 too, saturated at
     fp16's ±65504, and p is fp16). With 2, only V is widened to fp16: each row of q is quantized to e4m3
     by its own factor (its largest magnitude / 448) and q·kᵀ runs on the FP8 tensor cores, the factor
-    multiplying the row's scores.
+    multiplying the row's scores. With 3, nothing is: as 2, and p is rounded to e4m3 at 2**P8 times its
+    value for P·V (the sum carries the same factor, which the normalisation cancels).
 
     CHECK (a ``params.CALL_*``; 0: none): the call defers its index checks to the kernels, which write
     the first bad value into the error record ``Record`` (``_check_entry``, after the entry's work; the
@@ -325,7 +337,7 @@ def _attn_fwd_kvcache(
         v_descale = tl.load(VDescale + bh)
         if WIDEN == 1:
             q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        if WIDEN == 2:  # each row to e4m3 by its own factor, amax / 448 (1 for a row of zeros)
+        if WIDEN >= 2:  # each row to e4m3 by its own factor, amax / 448 (1 for a row of zeros)
             q32 = q.to(tl.float32)
             amax = tl.max(tl.abs(q32), axis=1)
             q_descale = tl.where(amax > 0.0, amax / 448.0, 1.0)[:, None]  # [BLOCK_M, 1]
@@ -395,12 +407,13 @@ def _attn_fwd_kvcache(
             PAGED, OFFS_64, HAS_LEFTPAD,
             PREFETCH_TABLE, USE_TMA, seg != 1,
             HAS_SOFTCAP, HAS_ALIBI, MASK_LEFT, MASK_RIGHT,
-            DEFER_SCALE, UNIT, KV_FP8, WIDEN,
+            DEFER_SCALE, UNIT, KV_FP8, WIDEN, INTERPRET,
         )  # fmt: skip
 
     alpha = 1.0  # (the accumulator's rescale for a sink, folded into the normalisation below)
+    P_LOG2: tl.constexpr = P8 if KV_FP8 and WIDEN == 3 else 0  # (the sum's factor, 2**P_LOG2)
     if HAS_SINK and not SPLIT:  # (with splits the combine adds the sinks, once)
-        m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h)
+        m_i, l_i, alpha = common.add_sink(m_i, l_i, Sink + h, P_LOG2)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     if KV_FP8:
@@ -409,7 +422,7 @@ def _attn_fwd_kvcache(
         acc = acc * (alpha / l_safe)[:, None]
     else:
         acc = acc / l_safe[:, None]
-    lse = (m_i + tl.log2(l_safe)) * common.LN2  # (natural log)
+    lse = (m_i + tl.log2(l_safe) - P_LOG2) * common.LN2  # (natural log)
     if SPLIT:
         lse = tl.where(seen, lse, float("-inf"))
     else:
