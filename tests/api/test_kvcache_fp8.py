@@ -35,10 +35,11 @@ def _dequantized_dense(cache, args, capacity, descale):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", FP8_CASES)
-def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=False, p_e4m3=False):
+def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=False, p_e4m3=False, sink=False):
     """(q_e4m3: the call quantizes q's rows to e4m3, so the PyTorch error that sets the bound is that of
     the same rows quantized as ``_rows_e4m3`` does; p_e4m3: it rounds the probabilities to e4m3 too, so
-    that error is plain FP8 attention's, its probabilities in e4m3 as the oracle's ``probs_dtype`` does.)"""
+    that error is plain FP8 attention's, its probabilities in e4m3 as the oracle's ``probs_dtype`` does;
+    sink: with attention sinks.)"""
     seqlen_q, seqlen_new, opts = CASES[case]
     if opts.get("batch_idx") and LAYOUTS[layout]:
         pytest.skip("cache_batch_idx is for contiguous caches")
@@ -49,6 +50,8 @@ def test_fp8_cache_matches_reference(backend, case, layout, num_splits, q_e4m3=F
     vd = 0.01 + 0.02 * torch.rand(batch, hk, device=device)
     kc8, vc8 = (kc * 4).to(E4M3), vc.to(E4M3)  # (values of a few units: e4m3's normal range)
     before_k, before_v = kc8.clone(), vc8.clone()
+    if sink:
+        args["learnable_sink"] = torch.randn(q.shape[2], device=device)
     with ctx:
         out, lse = tileattn.flash_attn_with_kvcache(
             q, kc8, vc8, num_splits=num_splits, return_softmax_lse=True, k_descale=kd, v_descale=vd, **args
@@ -99,9 +102,10 @@ def test_fp8_cache_widenings(widen):
     kvcache.calls.clear()
     with configs.override(_settings(device, fp8_widen=widen)):
         backend = "cuda" if device == "cuda" else "interpret"
-        test_fp8_cache_matches_reference(
-            backend, "alibi-leftpad", "page4", 3, q_e4m3=widen in ("fp8", "none"), p_e4m3=widen == "none"
-        )
+        for splits, sink in ((3, False), (1, True)):  # (one split: the sinks are the split kernel's to add)
+            test_fp8_cache_matches_reference(
+                backend, "alibi-leftpad", "page4", splits, widen in ("fp8", "none"), widen == "none", sink
+            )
     built = [attn.constexprs["WIDEN"] for call in kvcache.calls.values() for attn, _ in plan.plans_in(call.plans)]
     assert built and set(built) == {{"q": 0, "f16": 1, "fp8": 2, "none": 3}[widen]}, built
 
