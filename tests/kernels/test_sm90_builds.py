@@ -160,14 +160,19 @@ import re
 import torch
 from tileattn.kernels import configs, decode
 from tileattn.params import AttnParams, CacheLayout
-for widen in ("f16", "fp8", "none"):
+for widen, d, page in (("f16", 128, None), ("fp8", 128, None), ("none", 128, None), ("none", 256, 256)):
     h200 = dataclasses.replace(configs.HOPPER, decode=dataclasses.replace(configs.HOPPER.decode, fp8_widen=widen))
-    q = torch.empty(8, 1, 32, 128, dtype=torch.bfloat16)
-    cache = torch.empty(8, 32768, 8, 128, dtype=torch.float8_e4m3fn)
+    q = torch.empty(8, 1, 32, d, dtype=torch.bfloat16)
+    table = None
+    if page:
+        cache = torch.empty(8 * 32768 // page, page, 8, d, dtype=torch.float8_e4m3fn)
+        table = torch.arange(8 * 32768 // page, dtype=torch.int32).view(8, -1)
+    else:
+        cache = torch.empty(8, 32768, 8, d, dtype=torch.float8_e4m3fn)
     descale = torch.ones(8, 8)
-    c = CacheLayout(seqlens_k=torch.full((8,), 32768, dtype=torch.int32), max_seqlen_k=32768,
+    c = CacheLayout(seqlens_k=torch.full((8,), 32768, dtype=torch.int32), block_table=table, max_seqlen_k=32768,
                     k_descale=descale, v_descale=descale)
-    p = AttnParams(batch=8, seqlen_q=1, seqlen_k=32768, headdim=128, softmax_scale=0.1)
+    p = AttnParams(batch=8, seqlen_q=1, seqlen_k=32768, headdim=d, softmax_scale=0.1)
     with configs.override(h200):
         decode.attn_fwd_kvcache(q, cache, cache, p, c, configs.current(q.device))
     for name, kernel, kw in compile_report._LAUNCHES:
@@ -184,13 +189,16 @@ def test_fp8_cache_decode_builds():
     """FP8 caches at 8 x 32k (GQA 32/8, head dim 128): DecodeSettings.fp8_widen "f16" widens K and V for
     16-row fp16 MMAs; "fp8" runs q·kᵀ as e4m3 warpgroup MMAs (64-row blocks: the only MMA that takes e4m3
     on Hopper) and widens V alone, half the conversions, spill-free; "none" runs P·V so too (V's tiles
-    read key-major by byte permutes) and widens nothing."""
-    f16, fp8, none = _compiled(FP8_DECODE_CASES)
+    read key-major by byte permutes) and widens nothing; at head dim 256 (paged, pages of 256) over 8
+    warps, spill-free."""
+    f16, fp8, none, none256 = _compiled(FP8_DECODE_CASES)
     assert f16["block_m"] == 16 and f16["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"], f16
     assert fp8["block_m"] == 64 and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in fp8["mma"], fp8
     assert fp8["widenings"] <= 0.55 * f16["widenings"] and fp8["stack"] == 0 and f16["stack"] == 0, (f16, fp8)
     e4m3 = ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]
     assert none["block_m"] == 64 and none["mma"] == e4m3 and none["widenings"] == 0 and none["stack"] == 0, none
+    assert none256["warps"] == 8 and none256["widenings"] == 0 and none256["stack"] == 0, none256
+    assert all(m.endswith("e4m3.e4m3") for m in none256["mma"]), none256
 
 
 CHECK_CASES = (

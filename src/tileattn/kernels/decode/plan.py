@@ -45,12 +45,14 @@ def _tile_config(rows: int, block_d: int, interpret: bool, stages: int, tma: boo
     """The split kernel's tiles: query-row blocks of the packed rows (at most 64), 128-key tiles up to head
     dim 128; the interpreter's small tiles. ``fp8_qk`` (q·kᵀ on FP8 tensor cores): blocks of 64 rows
     whatever the rows, since only the warpgroup MMA (64 rows) takes e4m3 on Hopper; smaller blocks would
-    widen both operands to fp16 again."""
+    widen both operands to fp16 again; at head dim 256 over 8 warps (two warpgroups share the columns:
+    with 4 the accumulator spills)."""
     if interpret:
         return KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=tma)
     block_m = 64 if fp8_qk else min(64, max(16, next_power_of_2(rows)))
     block_n = 128 if block_d <= 128 else 64
-    return KernelConfig(block_m, block_n, num_warps=4, num_stages=stages, tma=tma)
+    warps = 8 if fp8_qk and block_d >= 256 else 4
+    return KernelConfig(block_m, block_n, num_warps=warps, num_stages=stages, tma=tma)
 
 
 def _widen(d: DecodeSettings, p: AttnParams) -> int:
@@ -264,7 +266,7 @@ def plan_launches(
             "HAS_SINK": p.learnable_sink is not None,
             "INTERPRET": interpret,
         },
-        num_warps=d.paged_warps if paged and not use_tma and not interpret else cfg.num_warps,
+        num_warps=max(d.paged_warps, cfg.num_warps) if paged and not use_tma and not interpret else cfg.num_warps,
         num_stages=cfg.num_stages if interpret else stages,
         **({"launch_pdl": True} if pdl_attn else {}),
     )
