@@ -90,21 +90,66 @@ def tile_loop(kernel) -> int:
     """Instructions in the body of the kernel's shortest loop that holds a tensor-core instruction: in the
     decode kernel, the key loop over unmasked tiles (the masked edges' copies are longer). A static count
     (cuobjdump -sass): what one warp issues per key tile there."""
+    return len(loop_body(kernel))
+
+
+def loop_body(kernel) -> list[str]:
+    """The SASS instructions of the kernel's shortest loop that holds a tensor-core instruction
+    (``tile_loop``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    sizes = []
+    bodies = []
     for at, ins in code:
         jump = re.search(r"\bBRA\s+(?:\S+\s+)?0x([0-9a-f]+)", ins)
         if jump and int(jump.group(1), 16) < at:
             body = [i for a, i in code if int(jump.group(1), 16) <= a <= at]
             if any("HMMA" in i or "HGMMA" in i for i in body):
-                sizes.append(len(body))
-    if not sizes:
+                bodies.append(body)
+    if not bodies:
         raise RuntimeError("no loop with a tensor-core instruction in the SASS")
-    return min(sizes)
+    return min(bodies, key=len)
+
+
+def compile_mla(seqlen_q: int, nheads: int, causal: bool, gluon: bool) -> dict:
+    """The MLA decode build of DeepSeek's geometry (576-wide rows, 512 values, pages of 64) for ``seqlen_q``
+    tokens of ``nheads`` heads: the portable kernel (``kernels.decode.mla``) or, with ``gluon``, the Gluon
+    one (``kernels.gluon.mla``; 64-row programs). Its resources, and in its key loop (``loop_body``) the
+    tensor-core instructions and spill traffic."""
+    from tileattn.kernels.decode import mla
+
+    batch, pages = 8, 512
+    q = torch.empty(batch, seqlen_q, nheads, 576, dtype=torch.bfloat16)
+    kv = torch.empty(pages, 64, 1, 576, dtype=torch.bfloat16)
+    table = torch.arange(pages, dtype=torch.int32).view(batch, -1)
+    seqlens = torch.full((batch,), 4096, dtype=torch.int32)
+    meta, splits = torch.zeros(132, 8, dtype=torch.int32), torch.zeros(batch + 1, dtype=torch.int32)
+    if gluon:
+        from tileattn.kernels.gluon import mla as gluon_mla
+
+        out = torch.empty(batch, seqlen_q, nheads, 512, dtype=torch.bfloat16)
+        lse, partials = torch.empty(batch, nheads, seqlen_q), torch.empty(16)
+        gluon_mla.mla_fwd_gluon(q, kv, out, lse, partials, partials, table, seqlens, meta, splits, 0.1, causal)
+    else:
+        from tileattn.kernels import configs
+
+        mla.mla_fwd(q, kv, table, seqlens, meta, splits, 512, 0.1, causal, configs.current(q.device))
+    name, kernel, kw = next(launch for launch in _LAUNCHES if launch[0] in ("_mla_fwd", "_mla_kernel"))
+    _LAUNCHES.clear()
+    body = loop_body(kernel)
+    return dict(
+        kernel=name,
+        seqlen_q=seqlen_q,
+        nheads=nheads,
+        causal=causal,
+        **resources(kernel),
+        wgmma_shapes=sorted(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"])),
+        loop_hgmma=sum("HGMMA" in i for i in body),
+        loop_spills=sum("LDL" in i or "STL" in i for i in body),
+        tensordesc_boxes=[m["block_size"] for m in kernel.metadata.tensordesc_meta or ()],
+    )
 
 
 DECODE_CASES = [

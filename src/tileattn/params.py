@@ -173,6 +173,12 @@ class MLASettings:
     stages: int = 2
     # the query tiles loaded again for every key tile instead of held in registers
     q_in_loop: bool = False
+    # 64-row programs on sm90 in Gluon (``kernels.gluon.mla``: q·kᵀ split between the warpgroups, not
+    # computed by both; DeepSeek's geometry only), with that many key tiles in flight. Off until timed
+    gluon: bool = False
+    gluon_stages: int = 2
+    # with ``gluon``, programs of fewer rows too (memory-bound decoding), padded to 64 rows (a wgmma's M)
+    gluon_narrow: bool = False
     # the work schedule (``get_mla_metadata``): keys counted in blocks of ``schedule_block``, each
     # sequence costing ``fixed_overhead`` blocks more (its output's write), over ``parts_per_sm`` parts per
     # SM for programs of ``block_m`` rows and ``narrow_parts_per_sm`` for programs of fewer

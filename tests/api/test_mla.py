@@ -3,6 +3,7 @@ same paged latent cache (keys the cache rows, values their first head_dim_v dims
 rule; the schedule of ``get_mla_metadata`` (every key block done once, every sequence written); the op
 under torch.compile and CUDA graphs; and bad input refused with the cache untouched."""
 
+import dataclasses
 import math
 
 import pytest
@@ -232,6 +233,74 @@ def test_mla_cuda_graph():
         kv.normal_()
         graph.replay()
         _check(f"replay {new}", q, kv, table, lengths, 512, True, out, lse)
+
+
+# (batch, seqlen_q, nheads, lengths): the Gluon build's 64-row programs (16 rows padded, one, four and a
+# half-empty second row block), lengths 1, 63, 113, 1025 and empty sequences, last pages partly used
+GLUON_CASES = {
+    "narrow": (3, 1, 16, [63, 1, 113]),  # (16 rows padded to 64: MLASettings.gluon_narrow)
+    "one-block": (4, 1, 64, [63, 1, 1025, 0]),
+    "four-blocks": (2, 2, 128, [113, 300]),
+    "rows-past": (2, 3, 32, [70, 129]),
+}
+
+
+def _gluon_build():
+    """The settings that run MLA programs in Gluon (those of fewer rows too), and its module; skips where it
+    cannot run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon MLA build needs an sm90 GPU")
+    from tileattn.kernels import gluon
+
+    if not gluon.available():
+        pytest.skip("this Triton's Gluon is not the one the kernels are written for")
+    from tileattn.kernels.gluon import mla as gluon_mla
+
+    s = configs.current(torch.device("cuda"))
+    return dataclasses.replace(s, mla=dataclasses.replace(s.mla, gluon=True, gluon_narrow=True)), gluon_mla
+
+
+# (a build the settings do not pick yet: one case in the suite's default run, the rest with TILEATTN_SLOW=1)
+GLUON_PARAMS = [
+    pytest.param(
+        case, causal, parts, marks=() if (case, causal, parts) == ("four-blocks", True, 17) else pytest.mark.slow
+    )
+    for case in GLUON_CASES
+    for causal in (False, True)
+    for parts in (None, 17)
+]
+
+
+@pytest.mark.parametrize("case, causal, parts", GLUON_PARAMS)
+def test_mla_gluon_matches_reference(case, causal, parts, monkeypatch):
+    """The Gluon build (``MLASettings.gluon``) against the reference, written whole or as split partials
+    (17 parts), with the unused rows of each sequence's last page NaN (they must not reach the output:
+    0 · NaN is NaN) and checks deferred to the kernels as the default calls do; it is the build that ran."""
+    settings, gluon_mla = _gluon_build()
+    batch, seqlen_q, nheads, lengths = GLUON_CASES[case]
+    q, kv, table, lengths_t = _case("cuda", torch.bfloat16, batch, seqlen_q, nheads, lengths, 64)
+    clean = kv.clone()
+    for b, n in enumerate(lengths):
+        if n % 64:
+            kv[table[b, n // 64], n % 64 :] = float("nan")
+    launches = []
+    launch = gluon_mla.mla_fwd_gluon
+    monkeypatch.setattr(gluon_mla, "mla_fwd_gluon", lambda *args: launches.append(1) or launch(*args))
+    with configs.override(settings):
+        given = () if parts is None else mla.schedule(lengths_t, parts, MLASettings(schedule_block=64))
+        out, lse = mla.flash_mla_with_kvcache(q, kv, table, lengths_t, 512, *given, causal=causal)
+        tileattn.check_errors("cuda")
+    assert launches == [1]
+    _check(f"gluon {case}", q, clean, table, lengths_t, 512, causal, out, lse)
+
+
+def test_mla_gluon_finds_bad_lengths():
+    """The Gluon build's call runs the deferred index checks that its kernel leaves out."""
+    settings, _ = _gluon_build()
+    q, kv, table, lengths = _case("cuda", torch.bfloat16, 2, 1, 64, [100, 20], 64)
+    with configs.override(settings):
+        mla.flash_mla_with_kvcache(q, kv, table, torch.tensor([100, 200], dtype=torch.int32, device="cuda"), 512)
+        check_refused(lambda: tileattn.check_errors("cuda"), mla.InvalidArgument, ["exceeds", "capacity"])
 
 
 def test_mla_bad_input(backend):

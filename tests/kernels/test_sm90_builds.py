@@ -448,6 +448,38 @@ def test_gluon_forward_builds_as_designed():
     assert len(three) == 4 and all(row["stack"] == 0 for row in three), three
 
 
+MLA_CASES = (
+    H200
+    + """
+from tileattn.kernels import gluon
+with configs.override(h200):
+    rows.append(compile_report.compile_mla(2, 128, True, gluon=False))
+    if gluon.available():
+        rows += [compile_report.compile_mla(2, 128, causal, gluon=True) for causal in (False, True)]
+        rows.append(compile_report.compile_mla(1, 64, False, gluon=True))
+"""
+)
+
+
+def test_gluon_mla_builds_split_the_scores():
+    """MLA decode's 64-row programs (DeepSeek's geometry): the portable build computes each key tile's
+    scores in both warpgroups (per warpgroup 72 wgmmas of 64 x 32 x 16 a tile: all 64 keys; a chained dot's
+    warps along its rows) and spills; the Gluon build (kernels/gluon/mla.py) gives each warpgroup 32 keys of
+    the scores and 256 of the values (36 + 4 wgmmas a tile), spill-free within shared memory (two stages
+    of 64 cache rows, q and P: under the 227 KB a block may take), its TMA boxes of 64 x 64."""
+    _needs_gluon()
+    portable, *builds = _compiled(MLA_CASES)
+    assert portable["loop_hgmma"] == 80 and portable["wgmma_shapes"].count("m64n32k16") == 144, portable
+    assert len(builds) == 3, builds
+    for row in builds:
+        assert row["kernel"] == "_mla_kernel" and row["warps"] == 8 and row["stack"] == 0, row
+        assert row["shared"] <= 227 * 1024 and row["blocks_per_sm"] == 1, row
+        assert row["loop_hgmma"] == 40 and row["loop_spills"] == 0, row
+        assert sorted(set(row["wgmma_shapes"])) == ["m64n256k16", "m64n32k16"], row
+        assert row["wgmma_shapes"].count("m64n32k16") == 36 and row["wgmma_shapes"].count("m64n256k16") == 4, row
+        assert row["tensordesc_boxes"] == [[64, 64], [64, 64]], row
+
+
 GLUON_96_CASES = """
 from tileattn.kernels import gluon
 if gluon.available():

@@ -6,6 +6,10 @@ dim's entry of ``fwd``, ``bwd_dkdv`` or ``bwd_dq``, run under ``configs.override
 against the reference before it is timed, on the timed (dense) inputs and on GQA 4:1 inputs, which
 compile a build of their own (one such build, head dim 256's 128 x 64 pointer-load forward, was wrong
 for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
+
+``--mla``: MLA decoding's rows (``bench --mla``'s) with the settings' build and with the Gluon one
+(``MLASettings.gluon``, sm90; the memory-bound rows' 16-row programs padded to 64, ``gluon_narrow``),
+alternating, each checked before it is timed.
 """
 
 from __future__ import annotations
@@ -178,14 +182,50 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
     return results
 
 
+def mla_builds(rounds: int = 3) -> list[dict]:
+    """``bench --mla``'s rows under the settings and with ``MLASettings.gluon`` (and ``gluon_narrow``), in
+    ``rounds`` alternating rounds (each row checked against the fp64 attention before it is timed)."""
+    from tileattn.bench.__main__ import time_ms
+    from tileattn.bench.mla import COMPUTE_CASES, MEMORY_CASES, _mla_row
+    from tileattn.kernels import gluon
+
+    s = configs.current(torch.device("cuda"))
+    builds = {"settings": s}
+    if torch.cuda.get_device_capability()[0] == 9 and gluon.available():
+        builds["Gluon"] = replace(s, mla=replace(s.mla, gluon=True, gluon_narrow=True))
+    cases = [("memory", *c, 1, 16) for c in MEMORY_CASES] + [("compute", *c, 2, 128) for c in COMPUTE_CASES]
+    rows = []
+    for r in range(rounds):
+        for regime, batch, seqlen, seqlen_q, nheads in cases:
+            for name, settings in builds.items():
+                gen = torch.Generator(device="cuda").manual_seed(batch + seqlen)  # (the same inputs each build)
+                with configs.override(settings):
+                    row = _mla_row(time_ms, regime, batch, seqlen, seqlen_q, nheads, gen)
+                rows.append(dict(row, build=name, round=r))
+                print(
+                    f"round {r} {name:8s} {regime:7s} {batch} x {seqlen}: {row['gbs']:.0f} GB/s "
+                    f"{row['tflops']:.0f} TFLOP/s",
+                    flush=True,
+                )
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tileattn.bench.tune")
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p")
+    ap.add_argument("--mla", action="store_true", help="MLA decoding's builds instead (bench --mla's rows)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.mla:
+        rows = mla_builds()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     everything = {}
     for d in args.headdim:
         res = sweep(d, args.seqlen, args.causal, dropout_p=args.dropout)

@@ -278,45 +278,53 @@ def _mla_fwd(
 LAUNCHER = Launcher(_mla_fwd)
 
 
-def mla_fwd(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    block_table: torch.Tensor,
-    seqlens: torch.Tensor,
-    metadata: torch.Tensor,
-    num_splits: torch.Tensor,
-    head_dim_v: int,
-    softmax_scale: float,
-    causal: bool,
-    s: Settings,
-    record: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decoding (arguments validated by ``tileattn.mla``): q ``(batch, seqlen_q, nheads, d)``, kv the
-    paged cache ``(num_pages, page_size, nheads_k, d)`` whose first ``head_dim_v`` dims are the values,
-    ``metadata`` and ``num_splits`` the schedule (``tileattn.mla.get_mla_metadata``). Returns out ``(batch, seqlen_q, nheads, head_dim_v)`` in q's dtype and
-    the LSE fp32 ``(batch, nheads, seqlen_q)``. ``record``: the error record into which the kernel
-    writes a bad length or block-table entry (``CacheLayout.record``), or None: no checks."""
+@triton.jit
+def _check_parts(
+    Record, Seqlens, Table, Meta, stride_tb, stride_meta, batch, num_pages, capacity,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
+    """Program ``part``: ``_check_part`` of one part of the schedule, for the kernels that leave the checks
+    out (the Gluon build, ``kernels.gluon.mla``), its indices clamped as ``_mla_fwd``'s."""
+    meta = Meta + tl.program_id(0) * stride_meta
+    _check_part(
+        Record, Seqlens, Table, stride_tb,
+        tl.maximum(tl.load(meta), 0), tl.minimum(tl.load(meta + 2), batch - 1), tl.load(meta + 1),
+        tl.load(meta + 3), capacity, num_pages, BLOCK_N, PAGE_SIZE, CHECK,
+    )  # fmt: skip
+
+
+CHECKS = Launcher(_check_parts)
+
+
+def _gluon_call(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, block_m: int, m: params.MLASettings) -> bool:
+    """Whether this call's programs run the Gluon build (``MLASettings.gluon``: those of 64 rows;
+    ``gluon_narrow``: those of fewer too, padded), on sm90 with the Gluon this Triton has, for the geometry
+    ``kernels.gluon.mla.eligible`` takes."""
+    if not (m.gluon and m.block_n == 64 and (block_m == 64 or m.gluon_narrow)):  # (its key tiles: pages of 64)
+        return False
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    from tileattn.kernels import gluon
+
+    if not gluon.available():
+        return False
+    from tileattn.kernels.gluon import mla as gluon_mla
+
+    return gluon_mla.eligible(q, kv, head_dim_v)
+
+
+def _launch_portable(
+    q, kv, out, lse, out_p, lse_p, block_table, seqlens, metadata, num_splits, head_dim_v, softmax_scale, causal,
+    s, record, bm, pdl,
+):  # fmt: skip
+    """``_mla_fwd`` over the call's programs (``mla_fwd``'s arguments, its outputs and partials)."""
     m = s.mla
     batch, seqlen_q, nheads, d = q.shape
     num_pages, page_size, nheads_k, _ = kv.shape
-    group = nheads // nheads_k
-    rows = seqlen_q * group
-    bm = m.rows_per_program(rows)
-    block_n = m.block_n
-    chunk = min(head_dim_v, 256)
     num_parts = metadata.shape[0]
-    num_slots = batch + num_parts
-    out = torch.empty((batch, seqlen_q, nheads, head_dim_v), device=q.device, dtype=q.dtype)
-    lse = torch.empty((batch, nheads, seqlen_q), device=q.device, dtype=torch.float32)
     per_slot = seqlen_q * nheads
-    # the partial LSEs, then (16-byte aligned) the partial outputs: one allocation
-    at = cdiv(num_slots * per_slot, 4) * 4
-    partials = torch.empty(at + num_slots * per_slot * head_dim_v, device=q.device, dtype=torch.float32)
-    lse_p, out_p = partials[:at], partials[at:]
-    offs_64 = paging.offsets_past_int32(kv, True)
-    pdl = s.decode.pdl and plan.device_has_pdl(q.device)
     LAUNCHER(
-        (cdiv(rows, bm), nheads_k, num_parts),
+        (cdiv(seqlen_q * nheads // nheads_k, bm), nheads_k, num_parts),
         (
             q,
             kv,
@@ -340,23 +348,23 @@ def mla_fwd(
             per_slot * head_dim_v,
             per_slot,
             batch,
-            group,
+            nheads // nheads_k,
             seqlen_q,
             num_pages,
             block_table.shape[1],
-            num_slots,
+            batch + num_parts,
             softmax_scale * common.LOG2E,
         ),  # fmt: skip
         {
             "D_V": head_dim_v,
             "D_ROPE": d - head_dim_v,
             "ROPE_PAD": max(16, next_power_of_2(d - head_dim_v)),
-            "CHUNK_V": chunk,
+            "CHUNK_V": min(head_dim_v, 256),
             "BLOCK_M": bm,
-            "BLOCK_N": block_n,
+            "BLOCK_N": m.block_n,
             "PAGE_SIZE": page_size,
             "CAUSAL": causal,
-            "OFFS_64": offs_64,
+            "OFFS_64": paging.offsets_past_int32(kv, True),
             "LAUNCH_DEPENDENTS": pdl,
             "Q_IN_LOOP": m.q_in_loop,
             "CHECK": params.CALL_MLA if record is not None else 0,
@@ -364,6 +372,59 @@ def mla_fwd(
         num_warps=m.wide_warps if bm >= 64 else m.narrow_warps,
         num_stages=m.stages,
     )
+
+
+def mla_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens: torch.Tensor,
+    metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    s: Settings,
+    record: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decoding (arguments validated by ``tileattn.mla``): q ``(batch, seqlen_q, nheads, d)``, kv the
+    paged cache ``(num_pages, page_size, nheads_k, d)`` whose first ``head_dim_v`` dims are the values,
+    ``metadata`` and ``num_splits`` the schedule (``tileattn.mla.get_mla_metadata``). Returns out ``(batch, seqlen_q, nheads, head_dim_v)`` in q's dtype and
+    the LSE fp32 ``(batch, nheads, seqlen_q)``. ``record``: the error record into which the kernel
+    writes a bad length or block-table entry (``CacheLayout.record``), or None: no checks."""
+    m = s.mla
+    batch, seqlen_q, nheads, d = q.shape
+    num_pages, page_size, nheads_k, _ = kv.shape
+    bm = m.rows_per_program(seqlen_q * nheads // nheads_k)
+    block_n = m.block_n
+    num_parts = metadata.shape[0]
+    num_slots = batch + num_parts
+    out = torch.empty((batch, seqlen_q, nheads, head_dim_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, nheads, seqlen_q), device=q.device, dtype=torch.float32)
+    per_slot = seqlen_q * nheads
+    # the partial LSEs, then (16-byte aligned) the partial outputs: one allocation
+    at = cdiv(num_slots * per_slot, 4) * 4
+    partials = torch.empty(at + num_slots * per_slot * head_dim_v, device=q.device, dtype=torch.float32)
+    lse_p, out_p = partials[:at], partials[at:]
+    pdl = s.decode.pdl and plan.device_has_pdl(q.device)
+    if _gluon_call(q, kv, head_dim_v, bm, m):
+        from tileattn.kernels.gluon import mla as gluon_mla
+
+        if record is not None:  # (the deferred index checks, which the Gluon kernel leaves out)
+            CHECKS(
+                (num_parts, 1, 1),
+                (record, seqlens, block_table, metadata, block_table.stride(0), metadata.stride(0))
+                + (batch, num_pages, block_table.shape[1] * page_size),
+                {"BLOCK_N": block_n, "PAGE_SIZE": page_size, "CHECK": params.CALL_MLA},
+            )
+        gluon_mla.mla_fwd_gluon(
+            q, kv, out, lse, out_p, lse_p, block_table, seqlens, metadata, num_splits,
+            softmax_scale * common.LOG2E, causal, m.gluon_stages,
+        )  # fmt: skip
+        pdl = False  # (the Gluon kernel does not launch its dependents early)
+    else:
+        _launch_portable(q, kv, out, lse, out_p, lse_p, block_table, seqlens, metadata, num_splits, head_dim_v,
+                         softmax_scale, causal, s, record, bm, pdl)  # fmt: skip
     n_rows = out.numel() // head_dim_v
     block_r, chunk_s = combine.combine_tiles(num_parts + 1, head_dim_v, s.decode)
     combine.LAUNCHER(
