@@ -10,11 +10,17 @@ for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 ``--mla``: MLA decoding's rows (``bench --mla``'s) with the settings' build and with the Gluon one
 (``MLASettings.gluon``, sm90; the memory-bound rows' 16-row programs padded to 64, ``gluon_narrow``),
 alternating, each checked before it is timed.
+
+``--fp8-widen``: FP8 KV-cache decoding (``bench --fp8``'s decode rows, 8 x 32k and 64 x 16k, contiguous and
+paged) under each ``DecodeSettings.fp8_widen`` against the bf16 cache, alternating; each checked first
+against the fp64 attention with the tolerance rule's baseline of what it rounds ("fp8": q's rows in e4m3;
+"none": and the probabilities).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from dataclasses import replace
@@ -22,6 +28,7 @@ from dataclasses import replace
 import torch
 import triton
 
+import tileattn
 from tileattn.bench.__main__ import flops
 from tileattn.bench.backends import check_backend
 from tileattn.kernels import configs
@@ -211,6 +218,95 @@ def mla_builds(rounds: int = 3) -> list[dict]:
     return rows
 
 
+def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row (last dim) through e4m3 at its own factor, amax / 448, back in t's dtype (how the decode
+    kernel's "fp8" and "none" round q)."""
+    amax = t.float().abs().amax(-1, keepdim=True)
+    factor = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    return ((t.float() / factor).clamp(-448, 448).to(torch.float8_e4m3fn).float() * factor).to(t.dtype)
+
+
+def _decode_step(q0, k0, v0, precision, e4m3_probs=False) -> torch.Tensor:
+    """One query token's GQA attention ``q0 (h, d)`` over ``k0, v0 (n, hk, d)`` in ``precision``; with
+    ``e4m3_probs`` the probabilities ``· V`` in e4m3 at their row max 1 over the unrounded sum."""
+    group = q0.shape[0] // k0.shape[1]
+    k0, v0 = (t.repeat_interleave(group, 1).to(precision) for t in (k0, v0))
+    s = torch.einsum("hd,khd->hk", q0.to(precision), k0) * q0.shape[-1] ** -0.5
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    total = p.sum(-1, keepdim=True)
+    if e4m3_probs:
+        p = p.to(torch.float8_e4m3fn).to(precision)
+    return torch.einsum("hk,khd->hd", p / total, v0)
+
+
+def fp8_widenings(rounds: int = 3, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8, headdim=128) -> list[dict]:
+    """Tokens/s of FP8-cache decoding under each ``DecodeSettings.fp8_widen`` and of the bf16 cache, in
+    ``rounds`` alternating rounds, contiguous and paged (pages of 64); ratios to bf16 per round."""
+    from tileattn import fp8
+    from tileattn.bench.__main__ import time_ms
+    from tileattn.bench.fp8 import _paged
+
+    s = configs.current(torch.device("cuda"))
+    widenings = ("f16", "fp8", "none")
+    rows = []
+    for batch, seqlen in cases:
+        gen = torch.Generator(device="cuda").manual_seed(batch + seqlen)
+        q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kc, vc = (
+            torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2)
+        )
+        (kc8, kd), (vc8, vd) = fp8.quantize(kc), fp8.quantize(vc)
+        seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        k0, v0 = (fp8.dequantize(t[:1], d[:1], dtype=torch.float64)[0] for t, d in ((kc8, kd), (vc8, vd)))
+        ref = _decode_step(q[0, 0], k0, v0, torch.float64)
+        lowp = {
+            "f16": _decode_step(q[0, 0], k0, v0, torch.bfloat16),
+            "fp8": _decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16),
+            "none": _decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16, e4m3_probs=True),
+        }
+        for paged in (False, True):
+            if paged:
+                (k16, v16, k8, v8), table = _paged((kc, vc, kc8, vc8), 64, gen)
+                layout = dict(block_table=table)
+            else:
+                k16, v16, k8, v8, layout = kc, vc, kc8, vc8, {}
+            calls = {"bf16": (s, (q, k16, v16), {})}
+            for w in widenings:
+                settings = replace(s, decode=replace(s.decode, fp8_widen=w))
+                calls[w] = (settings, (q, k8, v8), dict(k_descale=kd, v_descale=vd))
+            usable = {}
+            for name, (settings, args, extra) in calls.items():
+                with configs.override(settings):
+                    out = tileattn.flash_attn_with_kvcache(*args, cache_seqlens=seqlens, **layout, **extra)
+                    try:
+                        if name != "bf16":
+                            check_close(f"fp8_widen={name}", out[0, 0].double(), ref, lowp[name])
+                        usable[name] = (settings, args, extra)
+                    except AssertionError as e:
+                        rows.append(dict(batch=batch, seqlen=seqlen, paged=paged, build=name, error=str(e)[:300]))
+                        print(f"{batch} x {seqlen} paged={paged} {name}: {str(e)[:200]}", flush=True)
+            for r in range(rounds):
+                times = {}
+                for name, (settings, args, extra) in usable.items():
+                    with configs.override(settings):
+                        call = functools.partial(
+                            tileattn.flash_attn_with_kvcache, *args, cache_seqlens=seqlens, **layout, **extra
+                        )
+                        times[name] = time_ms(call, "cuda")
+                for name, ms in times.items():
+                    row = dict(batch=batch, seqlen=seqlen, paged=paged, build=name, round=r, ms=ms)
+                    row.update(tok_s=batch / ms * 1e3, vs_bf16=times["bf16"] / ms)
+                    rows.append(row)
+                    print(
+                        f"round {r} {batch} x {seqlen} {'paged' if paged else 'contiguous':10s} {name:5s} "
+                        f"{row['tok_s']:.0f} tokens/s {row['vs_bf16']:.2f}x bf16",
+                        flush=True,
+                    )
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tileattn.bench.tune")
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
@@ -218,10 +314,11 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p")
     ap.add_argument("--mla", action="store_true", help="MLA decoding's builds instead (bench --mla's rows)")
+    ap.add_argument("--fp8-widen", action="store_true", help="FP8 KV-cache decoding under each fp8_widen instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.mla:
-        rows = mla_builds()
+    if args.mla or args.fp8_widen:
+        rows = mla_builds() if args.mla else fp8_widenings()
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
