@@ -4,6 +4,8 @@ and importlib.metadata see a flash_attn 2.8.3 package (what transformers checks 
 import importlib
 import importlib.metadata
 import importlib.util
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -300,3 +302,55 @@ def test_run_a_script_with_the_shim(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "tileattn ['--flag'] (1, 4, 2, 8)" in res.stdout, res.stdout + res.stderr
     assert "2.8.3 flash_attn" in res.stdout, res.stdout + res.stderr
+
+
+FLASH_ATTN_STYLE_TESTS = """
+import flash_attn
+import pytest
+from flash_attn import flash_attn_func
+from flash_attn.flash_attn_interface import USE_TRITON_ROCM
+
+
+@pytest.mark.parametrize("i", range(10))
+def test_many(i):
+    assert flash_attn.__version__ == "2.8.3" and flash_attn_func.__module__.startswith("tileattn")
+
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("j", range(2))
+def test_grid(i, j):
+    assert USE_TRITON_ROCM is False
+
+
+def test_single():
+    assert flash_attn_func is not None
+"""
+
+
+def test_flash_attn_tests_runner_samples_each_function(tmp_path):
+    """scripts/flash_attn_tests.py runs a flash_attn-style test file unchanged with the shim installed before
+    it imports flash_attn, keeping ``--per-test`` cases of each function (all of those with fewer), the
+    same cases for the same seed, every case with 0; pytest's exit status is the script's."""
+
+    script = pathlib.Path(__file__).parents[2] / "scripts" / "flash_attn_tests.py"
+    test_file = tmp_path / "test_flash_attn.py"
+    test_file.write_text(FLASH_ATTN_STYLE_TESTS)
+
+    def run(*args):
+        res = subprocess.run(
+            [sys.executable, str(script), str(test_file), *args, "--", "-q", "-rA"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        passed = sorted(re.findall(r"^PASSED \S+::(\S+)", res.stdout, re.M))
+        return res.returncode, passed, res.stdout
+
+    code, passed, out = run("--per-test", "2", "--seed", "3")
+    assert code == 0 and "5 passed, 12 deselected" in out, out
+    assert [p.split("[")[0] for p in passed].count("test_many") == 2 and "test_single" in passed, passed
+    assert run("--per-test", "2", "--seed", "3")[1] == passed  # (the same sample again)
+    assert "17 passed" in run("--per-test", "0")[2]
+    test_file.write_text(FLASH_ATTN_STYLE_TESTS + "\n\ndef test_fails():\n    assert False\n")
+    code, _, out = run("--per-test", "1")
+    assert code == 1 and "1 failed" in out, out
