@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
 import io
 import re
 import subprocess
@@ -128,11 +129,21 @@ def _help_of(main) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("tool", ["tileattn.bench", "paged_decode", "mla_decode", "context_parallel"])
+@pytest.mark.parametrize(
+    "tool",
+    ["tileattn.bench", "tileattn.bench.tune", "flash_attn_tests", "paged_decode", "mla_decode", "context_parallel"],
+)
 def test_help_gives_every_option_a_line_and_its_default(tool, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     if tool == "tileattn.bench":
         from tileattn.bench.__main__ import parse_args as main
+    elif tool == "tileattn.bench.tune":
+        from tileattn.bench.tune import main
+    elif tool == "flash_attn_tests":  # (scripts/)
+        spec = importlib.util.spec_from_file_location(tool, ROOT / "scripts" / f"{tool}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        main = module.main
     else:
         main = example(tool).main
     blocks = _option_blocks(_help_of(main))

@@ -308,14 +308,20 @@ def fp8_widenings(rounds: int = 3, cases=((8, 32768), (64, 16384)), nheads=32, n
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tileattn.bench.tune")
-    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p")
-    ap.add_argument("--mla", action="store_true", help="MLA decoding's builds instead (bench --mla's rows)")
-    ap.add_argument("--fp8-widen", action="store_true", help="FP8 KV-cache decoding under each fp8_widen instead")
-    ap.add_argument("--json", default=None)
+    ap = argparse.ArgumentParser(
+        prog="python -m tileattn.bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256], help="head dims (default 64 128 256)")
+    ap.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence, 16k tokens a batch (default 4096)")
+    ap.add_argument("--causal", action="store_true", help="time causal attention (default: not)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p (default 0)")
+    ap.add_argument(
+        "--mla", action="store_true", help="MLA decoding's builds instead, bench --mla's rows (default: off)"
+    )
+    ap.add_argument(
+        "--fp8-widen", action="store_true", help="FP8 KV-cache decoding under each fp8_widen instead (default: off)"
+    )
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file (default: none)")
     args = ap.parse_args(argv)
     if args.mla or args.fp8_widen:
         rows = mla_builds() if args.mla else fp8_widenings()
