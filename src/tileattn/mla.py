@@ -82,7 +82,8 @@ def get_mla_metadata(cache_seqlens: Tensor, num_q_tokens_per_head_k: int, num_he
     heads_k = _positive_int("num_heads_k", num_heads_k)
     m = configs.current(seqlens.device).mla
     sms = m.sm_count if m.sm_count is not None else _sm_count(seqlens.device)
-    block_m = m.rows_per_program(rows)
+    # (MLASettings.gluon_narrow: fewer rows run as the Gluon build's 64, one block an SM)
+    block_m = m.block_m if m.gluon and m.gluon_narrow else m.rows_per_program(rows)
     per_sm = m.parts_per_sm if block_m >= m.block_m else m.narrow_parts_per_sm
     num_parts = max(1, sms * per_sm // heads_k // cdiv(rows, block_m))
     return schedule(seqlens, num_parts, m)

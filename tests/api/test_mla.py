@@ -192,6 +192,12 @@ def test_metadata_counts_sms_and_rows():
     assert mla.get_mla_metadata(lengths, 1, 1)[0].shape[0] == sms * narrow
     rows = 4 * m.block_m  # four row blocks per kv head: a quarter of the parts
     assert mla.get_mla_metadata(lengths, rows, 2)[0].shape[0] == max(1, sms * m.parts_per_sm // 2 // 4)
+    # the Gluon build of fewer rows (gluon_narrow) pads them to 64-row programs, one block an SM
+    s = configs.current(lengths.device)
+    narrow_gluon = dataclasses.replace(m, gluon=True, gluon_narrow=True, narrow_parts_per_sm=2, parts_per_sm=1)
+    with configs.override(dataclasses.replace(s, mla=narrow_gluon)):
+        assert mla.get_mla_metadata(lengths, 16, 1)[0].shape[0] == sms
+        assert mla.get_mla_metadata(lengths, rows, 1)[0].shape[0] == max(1, sms // 4)
 
 
 def test_mla_compiles(backend):
