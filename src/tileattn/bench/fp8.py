@@ -206,20 +206,26 @@ def _paged(caches: tuple, page_size: int, gen) -> tuple[list, torch.Tensor]:
     return pools, order.view(batch, pages).int()
 
 
+def decode_inputs(batch: int, seqlen: int, nheads: int, nheads_k: int, headdim: int) -> tuple:
+    """A decoding step's inputs (seeded by the shape): ``(gen, q, kc, vc, kc8, kd, vc8, vd, seqlens)``, q one
+    bf16 token, the bf16 caches full, the same caches in FP8 with ``fp8.quantize``'s descales."""
+    gen = torch.Generator(device="cuda").manual_seed(batch + seqlen)
+    q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kc, vc = (
+        torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(2)
+    )
+    (kc8, kd), (vc8, vd) = fp8.quantize(kc), fp8.quantize(vc)
+    return gen, q, kc, vc, kc8, kd, vc8, vd, torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+
+
 def decode_rows(time_ms, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8, headdim=128, page_size=64):
     """One decoding step (one query token, no append) against a bf16 cache and the same cache in FP8
     (``fp8.quantize``'s descales), contiguous and paged; tokens/s and GB/s of cache read. The FP8 output
     passes the tolerance rule against the fp64 attention of batch 0 over the dequantized cache first."""
     rows = []
     for batch, seqlen in cases:
-        gen = torch.Generator(device="cuda").manual_seed(batch + seqlen)
-        q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kc, vc = (
-            torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for _ in range(2)
-        )
-        (kc8, kd), (vc8, vd) = fp8.quantize(kc), fp8.quantize(vc)
-        seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        gen, q, kc, vc, kc8, kd, vc8, vd, seqlens = decode_inputs(batch, seqlen, nheads, nheads_k, headdim)
         deq = [fp8.dequantize(t[:1], d[:1], dtype=torch.float64) for t, d in ((kc8, kd), (vc8, vd))]
 
         def attend(precision, q0=q[0, 0], k0=deq[0][0], v0=deq[1][0]):  # batch 0's step in ``precision``

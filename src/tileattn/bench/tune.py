@@ -244,20 +244,13 @@ def fp8_widenings(rounds: int = 3, cases=((8, 32768), (64, 16384)), nheads=32, n
     ``rounds`` alternating rounds, contiguous and paged (pages of 64); ratios to bf16 per round."""
     from tileattn import fp8
     from tileattn.bench.__main__ import time_ms
-    from tileattn.bench.fp8 import _paged
+    from tileattn.bench.fp8 import _paged, decode_inputs
 
     s = configs.current(torch.device("cuda"))
     widenings = ("f16", "fp8", "none")
     rows = []
     for batch, seqlen in cases:
-        gen = torch.Generator(device="cuda").manual_seed(batch + seqlen)
-        q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kc, vc = (
-            torch.randn(batch, seqlen, nheads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=gen)
-            for _ in range(2)
-        )
-        (kc8, kd), (vc8, vd) = fp8.quantize(kc), fp8.quantize(vc)
-        seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        gen, q, kc, vc, kc8, kd, vc8, vd, seqlens = decode_inputs(batch, seqlen, nheads, nheads_k, headdim)
         k0, v0 = (fp8.dequantize(t[:1], d[:1], dtype=torch.float64)[0] for t, d in ((kc8, kd), (vc8, vd)))
         ref = _decode_step(q[0, 0], k0, v0, torch.float64)
         lowp = {
