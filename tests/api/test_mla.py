@@ -309,6 +309,35 @@ def test_mla_gluon_finds_bad_lengths():
         check_refused(lambda: tileattn.check_errors("cuda"), mla.InvalidArgument, ["exceeds", "capacity"])
 
 
+@pytest.mark.parametrize("bad", ["past-capacity", "negative", "table"])
+def test_mla_checks_as_a_kernel_of_their_own(backend, bad):
+    """The deferred index checks that the Gluon build's call runs in a kernel of their own
+    (``kernels.decode.mla._check_parts``, one program per part of the schedule) record what the portable
+    kernel's own checks record for the same call and schedule: the same error words, each a real error."""
+    if backend != "interpret":
+        pytest.skip("the Triton kernels under the interpreter (on an sm90 GPU the Gluon tests run them)")
+    from tileattn.kernels.decode import mla as kernels
+    from tileattn.params import CALL_MLA, RECORD_WORDS
+
+    q, kv, table, lengths = _case("cpu", torch.float16, 3, 1, 16, [100, 20, 70], 64)
+    if bad == "past-capacity":
+        lengths[1] = table.shape[1] * 64 + 1
+    elif bad == "negative":
+        lengths[2] = -5
+    else:
+        table[2, 1] = kv.shape[0] + 3
+    meta, splits = mla.schedule(lengths.clamp(0, table.shape[1] * 64), 5, MLASettings())
+    alone, inside = (torch.zeros(RECORD_WORDS, dtype=torch.int64) for _ in range(2))
+    with on("interpret")[0]:
+        kernels.CHECKS(
+            (meta.shape[0], 1, 1),
+            (alone, lengths, table, meta, table.stride(0), meta.stride(0), 3, kv.shape[0], table.shape[1] * 64),
+            {"BLOCK_N": 64, "PAGE_SIZE": 64, "CHECK": CALL_MLA},
+        )
+        kernels.mla_fwd(q, kv, table, lengths, meta, splits, 512, 0.1, False, configs.current(q.device), inside)
+    assert alone[0] > 0 and torch.equal(alone, inside), (alone.tolist(), inside.tolist())
+
+
 def test_mla_bad_input(backend):
     dtype = torch.float32 if backend == "torch" else torch.float16
     ctx, device = on(backend)
