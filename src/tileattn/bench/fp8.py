@@ -219,6 +219,18 @@ def decode_inputs(batch: int, seqlen: int, nheads: int, nheads_k: int, headdim: 
     return gen, q, kc, vc, kc8, kd, vc8, vd, torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
 
 
+def decode_step(q0, k0, v0, precision, e4m3_probs=False) -> torch.Tensor:
+    """Batch entry 0's decoding step, ``q0 (nheads, d)`` over the dequantized ``k0, v0 (seqlen, nheads_k,
+    d)``, in ``precision``; with ``e4m3_probs`` the probabilities ``· V`` in e4m3 at their row max 1 over
+    the unrounded sum (plain FP8 attention's)."""
+    k0, v0 = (t.repeat_interleave(q0.shape[0] // k0.shape[1], 1).to(precision) for t in (k0, v0))
+    scores = torch.einsum("hd,khd->hk", q0.to(precision), k0) * q0.shape[-1] ** -0.5
+    if not e4m3_probs:
+        return torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v0)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return torch.einsum("hk,khd->hd", p.to(torch.float8_e4m3fn).to(precision) / p.sum(-1, keepdim=True), v0)
+
+
 def decode_rows(time_ms, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8, headdim=128, page_size=64):
     """One decoding step (one query token, no append) against a bf16 cache and the same cache in FP8
     (``fp8.quantize``'s descales), contiguous and paged; tokens/s and GB/s of cache read. The FP8 output
@@ -226,14 +238,8 @@ def decode_rows(time_ms, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8,
     rows = []
     for batch, seqlen in cases:
         gen, q, kc, vc, kc8, kd, vc8, vd, seqlens = decode_inputs(batch, seqlen, nheads, nheads_k, headdim)
-        deq = [fp8.dequantize(t[:1], d[:1], dtype=torch.float64) for t, d in ((kc8, kd), (vc8, vd))]
-
-        def attend(precision, q0=q[0, 0], k0=deq[0][0], v0=deq[1][0]):  # batch 0's step in ``precision``
-            k0, v0 = (t.repeat_interleave(nheads // nheads_k, 1).to(precision) for t in (k0, v0))
-            scores = torch.einsum("hd,khd->hk", q0.to(precision), k0) * headdim**-0.5
-            return torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v0)
-
-        ref, lowp = attend(torch.float64), attend(torch.bfloat16)
+        k0, v0 = (fp8.dequantize(t[:1], d[:1], dtype=torch.float64)[0] for t, d in ((kc8, kd), (vc8, vd)))
+        ref, lowp = (decode_step(q[0, 0], k0, v0, precision) for precision in (torch.float64, torch.bfloat16))
         for paged in (False, True):
             if paged:
                 (k16, v16, k8p, v8p), table = _paged((kc, vc, kc8, vc8), page_size, gen)

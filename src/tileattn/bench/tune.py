@@ -226,25 +226,12 @@ def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
     return ((t.float() / factor).clamp(-448, 448).to(torch.float8_e4m3fn).float() * factor).to(t.dtype)
 
 
-def _decode_step(q0, k0, v0, precision, e4m3_probs=False) -> torch.Tensor:
-    """One query token's GQA attention ``q0 (h, d)`` over ``k0, v0 (n, hk, d)`` in ``precision``; with
-    ``e4m3_probs`` the probabilities ``· V`` in e4m3 at their row max 1 over the unrounded sum."""
-    group = q0.shape[0] // k0.shape[1]
-    k0, v0 = (t.repeat_interleave(group, 1).to(precision) for t in (k0, v0))
-    s = torch.einsum("hd,khd->hk", q0.to(precision), k0) * q0.shape[-1] ** -0.5
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    total = p.sum(-1, keepdim=True)
-    if e4m3_probs:
-        p = p.to(torch.float8_e4m3fn).to(precision)
-    return torch.einsum("hk,khd->hd", p / total, v0)
-
-
 def fp8_widenings(rounds: int = 3, cases=((8, 32768), (64, 16384)), nheads=32, nheads_k=8, headdim=128) -> list[dict]:
     """Tokens/s of FP8-cache decoding under each ``DecodeSettings.fp8_widen`` and of the bf16 cache, in
     ``rounds`` alternating rounds, contiguous and paged (pages of 64); ratios to bf16 per round."""
     from tileattn import fp8
     from tileattn.bench.__main__ import time_ms
-    from tileattn.bench.fp8 import _paged, decode_inputs
+    from tileattn.bench.fp8 import _paged, decode_inputs, decode_step
 
     s = configs.current(torch.device("cuda"))
     widenings = ("f16", "fp8", "none")
@@ -252,11 +239,11 @@ def fp8_widenings(rounds: int = 3, cases=((8, 32768), (64, 16384)), nheads=32, n
     for batch, seqlen in cases:
         gen, q, kc, vc, kc8, kd, vc8, vd, seqlens = decode_inputs(batch, seqlen, nheads, nheads_k, headdim)
         k0, v0 = (fp8.dequantize(t[:1], d[:1], dtype=torch.float64)[0] for t, d in ((kc8, kd), (vc8, vd)))
-        ref = _decode_step(q[0, 0], k0, v0, torch.float64)
+        ref = decode_step(q[0, 0], k0, v0, torch.float64)
         lowp = {
-            "f16": _decode_step(q[0, 0], k0, v0, torch.bfloat16),
-            "fp8": _decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16),
-            "none": _decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16, e4m3_probs=True),
+            "f16": decode_step(q[0, 0], k0, v0, torch.bfloat16),
+            "fp8": decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16),
+            "none": decode_step(_e4m3_rows(q[0, 0]), k0, v0, torch.bfloat16, e4m3_probs=True),
         }
         for paged in (False, True):
             if paged:
