@@ -67,6 +67,17 @@ def _part_keys(Seqlens, b, begin_idx, end_idx, begin_seq, end_seq, capacity, BLO
 
 
 @gluon.jit
+def _q_rows(Q_b, row0, group, n_rows, stride_qm, stride_qh, COL0: gl.constexpr, BLOCK_M: gl.constexpr,
+            COLS: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Columns ``COL0 .. COL0 + COLS`` of the program's query rows (row r: token ``r // group``, head ``r %
+    group``) in ``layout``; rows past ``n_rows`` as 0."""
+    r = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    row = (r // group).to(gl.int64) * stride_qm + (r % group).to(gl.int64) * stride_qh
+    col = COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    return gl.load(Q_b + row[:, None] + col[None, :], mask=(r < n_rows)[:, None], other=0.0)
+
+
+@gluon.jit
 def _fetch(k_desc, e_desc, k_smem, e_smem, ready, Table_row, tile, table_pages, num_pages):
     """Key tile ``tile`` of a sequence into a stage: its page from the block table, clamped to the pool as
     ``paging.pool_page`` does (one unsigned minimum: a negative entry reads the last page)."""
@@ -161,14 +172,8 @@ def _mla_kernel(
                        lo // BLOCK_N + t, table_pages, num_pages)  # fmt: skip
         # (the row offsets made here and after the key loop, not kept through it: its registers are full)
         Q_b = Q + b64 * stride_qb
-        r_q = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_load))
-        row_q = (r_q // group).to(gl.int64) * stride_qm + (r_q % group).to(gl.int64) * stride_qh
-        col_q = gl.arange(0, D_V, layout=gl.SliceLayout(0, q_load))
-        q_smem.store(gl.load(Q_b + row_q[:, None] + col_q[None, :], mask=(r_q < n_rows)[:, None], other=0.0))
-        r_e = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, e_load))
-        row_e = (r_e // group).to(gl.int64) * stride_qm + (r_e % group).to(gl.int64) * stride_qh
-        col_e = D_V + gl.arange(0, D_E, layout=gl.SliceLayout(0, e_load))
-        qe_smem.store(gl.load(Q_b + row_e[:, None] + col_e[None, :], mask=(r_e < n_rows)[:, None], other=0.0))
+        q_smem.store(_q_rows(Q_b, row0, group, n_rows, stride_qm, stride_qh, 0, BLOCK_M, D_V, q_load))
+        qe_smem.store(_q_rows(Q_b, row0, group, n_rows, stride_qm, stride_qh, D_V, BLOCK_M, D_E, e_load))
         fence_async_shared()  # (the generic proxy's writes, seen by the wgmmas' async proxy)
         gl.thread_barrier()  # (every warp's rows, before either warpgroup's wgmma reads them)
         m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, layout=s_rows)
