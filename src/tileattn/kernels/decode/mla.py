@@ -302,15 +302,14 @@ def _gluon_call(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, block_m: int
     ``kernels.gluon.mla.eligible`` takes."""
     if not (m.gluon and m.block_n == 64 and (block_m == 64 or m.gluon_narrow)):  # (its key tiles: pages of 64)
         return False
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
-        return False
     from tileattn.kernels import gluon
 
-    if not gluon.available():
+    if not (q.is_cuda and gluon.available()):
         return False
+    from tileattn.kernels.gluon import common
     from tileattn.kernels.gluon import mla as gluon_mla
 
-    return gluon_mla.eligible(q, kv, head_dim_v)
+    return common._sm90(q.device.index) and gluon_mla.eligible(q, kv, head_dim_v)
 
 
 def _launch_portable(
