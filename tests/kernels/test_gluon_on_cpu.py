@@ -90,3 +90,68 @@ def test_fp8_reads_v_through_its_transposed_rows(shape):
             first = b * rows.batch_rows + h * rows.head_rows
             tile = rows.matrix[first : first + headdim].view(torch.uint8)
             assert torch.equal(tile, v[b, :, h, :].T.contiguous().view(torch.uint8))
+
+
+def _named(fn) -> set[str]:
+    """The constexpr parameters of a Gluon kernel: those a planned launch must name (``kernels.launch``)."""
+    return {param.name for param in fn.params if param.is_constexpr}
+
+
+@pytest.mark.parametrize(
+    "headdim, dtype, options",
+    [
+        (128, "bf16", {}),
+        (96, "fp16", dict(mask_loops=True)),
+        (128, "bf16", dict(pingpong=True, sink=True, window=True)),
+        (128, "fp8", {}),
+        (64, "bf16", dict(block_m=192, block_n=64, varlen=True)),
+    ],
+)
+def test_gluon_forward_plans_name_every_constexpr(headdim, dtype, options):
+    """A launch that leaves a constexpr to its default gets no launch plan: every call pays Triton's slow
+    launch path (and ``TILEATTN_VERIFY_LAUNCH=1`` refuses it). The plan is built here on CPU tensors; its
+    launch is not run."""
+    import torch
+
+    from tileattn.kernels.gluon import forward
+    from tileattn.kernels.gluon.common import tma_rows
+    from tileattn.params import AttnParams
+
+    batch, seqlen, nheads = 2, 200, 4
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[dtype]
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim).to(torch_dtype) for _ in range(3))
+    extra = {}
+    if options.get("varlen"):
+        extra.update(cu_seqlens_q=torch.tensor([0, 150, 400], dtype=torch.int32))
+        extra.update(cu_seqlens_k=extra["cu_seqlens_q"])
+        q, k, v = (t.view(1, batch * seqlen, nheads, headdim) for t in (q, k, v))
+    if options.get("sink"):
+        extra.update(learnable_sink=torch.zeros(nheads))
+    if options.get("window"):
+        extra.update(window_left=50)
+    if dtype == "fp8":
+        extra.update(descales=torch.ones(3, batch, nheads))
+    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0, **extra)
+    # (eligible_rows asks for an sm90 GPU: the rows it would return)
+    rows = (tma_rows(q), tma_rows(k), forward.transposed_rows(v) if p.is_fp8 else tma_rows(v))
+    build = {name: options[name] for name in ("block_m", "block_n", "pingpong", "mask_loops") if name in options}
+    plan = forward.Plan(q, k, v, p, rows, programs=4, **build)
+    assert set(plan.launch.constexprs) == _named(forward._fwd_kernel)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_gluon_backward_plans_name_every_constexpr(headdim):
+    """As the forward's: the backward's plans (the split build at head dim 256) name every constexpr."""
+    import torch
+
+    from tileattn.kernels.gluon import backward
+    from tileattn.kernels.gluon.common import tma_rows
+    from tileattn.params import AttnParams
+
+    batch, seqlen, nheads = 2, 200, 4
+    q, k, v, do = (torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(batch, nheads, seqlen)
+    p = AttnParams(batch, seqlen, seqlen, headdim, headdim**-0.5, window_right=0)
+    rows = tuple(tma_rows(t) for t in (q, k, v, do))  # (eligible_rows' on an sm90 GPU)
+    plan = backward.Plan(q, k, v, do, lse, p, rows)
+    assert set(plan.launch.constexprs) == _named(plan.launch.launcher.fn)

@@ -674,9 +674,9 @@ class Plan:
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
             MASK_LOOPS=mask_loops, IS_FP8=self.fp8,
+            # (named in every build, None where unused: a launch that leaves a parameter unnamed gets no plan)
+            P_LAYOUT=tile_layout(WG_ROWS, block_n, torch.float8_e4m3fn) if self.fp8 else None,
         )  # fmt: skip
-        if self.fp8:
-            constexprs["P_LAYOUT"] = tile_layout(WG_ROWS, block_n, torch.float8_e4m3fn)
         # (the register file over 12 or 16 warps)
         self.launch = Launch(LAUNCHER, grid, fixed, constexprs, num_warps=4, maxnreg=168 if consumers == 2 else 128)
 
