@@ -350,15 +350,16 @@ def test_schedules_remembered_per_mask_tensor():
     from tileattn.kernels import flashmask as kernel_flashmask
     from tileattn.params import AttnParams
 
-    idx = masks.causal_document_mask([20, 43])
-    cpu = torch.device("cpu")
+    # (the build kernels run where the attention would: the GPU if there is one, else the interpreter)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    idx = masks.causal_document_mask([20, 43]).to(device)
 
     def schedule(by_keys=False):
         p = AttnParams(
             batch=1, seqlen_q=63, seqlen_k=63, headdim=32, softmax_scale=1.0, window_right=0,
             startend_row_indices=idx, mask_causal=True, flashmask=flashmask.canonical(idx, True, varlen=False),
         )  # fmt: skip
-        return kernel_flashmask.tile_runs(p, 16, 32, by_keys, 2 if by_keys else 4, cpu)
+        return kernel_flashmask.tile_runs(p, 16, 32, by_keys, 2 if by_keys else 4, device)
 
     first = schedule()
     built = kernel_flashmask.SCHEDULES.runs

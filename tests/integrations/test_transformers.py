@@ -324,13 +324,13 @@ def test_custom_4d_mask_matches_eager(kind):
     seen[0, :, 6:, :6] = False  # row 0: documents [0, 6) and [6, 11)
     seen[1, :, :, 3] = False  # row 1: key 3 hidden from every query
     seen[1, :, 3, 3] = True  # (but query 3 sees itself)
-    results = {}
-    for run_impl, run_dtype in (("tileattn", torch.float32), ("eager", torch.float32), ("eager", REF_DTYPE)):
+    results, dtype = {}, _dtype("tileattn")  # (the baseline: eager in the dtype tileattn runs in)
+    for run_impl, run_dtype in (("tileattn", dtype), ("eager", dtype), ("eager", REF_DTYPE)):
         additive = torch.zeros(seen.shape, dtype=run_dtype).masked_fill(~seen, -torch.inf)
         mask = seen if kind == "bool" and run_impl == "tileattn" else additive
         logits = _model(cfg, run_impl, run_dtype)(ids, attention_mask=mask.to(DEVICE)).logits
         results[run_impl, run_dtype] = logits
-    out, lowp, ref = results["tileattn", torch.float32], results["eager", torch.float32], results["eager", REF_DTYPE]
+    out, lowp, ref = results["tileattn", dtype], results["eager", dtype], results["eager", REF_DTYPE]
     check_close(f"4-D {kind} mask logits", out, ref, lowp)
 
 
@@ -457,7 +457,8 @@ def test_static_cache_decode_step_compiles_in_one_graph():
     ids = torch.randint(3, 97, (2, 6), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    model = _model(cfg, "tileattn", torch.float32)
+    dtype = _dtype("tileattn")  # (on the GPU bf16: the kernels' dtypes, and the baseline's below)
+    model = _model(cfg, "tileattn", dtype)
     cache = StaticCache(config=model.config, max_cache_len=10)
     step = torch.compile(model.forward, backend="eager", fullgraph=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -475,10 +476,10 @@ def test_static_cache_decode_step_compiles_in_one_graph():
             seq = torch.cat([seq, token], 1)
     scores = torch.stack(scores, 1)
     refs = {}
-    for dtype in (REF_DTYPE, torch.float32):
-        eager = _model(cfg, "eager", dtype)
-        refs[dtype] = _eager_rows(eager, seq[:, :-1], mask, positions)[:, -2:]
-    check_close("compiled decode steps", scores, refs[REF_DTYPE], refs[torch.float32])
+    for run_dtype in (REF_DTYPE, dtype):
+        eager = _model(cfg, "eager", run_dtype)
+        refs[run_dtype] = _eager_rows(eager, seq[:, :-1], mask, positions)[:, -2:]
+    check_close("compiled decode steps", scores, refs[REF_DTYPE], refs[dtype])
 
 
 def test_generate_compiles_its_static_cache_decode_step_once():
