@@ -2,6 +2,7 @@
 imports triton, so that the kernels themselves run on CPU tensors."""
 
 import gc
+import importlib.util
 import os
 import sys
 
@@ -46,17 +47,52 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _longest_first(items) -> None:
-    """On the GPU, the items that take minutes go to pytest-xdist's workers first (its load scheduling hands
-    items out in this order), so that none of them starts last and runs on alone: the property tests' shards
-    (each new feature combination compiles: 100-180 s a shard on an H100) and the Gluon kernels' tests (large
-    shapes, 10-40 s a case). The rest keep their order."""
+    """On the GPU, the items that take minutes start first, spread over pytest-xdist's workers, so that none
+    of them starts last and runs on alone, and no worker gets them all: the property tests' shards (each new
+    feature combination compiles: 30-180 s a shard on an H100) and the Gluon kernels' tests (large shapes,
+    10-40 s a case). Work stealing (``pytest_xdist_make_scheduler`` below) first hands each worker one
+    contiguous block of the items in order, ``len(left) // workers_left`` of them in turn; each block here
+    starts with its share of the long items (dealt in turn), the others keep their order. (Load scheduling,
+    xdist's default, handed its first blocks of ~100 items the same way: one worker drew every shard and
+    then every Gluon test, 11 items in 550 s, while the others ran out of work.)"""
 
     def rank(item) -> int:
         if "shard" in getattr(getattr(item, "callspec", None), "params", {}) and _runs_on_gpu(item):
             return 0
         return 1 if "gluon" in item.nodeid.split("::")[0] else 2
 
-    items.sort(key=rank)  # (stable)
+    ranked = sorted(items, key=rank)  # (stable)
+    long, rest = [i for i in ranked if rank(i) < 2], [i for i in ranked if rank(i) == 2]
+    blocks, left, start, out = [long[w::_WORKERS] for w in range(_WORKERS)], len(items), 0, []
+    for w, block in enumerate(blocks):
+        size = left // (_WORKERS - w)
+        take = max(size - len(block), 0)
+        out += block + rest[start : start + take]
+        start, left = start + take, left - size
+    items[:] = out + rest[start:]
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        """Work stealing for ``-n N`` (``--dist load``, the default there): a worker that runs out of items
+        takes half of the longest queue, where load scheduling left the rest of a worker's first block to
+        it alone."""
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log) if config.getoption("dist") == "load" else None
+
+
+_TIMES = os.environ.get("TILEATTN_TEST_TIMES")
+if _TIMES and "PYTEST_XDIST_WORKER" not in os.environ:
+
+    def pytest_runtest_logreport(report):
+        """``TILEATTN_TEST_TIMES=FILE``: each test phase's duration, outcome and worker appended to FILE as
+        it ends (a run stopped at a time limit still says what took the time)."""
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        with open(_TIMES, "a") as out:
+            out.write(f"{report.duration:.2f}\t{report.when}\t{report.outcome}\t{getattr(worker, 'id', '-')}\t"
+                      f"{report.nodeid}\n")  # fmt: skip
 
 
 def _runs_on_gpu(item) -> bool:
