@@ -174,10 +174,12 @@ class MLASettings:
     # the query tiles loaded again for every key tile instead of held in registers
     q_in_loop: bool = False
     # 64-row programs on sm90 in Gluon (``kernels.gluon.mla``: q·kᵀ split between the warpgroups, not
-    # computed by both; DeepSeek's geometry only), with that many key tiles in flight. Off until timed
-    gluon: bool = False
+    # computed by both; DeepSeek's geometry only), with that many key tiles in flight (H100: 1.47-1.50x the
+    # portable build's TFLOP/s compute-bound, docs/perf.md; needs Triton 3.6's Gluon, else the portable build)
+    gluon: bool = True
     gluon_stages: int = 2
-    # with ``gluon``, programs of fewer rows too (memory-bound decoding), padded to 64 rows (a wgmma's M)
+    # with ``gluon``, programs of fewer rows too (memory-bound decoding), padded to 64 rows (a wgmma's M;
+    # H100: 0.99x the portable 16-row programs' GB/s, so off)
     gluon_narrow: bool = False
     # the work schedule (``get_mla_metadata``): keys counted in blocks of ``schedule_block``, each
     # sequence costing ``fixed_overhead`` blocks more (its output's write), over ``parts_per_sm`` parts per

@@ -269,7 +269,11 @@ def _gluon_build():
 # (a build the settings do not pick yet: one case in the suite's default run, the rest with TILEATTN_SLOW=1)
 GLUON_PARAMS = [
     pytest.param(
-        case, causal, parts, marks=() if (case, causal, parts) == ("four-blocks", True, 17) else pytest.mark.slow
+        # (the default build's cases run by default; the narrow programs, not the default, with TILEATTN_SLOW=1)
+        case,
+        causal,
+        parts,
+        marks=pytest.mark.slow if case == "narrow" else (),
     )
     for case in GLUON_CASES
     for causal in (False, True)

@@ -7,7 +7,7 @@ against the reference before it is timed, on the timed (dense) inputs and on GQA
 compile a build of their own (one such build, head dim 256's 128 x 64 pointer-load forward, was wrong
 for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 
-``--mla``: MLA decoding's rows (``bench --mla``'s) with the settings' build and with the Gluon one
+``--mla``: MLA decoding's rows (``bench --mla``'s) with the portable build and with the Gluon one
 (``MLASettings.gluon``, sm90; the memory-bound rows' 16-row programs padded to 64, ``gluon_narrow``),
 alternating, each checked before it is timed.
 
@@ -190,14 +190,15 @@ def sweep(headdim: int, seqlen: int, causal: bool, tokens: int = 16384, hidden: 
 
 
 def mla_builds(rounds: int = 3) -> list[dict]:
-    """``bench --mla``'s rows under the settings and with ``MLASettings.gluon`` (and ``gluon_narrow``), in
-    ``rounds`` alternating rounds (each row checked against the fp64 attention before it is timed)."""
+    """``bench --mla``'s rows with the portable build (``MLASettings.gluon`` off) and the Gluon one (on, with
+    ``gluon_narrow``), in ``rounds`` alternating rounds (each row checked against the fp64 attention before
+    it is timed)."""
     from tileattn.bench.__main__ import time_ms
     from tileattn.bench.mla import COMPUTE_CASES, MEMORY_CASES, _mla_row
     from tileattn.kernels import gluon
 
     s = configs.current(torch.device("cuda"))
-    builds = {"settings": s}
+    builds = {"portable": replace(s, mla=replace(s.mla, gluon=False))}
     if torch.cuda.get_device_capability()[0] == 9 and gluon.available():
         builds["Gluon"] = replace(s, mla=replace(s.mla, gluon=True, gluon_narrow=True))
     cases = [("memory", *c, 1, 16) for c in MEMORY_CASES] + [("compute", *c, 2, 128) for c in COMPUTE_CASES]
