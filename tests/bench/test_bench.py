@@ -320,6 +320,8 @@ def test_hf_decode_on_the_cpu_path(tmp_path):
     out = tmp_path / "r.jsonl"
     assert main(["--hf-decode", "--device", "cpu", "--out", str(out)]) == 0
     assert [json.loads(line)["batch"] for line in out.read_text().splitlines()] == [1, 1, 16, 16]
+    assert main(["--hf-decode", "--device", "cpu", "--out", str(out), "--hf-batches", "3"]) == 0
+    assert [json.loads(line)["batch"] for line in out.read_text().splitlines()][4:] == [3, 3]
 
 
 def test_dropout_on_the_cpu_path(tmp_path):

@@ -434,8 +434,11 @@ def main(argv=None) -> int:
     if args.hf_decode:
         from tileattn.bench.hf_decode import format_hf_decode, run_hf_decode
 
-        rows = run_hf_decode(device, dtype=torch.float16 if args.dtype == "fp16" else None)
-        append_results(args.out, rows)
+        rows = []
+        for batch in args.hf_batches:  # (each batch's rows kept as it ends: a GPU batch compiles for minutes)
+            new = run_hf_decode(device, batches=(batch,), dtype=torch.float16 if args.dtype == "fp16" else None)
+            append_results(args.out, new)
+            rows += new
         print(format_hf_decode(rows))
         return 0
     if args.masks:

@@ -189,6 +189,14 @@ def parse_args(argv=None):
         help="Hugging Face greedy decoding, static cache, compiled decode step: tokens/s of a 1B Llama at batch 1 "
         "and 16, attn_implementation='tileattn' against 'sdpa' (on CPU: a tiny model, eager) (default: off)",
     )
+    ap.add_argument(
+        "--hf-batches",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        metavar="B",
+        help="--hf-decode's batch sizes, each one's rows written to --out as it ends (default: 1 16)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: PyTorch sees no CUDA GPU here; leave --device out to run on the CPU")
