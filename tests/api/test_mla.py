@@ -266,15 +266,10 @@ def _gluon_build():
     return dataclasses.replace(s, mla=dataclasses.replace(s.mla, gluon=True, gluon_narrow=True)), gluon_mla
 
 
-# (a build the settings do not pick yet: one case in the suite's default run, the rest with TILEATTN_SLOW=1)
+# (the default build's cases run by default; the narrow programs, which the settings do not pick, with
+# TILEATTN_SLOW=1)
 GLUON_PARAMS = [
-    pytest.param(
-        # (the default build's cases run by default; the narrow programs, not the default, with TILEATTN_SLOW=1)
-        case,
-        causal,
-        parts,
-        marks=pytest.mark.slow if case == "narrow" else (),
-    )
+    pytest.param(case, causal, parts, marks=pytest.mark.slow if case == "narrow" else ())
     for case in GLUON_CASES
     for causal in (False, True)
     for parts in (None, 17)

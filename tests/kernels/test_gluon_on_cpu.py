@@ -136,7 +136,7 @@ def test_gluon_forward_plans_name_every_constexpr(headdim, dtype, options):
     rows = (tma_rows(q), tma_rows(k), forward.transposed_rows(v) if p.is_fp8 else tma_rows(v))
     build = {name: options[name] for name in ("block_m", "block_n", "pingpong", "mask_loops") if name in options}
     plan = forward.Plan(q, k, v, p, rows, programs=4, **build)
-    assert set(plan.launch.constexprs) == _named(forward._fwd_kernel)
+    assert set(plan.launch.constexprs) == _named(plan.launch.launcher.fn)
 
 
 @pytest.mark.parametrize("headdim", [64, 128, 256])
