@@ -47,17 +47,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _longest_first(items) -> None:
-    """On the GPU, the items that take minutes start first, spread over pytest-xdist's workers, so that none
-    of them starts last and runs on alone, and no worker gets them all: the property tests' shards (each new
-    feature combination compiles: 30-180 s a shard on an H100) and the Gluon kernels' tests (large shapes,
-    10-40 s a case). Work stealing (``pytest_xdist_make_scheduler`` below) first hands each worker one
-    contiguous block of the items in order, ``len(left) // workers_left`` of them in turn; each block here
-    starts with its share of the long items (dealt in turn), the others keep their order. (Load scheduling,
-    xdist's default, handed its first blocks of ~100 items the same way: one worker drew every shard and
-    then every Gluon test, 11 items in 550 s, while the others ran out of work.)"""
+    """On the GPU, the items that take minutes start first, spread over pytest-xdist's workers, so that none of them
+    starts last and runs on alone, and no worker gets them all: the property tests' shards (each new feature
+    combination compiles: 30-180 s a shard on an H100), the tests marked ``long`` and the Gluon kernels' tests
+    (large shapes, 10-40 s a case). Work stealing (``pytest_xdist_make_scheduler`` below) first hands each worker
+    one contiguous block of the items in order, ``len(left) // workers_left`` of them in turn; each block here
+    starts with its share of the long items (dealt in turn), the others keep their order. (Load scheduling, xdist's
+    default, handed its first blocks of ~100 items the same way: one worker drew every shard and then every Gluon
+    test, 11 items in 550 s, while the others ran out of work.)"""
 
     def rank(item) -> int:
         if "shard" in getattr(getattr(item, "callspec", None), "params", {}) and _runs_on_gpu(item):
+            return 0
+        if item.get_closest_marker("long") is not None:
             return 0
         return 1 if "gluon" in item.nodeid.split("::")[0] else 2
 
@@ -88,11 +90,16 @@ if _TIMES and "PYTEST_XDIST_WORKER" not in os.environ:
 
     def pytest_runtest_logreport(report):
         """``TILEATTN_TEST_TIMES=FILE``: each test phase's duration, outcome and worker appended to FILE as
-        it ends (a run stopped at a time limit still says what took the time)."""
+        it ends, a failure's report to FILE.failures (a run stopped at a time limit still says what took the
+        time and what failed)."""
         worker = getattr(getattr(report, "node", None), "gateway", None)
         with open(_TIMES, "a") as out:
             out.write(f"{report.duration:.2f}\t{report.when}\t{report.outcome}\t{getattr(worker, 'id', '-')}\t"
                       f"{report.nodeid}\n")  # fmt: skip
+        if report.failed:  # its traceback and output too, in FILE.failures (pytest prints them only at the end)
+            with open(f"{_TIMES}.failures", "a") as out:
+                sections = "".join(f"--- {title}\n{text}\n" for title, text in report.sections)
+                out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n{sections}\n")
 
 
 def _runs_on_gpu(item) -> bool:

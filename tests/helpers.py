@@ -188,19 +188,27 @@ def check_lse(name, lse, ref, ref_lowp, floor_scale=None):
 # Tests marked ``slow`` (large shapes, exhaustive grids) run only with TILEATTN_SLOW=1 (tests/conftest.py)
 SLOW = os.environ.get("TILEATTN_SLOW") == "1"
 # Property tests: derandomized on the CPU path and the interpreter (CI is reproducible); on the GPU each
-# test runs in shards of fresh examples, spread over pytest-xdist workers since every new feature
-# combination compiles: by default 2 shards of half each test's GPU count (the suite's run in one device
-# call), with TILEATTN_SLOW=1 4 shards of all of it. TILEATTN_HYPOTHESIS_SHARDS /
-# TILEATTN_HYPOTHESIS_EXAMPLES override the counts.
+# test runs in shards spread over pytest-xdist workers, since every new feature combination compiles (5 s an
+# example): by default 2 shards of a third of each test's GPU count (the suite's run in one device call),
+# with TILEATTN_SLOW=1 4 shards of all of it. The GPU draws fresh examples each run (runs add up to more
+# cases than one fixed sample: when every run drew the same, cutting the count lost cases for good); a
+# test prints the seed that replays it, TILEATTN_HYPOTHESIS_SEED=N (the shard's seed is N + shard).
+# TILEATTN_HYPOTHESIS_SHARDS / TILEATTN_HYPOTHESIS_EXAMPLES override the counts.
 PROPERTY_SHARDS = (
     int(os.environ.get("TILEATTN_HYPOTHESIS_SHARDS", "4" if SLOW else "2")) if torch.cuda.is_available() else 1
 )
-_GPU_SHARE = 1 if SLOW else 2
+_GPU_SHARE = 1 if SLOW else 3
+
+
+def property_seed() -> int:
+    """The GPU property tests' seed: TILEATTN_HYPOTHESIS_SEED, else a fresh one per test."""
+    given_seed = os.environ.get("TILEATTN_HYPOTHESIS_SEED")
+    return int(given_seed) if given_seed else int.from_bytes(os.urandom(4), "little") >> 1
 
 
 def run_property(check, strategy, examples: dict, backend: str, shard: int) -> None:
     """Runs ``check(backend, example)`` over examples drawn from ``strategy``: ``examples[backend]`` of
-    them (per shard on the GPU, each shard with its own seed)."""
+    them (per shard on the GPU, fresh each run, printing the seed that replays them)."""
     gpu = backend == "cuda"
     n = int(os.environ.get("TILEATTN_HYPOTHESIS_EXAMPLES", examples[backend] // (_GPU_SHARE if gpu else 1)))
     if not gpu and shard:  # (derandomized: every shard would draw the same examples)
@@ -213,6 +221,9 @@ def run_property(check, strategy, examples: dict, backend: str, shard: int) -> N
     def run(example):
         check(backend, example)
 
-    if gpu:
-        run = seed(shard)(run)
-    run()
+    if not gpu:
+        run()
+        return
+    base = property_seed()  # (printed: pytest shows it with a failure)
+    print(f"hypothesis seed {base + shard}: TILEATTN_HYPOTHESIS_SEED={base} replays this shard's examples")
+    seed(base + shard)(run)()

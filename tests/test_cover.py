@@ -90,3 +90,42 @@ def test_only_the_gpu_items_of_a_marked_grid_are_sampled():
     assert {p["dtype"] for p in ran if p["case"] != 3} == {"fp16", "bf16"}
     assert all("covering sample" in it.skips[0] and "TILEATTN_SLOW=1" in it.skips[0] for it in gpu if it.skips)
     assert not any(it.skips for it in cpu + plain)
+
+
+class _Timed:
+    """What conftest._longest_first reads of a collected pytest item."""
+
+    def __init__(self, nodeid, params=None, long=False):
+        self.nodeid, self.callspec, self.long = nodeid, SimpleNamespace(params=params or {}), long
+
+    def get_closest_marker(self, name):
+        return object() if name == "long" and self.long else None
+
+    def __repr__(self):
+        return self.nodeid
+
+
+def test_long_items_lead_each_workers_first_block(monkeypatch):
+    """On the GPU the property shards, the tests marked ``long`` and the Gluon tests are dealt in turn to the
+    front of each worker's first block (work stealing hands out ``len(left) // workers_left`` items in
+    order); the others keep their order, none lost."""
+    monkeypatch.setattr(conftest, "_WORKERS", 4)
+    rest = [_Timed(f"tests/t.py::quick[{i}]") for i in range(40)]
+    shards = [_Timed(f"tests/t.py::prop[cuda-{s}]", dict(backend="cuda", shard=s)) for s in range(2)]
+    cpu_shard = _Timed("tests/t.py::prop[torch-0]", dict(backend="torch", shard=0))
+    marked = [_Timed(f"tests/t.py::spawn[{w}]", long=True) for w in (1, 2)]
+    gluon = [_Timed(f"tests/kernels/test_gluon_forward.py::case[{i}]") for i in range(4)]
+    items = rest[:10] + gluon + rest[10:20] + shards + [cpu_shard] + rest[20:25] + marked + rest[25:]
+    before = list(items)
+    conftest._longest_first(items)
+    assert sorted(map(repr, items)) == sorted(map(repr, before))
+    blocks, left = [], list(items)
+    for w in range(4):  # (the blocks work stealing deals first)
+        size = len(left) // (4 - w)
+        blocks.append(left[:size])
+        left = left[size:]
+    long = set(map(repr, marked + shards + gluon))
+    for block in blocks:
+        heads = [repr(it) for it in block[: sum(repr(it) in long for it in block)]]
+        assert all(h in long for h in heads) and 1 <= len(heads) <= 3, block
+    assert [repr(it) for it in items if repr(it) not in long] == [repr(it) for it in before if repr(it) not in long]

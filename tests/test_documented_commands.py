@@ -73,6 +73,7 @@ def test_the_docs_have_commands():
     assert any("--scheme ulysses" in c for c in commands)
 
 
+@pytest.mark.long  # (on a GPU 4-65 s a command: bench --quick 65 s on an H100)
 @pytest.mark.parametrize("where, command, comment", COMMANDS, ids=[c for _, c, _ in COMMANDS])
 def test_documented_command_runs(where, command, comment, tmp_path):
     why = _excluded(command, comment)

@@ -3,6 +3,7 @@
 reference or the PyTorch baseline, an output off by more than the rule, a NaN where the reference is finite.
 Then the seeding of the GPU cases' inputs, which must replay in a new process."""
 
+import ast
 import math
 import os
 import subprocess
@@ -165,3 +166,34 @@ def test_case_inputs_replay_in_a_new_process():
     # and they are the inputs this process draws
     assert str(case_seed(case)) in outputs[0][0]
     assert gluon_case_inputs(case, 4, "cpu")[0].shape == (2, 37, 4, 64)
+
+
+def test_gpu_property_examples_replay_from_the_printed_seed():
+    """The GPU property tests draw fresh examples each run and print the seed that replays them: a new
+    process given TILEATTN_HYPOTHESIS_SEED draws the same examples (run_property's GPU branch, driven with a
+    check that records them; no GPU needed), and two fresh runs draw different ones."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import helpers\n"
+        "from hypothesis import strategies as st\n"
+        "seen = []\n"
+        "helpers.run_property(lambda _, ex: seen.append(ex), st.integers(0, 10**9), {'cuda': 30}, 'cuda', 1)\n"
+        "print(seen)\n"
+    )
+
+    def run(seed=None):
+        env = {k: v for k, v in os.environ.items() if k not in ("TILEATTN_HYPOTHESIS_SEED", "TILEATTN_SLOW")}
+        env.update({"TILEATTN_HYPOTHESIS_SEED": seed} if seed else {})
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, env=env
+        )
+        assert out.returncode == 0, out.stderr
+        printed, examples = out.stdout.splitlines()[-2:]
+        return printed, examples
+
+    printed, fresh = run()
+    assert printed.startswith("hypothesis seed ") and "TILEATTN_HYPOTHESIS_SEED=" in printed, printed
+    given_seed = printed.split("TILEATTN_HYPOTHESIS_SEED=")[1].split()[0]
+    assert int(printed.split()[2].rstrip(":")) == int(given_seed) + 1  # (shard 1)
+    assert run(given_seed) == (printed, fresh)
+    assert run()[1] != fresh
+    assert len(ast.literal_eval(fresh)) >= 5

@@ -176,6 +176,7 @@ def test_group(group_runs, world, name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the CUDA kernels on a NCCL group")
+@pytest.mark.long  # (89 s on an H100: every case compiles in the spawned rank)
 @pytest.mark.parametrize("world", [1, 2])
 def test_groups_on_the_gpu(world, tmp_path):
     """The exactness cases (``workers.cases``; float32 ones in bfloat16) on a NCCL group of ``world`` ranks,

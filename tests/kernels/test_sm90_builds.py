@@ -13,9 +13,19 @@ import sys
 import pytest
 import torch
 
+from helpers import SLOW
+
 # The tables are tuned with the H200's Triton, 3.6. Where another Triton allocates registers differently,
 # a property below holds only there (Triton 3.9 spills 16 bytes in head dim 64's window forward).
 TUNED_TRITON = importlib.metadata.version("triton").startswith("3.6.")
+
+# Every case compiles for a fixed target (compile_report's H200), never the machine's GPU: CPU CI, with the
+# same Triton 3.6.0, builds exactly what a GPU machine would. There the 18 cases took 317 s of the GPU
+# suite's worker time (44 s the longest), repeating CI's result: skipped unless TILEATTN_SLOW=1.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and not SLOW,
+    reason="compile-only for a fixed sm_90a target, as CPU CI runs it: on a GPU machine TILEATTN_SLOW=1 runs it",
+)
 
 
 def _compiled(cases: str) -> list[dict]:
