@@ -2,12 +2,14 @@
 helpers.builds), dense and varlen, with and without dropout, against the reference on the kernels (the
 GPU or the interpreter); and on the GPU the tables' own builds at the size where one was miscompiled."""
 
+import contextlib
+
 import pytest
 import torch
 
 import tileattn
 from attention_cases import CASES, LENGTHS, _case_id, _check_varlen, _run_case, _unaligned
-from helpers import builds, check_attention, on, randn
+from helpers import builds, check_attention, interpreter_skips, on, randn
 
 # The kernels' TMA variant (row tiles through tensor descriptors; a head dim of 59 is not 16-byte
 # aligned and falls back to pointer loads) and, on the GPU, the forward's warp-specialised key loop.
@@ -92,6 +94,39 @@ def test_dkdv_query_major_tiles(backend, feats, dq_atomic):
     if "dropout_p" in feats:
         ref_kwargs["dropout_mask"] = s_dmask >= 0
     check_attention("q-major dkdv", out, grads, q, k, v, dout, ref_kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dq_from_the_dkdv_pass_with_dropout(backend, dtype, monkeypatch):
+    """The H100/H200 tables' own causal backward at head dims 65-128 where the Gluon backward does not run
+    (softcap, ALiBi): dQ added from the dK/dV pass (``bwd_dkdv_causal``; TMA reduce-adds on the GPU, atomic
+    adds under the interpreter), here with dropout, per-batch ALiBi, GQA, the tail tiles of both lengths and
+    the rows that see no key (seqlen_q > seqlen_k), against the oracle given the call's mask. No other test
+    puts dropout through the reduce-adds. (The interpreter's tables have no such entry: there every dK/dV
+    build is asked for the reduce-adds, which it runs as atomic adds.)"""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    interpreter_skips(backend, dtype)
+    from tileattn.kernels import backward
+
+    plans = []
+    plan_bwd = backward.plan_bwd
+    monkeypatch.setattr(backward, "plan_bwd", lambda *a: plans.append(plan_bwd(*a)) or plans[-1])
+    ctx, device = on(backend)
+    tables = contextlib.nullcontext() if backend == "cuda" else builds(backend, dkdv=dict(dq_atomic=2))
+    b, sq, sk, h, hk, d = 2, 83, 61, 4, 2, 80
+    q = randn(b, sq, h, d, dtype=dtype, device=device)
+    k = randn(b, sk, hk, d, dtype=dtype, device=device)
+    v = randn(b, sk, hk, d, dtype=dtype, device=device)
+    dout = torch.randn_like(q)
+    feats = dict(causal=True, softcap=1.5, alibi_slopes=torch.rand(b, h, device=device), dropout_p=0.17)
+    with ctx, tables:
+        out, _, s_dmask = tileattn.flash_attn_func(q, k, v, return_attn_probs=True, **feats)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_attention("dQ from the dK/dV pass", out, grads, q, k, v, dout, dict(feats, dropout_mask=s_dmask >= 0))
+    before_sm90 = backend == "cuda" and torch.cuda.get_device_capability()[0] < 9
+    expected = 0 if before_sm90 else 2 if backend == "cuda" else 1  # (TMA reduce-adds need sm90)
+    assert [plan.dq_atomic for plan in plans] == [expected], plans
 
 
 # The H200's tile tables at the size where one of their builds was miscompiled (head dim 256's 128 x 64
