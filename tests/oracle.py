@@ -98,6 +98,7 @@ def attention(
     precision: torch.dtype | None = torch.float64,
     probs_dtype: torch.dtype | None = None,
     sink: torch.Tensor | None = None,
+    lse_grad: bool = False,
 ) -> Attention:
     """Dense attention with materialised scores (differentiable).
 
@@ -120,6 +121,8 @@ def attention(
             attention, ``exp(s - rowmax)`` in e4m3 over the fp32 sum), for the FP8 tolerance.
         sink: ``(nheads,)`` attention sinks (differentiable): a column of logits appended to the masked
             scores of every real row, dropped after the softmax.
+        lse_grad: make ``lse`` differentiable (its gradient 0 in the rows that see no key); by default it
+            is detached.
 
     Returns:
         ``Attention(out, lse, probs)`` in the compute precision.
@@ -167,9 +170,9 @@ def attention(
         scores = torch.cat([scores, column], dim=-1)
         seen = torch.cat([seen.expand(batch, nheads, seqlen_q, seqlen_k), column.isfinite()], dim=-1)
         has_key = seen.any(-1)
-    lse = torch.logsumexp(scores.detach(), dim=-1).masked_fill(~has_key, float("inf"))  # (not differentiated)
     if not bool(has_key.all()):  # rows that see no key: a finite row, so that no NaN enters the graph
         scores = scores.masked_fill(~has_key.unsqueeze(-1), 0.0)
+    lse = torch.logsumexp(scores if lse_grad else scores.detach(), dim=-1).masked_fill(~has_key, float("inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
     if sink is not None:
         probs = probs[..., :seqlen_k]

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import case_seed, check_lse, gluon_case_inputs
+import oracle
+from helpers import case_seed, check_lse, delta_rounding, gluon_case_inputs
 from tileattn.testing import check_close, rounding_floor
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
@@ -121,6 +122,63 @@ def test_floor_scale_and_floor():
     with pytest.raises(AssertionError):
         check_close("floor at ref", wide, ref, ref.to(F16))
     check_close("floor at 1000", wide, ref, ref.to(F16), floor_scale=torch.tensor([1000.0]))
+
+
+def test_allowance_widens_the_bound_and_must_be_a_size():
+    ref, _, out = _case()
+    off = _with(out, 1, ref[1] + 0.1)
+    with pytest.raises(AssertionError, match="allowance 5.000e-02"):
+        check_close("allowance too small", off, ref, ref.to(F16), allowance=0.05)
+    check_close("allowance enough", off, ref, ref.to(F16), allowance=0.1)
+    for bad in (NAN, INF, -1e-3):
+        with pytest.raises(ValueError, match="allowance"):
+            check_close("bad allowance", out, ref, ref.to(F16), allowance=bad)
+
+
+def _flash_backward(q, k, v, dout, o_stored, scale, keep, p_drop, seen):
+    """A FlashAttention backward written out in fp64 (no oracle code): Δ from the stored ``o_stored``."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = s.masked_fill(~seen, -INF)
+    has_key = seen.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~has_key, 0.0), -1).masked_fill(~seen, 0.0)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, v) * keep / (1 - p_drop)
+    delta = (dout * o_stored).sum(-1).transpose(1, 2).unsqueeze(-1)  # (b, h, q, 1)
+    ds = p * (dp - delta)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    return dq, dk.unflatten(2, (-1, group)).sum(3)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k, headdim, scale", [(36, 1, 256, 0.9), (45, 29, 64, 0.05)])
+def test_delta_rounding_is_what_the_stored_output_does_to_the_gradients(seqlen_q, seqlen_k, headdim, scale):
+    """``helpers.delta_rounding`` against a FlashAttention backward written out in fp64 that reads a
+    rounded O (causal with Sq > Sk: rows with no key and rows with one; GQA; dropout): the gradients of
+    that backward minus the exact ones are the shift it computes; and with one key per row, where the
+    exact dq is 0, the shift is all the error, beyond 2 ulps of the largest gradient at head dim 256 (the
+    H100 run of 2026-12-07 that found this: 0.0236 against a floor of 0.0065)."""
+    g = torch.Generator().manual_seed(seqlen_q)
+    q, k, v = (
+        torch.randn(2, n, h, headdim, generator=g, dtype=F64) for n, h in ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2))
+    )
+    dout = torch.randn(2, seqlen_q, 4, headdim, generator=g, dtype=F64)
+    keep = torch.rand(2, 4, seqlen_q, seqlen_k, generator=g) > 0.17
+    kwargs = dict(softmax_scale=scale, causal=True, dropout_p=0.17, dropout_mask=keep)
+    exact = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = oracle.attention(*exact, **kwargs, lse_grad=True)
+    dq_ref, dk_ref, dv_ref = torch.autograd.grad(ref.out, exact, dout, retain_graph=True)
+    stored = ref.out.detach().to(F16)
+    seen = oracle.visible(seqlen_q, seqlen_k, None, 0, seqlen_q, seqlen_k)[None, None]
+    dq, dk = _flash_backward(q, k, v, dout, stored.double(), scale, keep, 0.17, seen)
+    shift_q, shift_k = delta_rounding(stored, ref, dout, exact)
+    torch.testing.assert_close(shift_q, dq - dq_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(shift_k, dk - dk_ref, rtol=0, atol=1e-10)
+    assert shift_q.abs().max() > 0 and shift_k.abs().max() > 0
+    if seqlen_k == 1:
+        assert dq_ref.abs().max() < 1e-12 and dk_ref.abs().max() < 1e-12
+        floor = rounding_floor(torch.stack([t.abs().max() for t in (dq_ref, dk_ref, dv_ref)]), F16)
+        assert shift_q.abs().max() > floor and shift_k.abs().max() > floor
 
 
 def test_check_lse():
