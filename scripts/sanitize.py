@@ -160,7 +160,9 @@ def gluon_calls() -> None:
     """The Gluon kernels (sm90, Triton 3.6; nothing to run elsewhere). The forward on ragged tails: key
     and query lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work
     items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
-    walking many items, so the barriers' phases wrap), head dims 128 and 256, and a backward behind it.
+    walking many items, so the barriers' phases wrap), head dims 96, 128 and 256, the named-barrier
+    ping-pong and the branch-free mask loops (alone and together), causal heads walked in small groups
+    (``l2_bytes``), and a backward behind it.
     Packed batches through the forward alone (both grids), sliding windows and head-major layouts through
     the public call. The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA,
     dQ by TMA reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
@@ -171,13 +173,18 @@ def gluon_calls() -> None:
         return
     from tileattn.kernels.gluon import forward as hopper
 
-    for d, block_n in ((128, 128), (256, 64)):
+    for d, block_n in ((96, 128), (128, 128), (256, 64)):
         for sq, sk, causal in ((300, 300, True), (113, 1025, True), (1025, 113, True), (200, 333, False)):
             q = torch.randn(2, sq, 4, d, device=dev, dtype=dt)
             k, v = (torch.randn(2, sk, 2, d, device=dev, dtype=dt) for _ in range(2))
             p = AttnParams(2, sq, sk, d, d**-0.5, window_right=0 if causal else -1)
             for programs in (hopper.ONE_PER_TILE, 3):
-                hopper.attn_fwd(q, k, v, p, block_n=block_n, stages=2 if d == 256 else 3, programs=programs)
+                # the named-barrier ping-pong and the branch-free mask loops, alone and together
+                for pingpong, mask_loops in ((False, False), (True, False), (False, True), (True, True)):
+                    hopper.attn_fwd(
+                        q, k, v, p, block_n=block_n, stages=2 if d == 256 else 3, programs=programs,
+                        pingpong=pingpong, mask_loops=mask_loops, l2_bytes=100_000,
+                    )  # fmt: skip
         q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
         out = tileattn.flash_attn_func(q, k, v, causal=True)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))

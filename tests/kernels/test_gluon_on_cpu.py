@@ -2,7 +2,8 @@
 the mask on the tiles ``_mask_phases`` names, and each of them must be fully visible to every row of the
 warpgroup, every fully visible tile of the loop among them (``_mask_phases`` is scalar arithmetic: its own
 code runs here on Python ints, Gluon's ``maximum``, ``minimum`` and ``cdiv`` as Python's, against the
-visibility rule itself); and FP8's V, the transposed copy as the TMA matrix the kernel reads."""
+visibility rule itself); the order of the work items (``schedule.work_item``, its own code likewise, and
+``head_group``); and FP8's V, the transposed copy as the TMA matrix the kernel reads."""
 
 import types
 
@@ -68,6 +69,66 @@ def test_the_tiles_without_a_mask_are_the_fully_visible_ones(case):
         if _fully_visible((lo + j) * block_n, block_n, wg_rows, seqlen_q, seqlen_k, bounds[2:], mask_left, mask_right)
     }
     assert set(range(a, b)) == visible, (a, b, sorted(visible))
+
+
+def _work_item(*args):
+    """``kernels.gluon.schedule.work_item``'s own code on Python ints (a dense call: ``sequence``'s own code
+    reads no cu_seqlens)."""
+    from tileattn.kernels.gluon import schedule
+
+    fn, seq = schedule.work_item.fn, schedule.sequence.fn
+    glob = {**fn.__globals__, "gl": _PY_GL, "sequence": types.FunctionType(seq.__code__, seq.__globals__)}
+    return types.FunctionType(fn.__code__, glob, fn.__name__)(*args)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    num_m=st.integers(1, 9), nheads=st.integers(1, 6), batch=st.integers(1, 4), head_group=st.integers(1, 30),
+    kind=st.sampled_from(["causal", "dense", "window"]),
+)  # fmt: skip
+def test_the_work_items_are_each_block_once_longest_first_by_head_group(num_m, nheads, batch, head_group, kind):
+    """Every (query block, head, batch entry) is exactly one work item. Causal: the pairs (batch entry,
+    head) come in groups of ``head_group`` consecutive ones (the last may be smaller; all of them at once
+    when ``head_group`` covers them: the order before groups), each group's blocks with the most keys
+    first and its items before the next group's. The others: each head's blocks together, in order."""
+    item, block_n, seqlen = 128, 128, 128 * num_m
+    mask_left, mask_right = kind == "window", kind != "dense"
+    pairs = nheads * batch
+    order = []
+    for t in range(num_m * pairs):
+        q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _work_item(
+            t, num_m, nheads, batch, head_group, seqlen, seqlen, None, None, 64, 0, item, block_n, mask_left,
+            mask_right, False,
+        )  # fmt: skip
+        assert (q0, k0, seqlen_q, seqlen_k) == (b * seqlen, b * seqlen, seqlen, seqlen)
+        order.append((q_base // item, b * nheads + h, n_tiles))
+    assert sorted((m, hb) for m, hb, _ in order) == [(m, hb) for m in range(num_m) for hb in range(pairs)]
+    if kind != "causal":
+        assert [(m, hb) for m, hb, _ in order] == [(m, hb) for hb in range(pairs) for m in range(num_m)]
+        return
+    step = min(head_group, pairs)
+    for first in range(0, pairs, step):
+        part = order[first * num_m : min(first + step, pairs) * num_m]
+        assert {hb for _, hb, _ in part} == set(range(first, min(first + step, pairs)))
+        assert [n for _, _, n in part] == sorted((n for _, _, n in part), reverse=True)
+        assert [m for m, _, _ in part] == sorted((m for m, _, _ in part), reverse=True)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ((8, 16, 16, 2048, 128, 2, 32 << 20), 32),  # 1 MiB of K/V a head: 32 heads of the 128
+        ((8, 16, 4, 2048, 128, 2, 32 << 20), 128),  # GQA 4: 32 key/value heads, 4 query heads each
+        ((1, 16, 16, 16384, 128, 2, 32 << 20), 4),  # 8 MiB a head
+        ((1, 2, 2, 1 << 20, 256, 2, 32 << 20), 1),  # one head's K/V past the budget: one at a time
+        ((8, 16, 16, 2048, 128, 2, 0), 128),  # 0: every pair in one group
+        ((2, 3, 3, 64, 64, 1, 32 << 20), 6),  # FP8, short: all of them
+    ],
+)
+def test_head_groups_hold_their_keys_and_values_in_the_l2_budget(args, expected):
+    from tileattn.kernels.gluon import schedule
+
+    assert schedule.head_group(*args) == expected
 
 
 @pytest.mark.parametrize("shape", [(2, 37, 3, 64), (1, 130, 2, 128)])

@@ -1,7 +1,7 @@
 """The Hopper forward in Gluon: FlashAttention-3's warp-specialized design.
 
 A persistent grid (one program per SM) walks the work items, 128-row query tiles of one head each (192
-rows with three consumers; causal: those with the most keys first), each over the key tiles its rows see
+rows with three consumers) in ``schedule``'s order, each over the key tiles its rows see
 (a sliding window's start at the first row's first key). A program has three partitions:
 - a loader warp streams each item's Q by TMA, and its K/V tiles through a ``STAGES``-deep ring of
   shared-memory buffers (``k_ready``/``v_ready`` mbarriers say a stage is filled, ``k_free``/``v_free``
@@ -49,12 +49,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tileattn.kernels.common import transposed_v, transposed_v_buffer
+from tileattn.kernels.gluon import schedule
 from tileattn.kernels.gluon.common import (
     LOG2E,
     TmaRows,
     plain_attention,
     rebased,
-    sequence,
     start,
     tile_layout,
     tma_rows,
@@ -78,49 +78,11 @@ ONE_PER_TILE = 2**31 - 1  # ``programs`` for a grid of one program per work item
 
 
 @gluon.jit
-def _tile(t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM: gl.constexpr,
-          BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    """Work item t of the persistent loop: ``(query block start, head, batch entry, first query row,
-    seqlen_q, first key row, seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows
-    see (``_scores`` says which keys a row sees). A packed batch's grid covers its longest sequence
-    (``max_q``): the blocks that start past their sequence's rows are empty (the partitions skip them).
-    Causal calls take the blocks with the most keys first (longest-first, for balance); the others keep a
-    head's query blocks together (its K/V stays in L2)."""
-    if MASK_RIGHT and not MASK_LEFT:
-        m_block = num_m - 1 - t // (nheads * batch)
-        hb = t % (nheads * batch)
-    else:
-        m_block = t % num_m
-        hb = t // num_m
-    b = hb // nheads
-    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
-    q_base = m_block * ITEM
-    shift = seqlen_k - seqlen_q  # (bottom-right alignment: row i's diagonal is key i + shift)
-    n_end = seqlen_k
-    if MASK_RIGHT:  # past the last row's last key
-        n_end = gl.minimum(n_end, gl.maximum(q_base + ITEM + shift + window_right, 0))
-    lo = 0
-    if MASK_LEFT:  # the first row's first key
-        lo = gl.maximum(q_base + shift - window_left, 0) // BLOCK_N
-    return q_base, hb % nheads, b, q0, seqlen_q, k0, seqlen_k, lo, gl.maximum(gl.cdiv(n_end, BLOCK_N) - lo, 0)
-
-
-@gluon.jit
-def _live(q_base, seqlen_q, VARLEN: gl.constexpr):
-    """Whether a work item has rows to compute: a packed batch's blocks past their sequence have none (a
-    dense call's always do: there the answer is a constant, and the partitions have no branch)."""
-    live = True
-    if VARLEN:
-        live = q_base < seqlen_q
-    return live
-
-
-@gluon.jit
 def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr, SPLIT: gl.constexpr,
           IS_FP8: gl.constexpr):  # fmt: skip
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
      q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -135,11 +97,11 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
     it = 0  # K/V tiles loaded so far: the ring's stage and phase
     done = 0  # work items so far: Q's phase
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
-        q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = _tile(
-            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
+        q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = schedule.work_item(
+            t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
-        if _live(q_base, seqlen_q, VARLEN):
+        if schedule.live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # every consumer issued its last Q·Kᵀ of the last item
             mbarrier.expect(q_ready, CONSUMERS * Q_BYTES)
             q_row, q_col = start(b, q0, h, q_lay, VARLEN)
@@ -301,7 +263,7 @@ def _consume(
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
      q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -335,11 +297,11 @@ def _consume(
     if WG == 1:  # (PINGPONG: the first turn is the first warpgroup's)
         turn_pass(WG, PINGPONG)
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
-        q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _tile(
-            t, num_m, nheads, batch, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
+        q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = schedule.work_item(
+            t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
-        if _live(q_base, seqlen_q, VARLEN):
+        if schedule.live(q_base, seqlen_q, VARLEN):
             scale = qk_scale
             if IS_FP8:  # Descales: (3, batch, nheads_k), q's, k's and v's; q·k's fold into the scale
                 per_input = batch * (nheads // group)
@@ -473,7 +435,7 @@ def _consume(
 def _fwd_kernel(
     q_desc, k_desc, v_desc, q2_desc, k2_desc, v2_desc, Out, Lse, CuQ, CuK, Sink,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-    nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
+    nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale,
     q_batch_rows, q_head_rows, q_head_cols, k_batch_rows, k_head_rows, k_head_cols,
     v_batch_rows, v_head_rows, v_head_cols, Descales,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
@@ -522,7 +484,7 @@ def _fwd_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-            nheads, group, batch, max_q, max_k, window_left, window_right, qk_scale,
+            nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
             (v_batch_rows, v_head_rows, v_head_cols), q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem,
             Descales, p_smem)  # fmt: skip
@@ -588,7 +550,7 @@ def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
     stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
-    mask_loops: bool = False,
+    mask_loops: bool = False, l2_bytes: int = schedule.L2_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -600,14 +562,15 @@ def attn_fwd(
     barriers), so that one's softmax runs under the other's matmuls (FlashAttention-3's ping-pong; two
     warpgroups only). ``mask_loops``: the key loop as three loops (tiles that need a mask, those that need
     none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
-    running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``rows``: what
-    ``eligible_rows`` returned for these tensors (made here if None).
+    running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``l2_bytes``:
+    the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
+    group). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
     plan = Plan(
         q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong,
-        mask_loops=mask_loops,
+        mask_loops=mask_loops, l2_bytes=l2_bytes,
     )  # fmt: skip
     out, lse = plan.run(q4, k4, v4, p)
     return out.view(q4.shape), lse
@@ -625,7 +588,7 @@ class Plan:
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
-        pingpong: bool = False, mask_loops: bool = False,
+        pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = schedule.L2_BYTES,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(
@@ -665,10 +628,11 @@ class Plan:
         # (out and lse contiguous: out's (batch, row, head) strides, lse's (batch, head) strides and row stride)
         out_strides = (0 if p.is_varlen else q4.shape[1] * nheads * headdim, nheads * headdim, headdim)
         lse_strides = (0, self.lse_shape[1], 1) if p.is_varlen else (nheads * p.seqlen_q, p.seqlen_q, 1)
+        heads = schedule.head_group(p.batch, nheads, nheads_k, p.seqlen_k, headdim, q4.element_size(), l2_bytes)
         fixed = (
             *out_strides, *lse_strides,
-            nheads, nheads // nheads_k, p.batch, p.seqlen_q, p.seqlen_k, max(p.window_left, 0), max(p.window_right, 0),
-            p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:],
+            nheads, nheads // nheads_k, p.batch, heads, p.seqlen_q, p.seqlen_k,
+            max(p.window_left, 0), max(p.window_right, 0), p.softmax_scale * LOG2E, *q2[1:], *k2[1:], *v2[1:],
         )  # fmt: skip
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,

@@ -1,0 +1,76 @@
+"""The order in which the Gluon forward's programs take their work items (query blocks of one head).
+
+A non-causal call keeps each head's query blocks together, so that its K/V is read from memory once and
+from L2 after. A causal call takes the blocks with the most keys first (longest-first, for balance at
+the end of the grid), but not across all heads at once: at 2k keys and 128 heads one wave of 132 programs
+then holds one block of each head, and each next wave reads every head's K/V again after 128 others went
+through L2 (head dim 128, causal 2k: ~300 TFLOP/s, K/V traffic above the matmuls' time). The heads are
+walked in groups whose K/V fits ``l2_bytes`` (FlashAttention-3's longest-processing-time scheduler):
+longest-first within a group, one group after the other.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from tileattn.kernels.gluon.common import sequence
+
+L2_BYTES = 32 << 20  # the K/V a group of heads may hold in L2 (the H100's and H200's is 50 MB)
+
+
+def head_group(
+    batch: int, nheads: int, nheads_k: int, seqlen_k: int, headdim: int, elem_bytes: int, l2_bytes: int
+) -> int:
+    """How many of a causal call's (batch entry, head) pairs its longest-first order walks together: as
+    many key/value heads as ``l2_bytes`` holds (each ``seqlen_k`` rows of K and V), times the query heads
+    that share one (GQA), at least one key/value head's; all of them where ``l2_bytes`` is 0."""
+    pairs = batch * nheads
+    if l2_bytes <= 0:
+        return pairs
+    kv_heads = max(1, l2_bytes // max(1, 2 * seqlen_k * headdim * elem_bytes))
+    return min(pairs, kv_heads * (nheads // nheads_k))
+
+
+@gluon.jit
+def work_item(t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right,
+              ITEM: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              VARLEN: gl.constexpr):  # fmt: skip
+    """Work item t: ``(query block start, head, batch entry, first query row, seqlen_q, first key row,
+    seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows see (``_scores`` says
+    which keys a row sees). A packed batch's grid covers its longest sequence (``max_q``): the blocks
+    that start past their sequence's rows are empty (the partitions skip them). Causal calls: groups of
+    ``head_group`` (batch entry, head) pairs one after the other (the last one may be smaller), in each
+    the blocks with the most keys first. The others: a head's query blocks together."""
+    if MASK_RIGHT and not MASK_LEFT:
+        pairs = nheads * batch
+        group_items = num_m * head_group
+        first = (t // group_items) * head_group  # the group's first pair
+        in_group = gl.minimum(head_group, pairs - first)
+        r = t % group_items
+        m_block = num_m - 1 - r // in_group
+        hb = first + r % in_group
+    else:
+        m_block = t % num_m
+        hb = t // num_m
+    b = hb // nheads
+    q0, seqlen_q, k0, seqlen_k = sequence(CuQ, CuK, b, max_q, max_k, VARLEN)
+    q_base = m_block * ITEM
+    shift = seqlen_k - seqlen_q  # (bottom-right alignment: row i's diagonal is key i + shift)
+    n_end = seqlen_k
+    if MASK_RIGHT:  # past the last row's last key
+        n_end = gl.minimum(n_end, gl.maximum(q_base + ITEM + shift + window_right, 0))
+    lo = 0
+    if MASK_LEFT:  # the first row's first key
+        lo = gl.maximum(q_base + shift - window_left, 0) // BLOCK_N
+    return q_base, hb % nheads, b, q0, seqlen_q, k0, seqlen_k, lo, gl.maximum(gl.cdiv(n_end, BLOCK_N) - lo, 0)
+
+
+@gluon.jit
+def live(q_base, seqlen_q, VARLEN: gl.constexpr):
+    """Whether a work item has rows to compute: a packed batch's blocks past their sequence have none (a
+    dense call's always do: there the answer is a constant, and the partitions have no branch)."""
+    is_live = True
+    if VARLEN:
+        is_live = q_base < seqlen_q
+    return is_live
