@@ -550,7 +550,7 @@ def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
     stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
-    mask_loops: bool = False, l2_bytes: int = schedule.L2_BYTES,
+    mask_loops: bool = False, l2_bytes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -564,7 +564,7 @@ def attn_fwd(
     none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
     running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``l2_bytes``:
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
-    group). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    group, the settings' default until the grouped order is timed). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
@@ -588,7 +588,7 @@ class Plan:
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
-        pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = schedule.L2_BYTES,
+        pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = 0,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(

@@ -4,9 +4,11 @@ A non-causal call keeps each head's query blocks together, so that its K/V is re
 from L2 after. A causal call takes the blocks with the most keys first (longest-first, for balance at
 the end of the grid), but not across all heads at once: at 2k keys and 128 heads one wave of 132 programs
 then holds one block of each head, and each next wave reads every head's K/V again after 128 others went
-through L2 (head dim 128, causal 2k: ~300 TFLOP/s, K/V traffic above the matmuls' time). The heads are
-walked in groups whose K/V fits ``l2_bytes`` (FlashAttention-3's longest-processing-time scheduler):
-longest-first within a group, one group after the other.
+through L2 (head dim 128, causal 2k on an H100: 240-320 TFLOP/s, ~1.1 GB of K/V reads for 137 GFLOP).
+With ``l2_bytes`` the heads are walked in groups whose K/V fits it (FlashAttention-3's
+longest-processing-time scheduler; 32 MiB is its budget): longest-first within a group, one group after
+the other. Not yet timed on a GPU, so the settings keep ``l2_bytes`` 0 (every head in one group: the order
+above) until it is (docs/perf.md, "Decisions").
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tileattn.kernels.gluon.common import sequence
-
-L2_BYTES = 32 << 20  # the K/V a group of heads may hold in L2 (the H100's and H200's is 50 MB)
 
 
 def head_group(
