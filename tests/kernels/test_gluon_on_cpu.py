@@ -18,12 +18,19 @@ pytestmark = pytest.mark.skipif(not gluon.available(), reason="the Gluon kernels
 _PY_GL = types.SimpleNamespace(maximum=max, minimum=min, cdiv=lambda a, b: -(-a // b))
 
 
+def _on_ints(jit_fn, **names):
+    """A Gluon function's own code as a Python function on ints: Gluon's ``maximum``, ``minimum`` and
+    ``cdiv`` as Python's, and the Gluon functions it calls given in ``names`` the same way."""
+    fn = jit_fn.fn
+    calls = {name: _on_ints(other) for name, other in names.items()}
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": _PY_GL, **calls}, fn.__name__)
+
+
 def _mask_phases(*args):
     """``kernels.gluon.forward._mask_phases``' own code, on Python ints."""
     from tileattn.kernels.gluon import forward
 
-    fn = forward._mask_phases.fn
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": _PY_GL}, fn.__name__)(*args)
+    return _on_ints(forward._mask_phases)(*args)
 
 
 def _fully_visible(start, block_n, rows, seqlen_q, seqlen_k, window, mask_left, mask_right) -> bool:
@@ -76,9 +83,7 @@ def _work_item(*args):
     reads no cu_seqlens)."""
     from tileattn.kernels.gluon import schedule
 
-    fn, seq = schedule.work_item.fn, schedule.sequence.fn
-    glob = {**fn.__globals__, "gl": _PY_GL, "sequence": types.FunctionType(seq.__code__, seq.__globals__)}
-    return types.FunctionType(fn.__code__, glob, fn.__name__)(*args)
+    return _on_ints(schedule.work_item, sequence=schedule.sequence)(*args)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

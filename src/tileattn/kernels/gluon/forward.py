@@ -564,7 +564,8 @@ def attn_fwd(
     none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
     running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``l2_bytes``:
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
-    group, the settings' default until the grouped order is timed). ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    group, the settings' default until the grouped order is timed). ``rows``: what ``eligible_rows``
+    returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
