@@ -227,7 +227,7 @@ class Settings:
     gluon_short_seqlen_k: int = 4096
     # the K/V bytes a causal Gluon forward's groups of heads keep in L2: its longest-first order walks the
     # query blocks of as many heads together as fit (``kernels.gluon.schedule``); 0: all heads in one group
-    # (FlashAttention-3's budget, 32 << 20, is built and not yet timed: docs/perf.md)
+    # (configs.HOPPER: FlashAttention-3's budget, 32 << 20)
     gluon_l2_bytes: int = 0
     # the Gluon backward on sm90 (``kernels.gluon.backward``: one dK/dV/dQ kernel, dQ added in fp32, so never
     # with ``deterministic``), by head dim: block_m query rows per tile, block_n keys per program (128),

@@ -38,9 +38,9 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     # one key more than queries (bottom-right causal): each row tile's last row sees the first key of the
     # next key tile, which a key loop that stops one key short drops
     (1, 512, 513, 2, 1, 128, True, torch.bfloat16),
-    # head dim 96 as two column parts (64 + 32): a build the settings do not pick yet (OPTION_BUILDS)
-    pytest.param((2, 300, 257, 4, 2, 96, True, torch.bfloat16), marks=pytest.mark.slow),
-    pytest.param((1, 1025, 1025, 3, 3, 96, False, torch.float16), marks=pytest.mark.slow),
+    # head dim 96 as two column parts (64 + 32)
+    (2, 300, 257, 4, 2, 96, True, torch.bfloat16),
+    (1, 1025, 1025, 3, 3, 96, False, torch.float16),
 ]
 BUILDS = {  # the tables' builds, and builds whose few programs each loop over many work items; block_m=192:
     # three consumer warpgroups (FlashAttention-3's head-dim-64 forward). l2_bytes=100_000: causal calls walk
@@ -51,6 +51,7 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
         dict(block_m=192, block_n=64, stages=4),
         dict(block_m=192, block_n=128, stages=3, programs=7),
     ],
+    96: [dict(block_n=128, stages=2), dict(block_n=128, stages=2, programs=5, l2_bytes=100_000)],
     128: [
         dict(block_n=128, stages=2),
         dict(block_n=128, stages=3, programs=5, l2_bytes=100_000),
@@ -59,13 +60,12 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
     256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3, l2_bytes=100_000)],
 }
 # Builds the settings do not pick yet (docs/perf.md: until they are timed), run with TILEATTN_SLOW=1 (the
-# suite's default run stays within one device call): head dim 96 as 64 + 32 columns, and mask_loops (the key
-# loop as three branch-free loops; its bounds decide which tiles skip the mask: one such build a head dim).
+# suite's default run stays within one device call): mask_loops (the key loop as three branch-free loops; its
+# bounds decide which tiles skip the mask: one such build a head dim), and three consumer warpgroups at 96.
 # The ping-pong has its own test below.
 OPTION_BUILDS = {
     64: [dict(block_m=192, block_n=64, stages=4, programs=7, mask_loops=True)],
     96: [
-        dict(block_n=128, stages=2),
         dict(block_n=128, stages=2, programs=5, mask_loops=True),
         dict(block_m=192, block_n=64, stages=3, programs=7),
     ],
@@ -110,7 +110,7 @@ for case in CASES:
     ref = oracle.attention(q, k, v, causal=causal)
     low = oracle.attention(q, k, v, causal=causal, precision=None)
     p = AttnParams(batch, seqlen_q, seqlen_k, headdim, headdim**-0.5, window_right=0 if causal else -1)
-    for build in _builds(headdim):
+    for build in BUILDS[headdim]:
         out, lse = hopper.attn_fwd(q, k, v, p, pingpong=True, **build)
         check_close(f"out {case} {build}", out, ref.out, low.out)
         check_lse(f"lse {case} {build}", lse, ref.lse, low.lse.float())
@@ -164,18 +164,13 @@ def test_block_m_is_checked():
         hopper.attn_fwd(q8, q8, q8, AttnParams(1, 64, 64, 96, 0.1, descales=descales))
 
 
-@pytest.mark.parametrize(
-    "headdim",
-    [*sorted(configs.HOPPER.fwd_gluon), pytest.param(96, marks=pytest.mark.slow)],  # (96: not in the settings yet)
-)
+@pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))
 def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     """The public call runs the Gluon forward at the head dims the settings give it, with the portable
-    backward behind it, against the oracle. A head dim the settings leave out (96 until it is timed) runs the
-    portable forward, and the Gluon forward once an entry gives it one."""
+    backward behind it, against the oracle; settings that leave the head dim out run the portable forward."""
     from dataclasses import replace
 
     from tileattn.kernels.gluon import forward as hopper
-    from tileattn.params import KernelConfig
 
     case = (2, 300, 300, 4, 2, headdim, True, torch.bfloat16)
     q, k, v = (t.requires_grad_() for t in gluon_case_inputs(case, 3))
@@ -187,9 +182,11 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     low = oracle.attention(*lows, causal=True, precision=None)
     low.out.backward(dout)
     base = configs.for_device(q.device)
-    runs = [(base, headdim in base.fwd_gluon)]
-    if headdim not in base.fwd_gluon:
-        runs.append((replace(base, fwd_gluon={**base.fwd_gluon, headdim: KernelConfig(128, 128, 4, 2)}), True))
+    drop = lambda table: {d: c for d, c in table.items() if d != headdim}  # noqa: E731
+    runs = [
+        (base, True),
+        (replace(base, fwd_gluon=drop(base.fwd_gluon), fwd_gluon_short=drop(base.fwd_gluon_short)), False),
+    ]
     calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     for settings, gluon in runs:
         calls.clear()
@@ -226,7 +223,7 @@ def test_calls_it_cannot_compute_run_the_portable_kernels():
 
 VARLEN_CASES = GLUON_VARLEN_CASES + [
     ([777, 5, 130], [777, 130, 5], 4, 4, 256, True, torch.bfloat16),  # rows before key 0's diagonal
-    pytest.param(([130, 0, 301], [77, 3, 301], 4, 1, 96, True, torch.bfloat16), marks=pytest.mark.slow),
+    ([130, 0, 301], [77, 3, 301], 4, 1, 96, True, torch.bfloat16),
 ]
 
 
@@ -270,7 +267,6 @@ WINDOW_CASES = GLUON_WINDOW_CASES + [
 ]
 
 
-@pytest.mark.slow  # (a build the settings do not pick yet)
 @pytest.mark.parametrize("heads_apart", [False, True], ids=["rows-of-positions", "rows-of-one-head"])
 def test_head_dim_96_reads_both_column_parts_in_each_layout(heads_apart):
     """Head dim 96 runs as two column parts (64 + 32, ``HEAD_PARTS``): the second part's TMA tiles start

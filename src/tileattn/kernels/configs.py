@@ -52,10 +52,19 @@ HOPPER = Settings(
     # FlashAttention-3's warp-specialized forward in Gluon (kernels/gluon/forward.py): 128 query rows over
     # 128-key tiles (64 at head dim 256), one program per query tile, two stages; under gluon_short_seqlen_k
     # keys (short sequences, bounded windows) a persistent grid, with three stages at head dim 128 (at 256:
-    # 1.02-1.06x one per tile dense at 1k-2k, 1.04-1.05x on windows, 0.98x causal 2k). Head dim 64 stays
-    # on the portable forward (faster causal; three consumer warpgroups of 192 rows won no cell)
-    fwd_gluon={128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
-    fwd_gluon_short={128: KernelConfig(128, 128, 4, 3), 256: KernelConfig(128, 64, 4, 2)},
+    # 1.02-1.06x one per tile dense at 1k-2k, 1.04-1.05x on windows, 0.98x causal 2k). Head dim 96 as 64 + 32
+    # columns: 1.20-1.44x the portable forward (causal 1k-4k, not causal 2k and 16k). Head dim 64 stays on the
+    # portable forward (causal 0.83-0.90x on Gluon; three consumer warpgroups of 192 rows won no cell). The
+    # branch-free mask loops (``mask_loops``) lost 0-15 % causal at 1k-4k: not taken
+    fwd_gluon={96: KernelConfig(128, 128, 4, 2), 128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
+    fwd_gluon_short={
+        96: KernelConfig(128, 128, 4, 2),
+        128: KernelConfig(128, 128, 4, 3),
+        256: KernelConfig(128, 64, 4, 2),
+    },
+    # causal heads in groups whose K/V fits 32 MiB of L2 (FlashAttention-3's budget): 1.24-1.32x the order
+    # over all heads at 1k, 1.22-1.30x at 2k (head dim 256: 0.94x), 1.08-1.13x at 4k, 1.00-1.05x at 16k
+    gluon_l2_bytes=32 << 20,
     # the forward's tiles when TMA cannot read the inputs (unaligned rows, not sm90+)
     fwd_pointer={256: KernelConfig(64, 64, 4, 2)},
     # FlashAttention-3's warp-specialized backward in Gluon (kernels/gluon/backward.py), by head dim: at 128
