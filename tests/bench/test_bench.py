@@ -587,6 +587,28 @@ def test_table_of_gpu_rows_is_unchanged():
     assert "2.00x (1.50-2.50) noisy" in table and "137 MiB" in table
 
 
+def test_grid_is_tileattn_over_the_best_anchor_per_cell():
+    """The Hopper bar's grid: per cell tileattn ÷ the faster of FA4 and cuDNN in the same case (another backend,
+    however fast, is not an anchor), the minimum and median over the cells and those under 0.95."""
+    from tileattn.bench.__main__ import format_grid
+
+    def case(seqlen, causal, **tflops):
+        return [
+            dict(headdim=128, causal=causal, seqlen=seqlen, batch=16384 // seqlen, backend=name, fwd_tflops=tf)
+            for name, tf in tflops.items()
+        ]
+
+    rows = case(1024, True, tileattn=300.0, fa4=400.0, **{"sdpa-cudnn": 500.0, "sdpa-flash": 900.0})
+    rows += case(2048, True, tileattn=480.0, fa4=500.0, **{"sdpa-cudnn": 450.0})
+    rows += case(2048, False, tileattn=660.0, fa4=600.0)
+    rows += case(4096, False, tileattn=700.0)  # (no anchor: not a cell)
+    grid = format_grid(rows, ["fwd"])
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in grid.splitlines() if line.startswith("| hd")]
+    assert cells == [["hd128", "fwd", "-", "1.10"], ["hd128 causal", "fwd", "0.60", "0.96"]], grid
+    assert "3 cells, min 0.60, median 0.96; under 0.95: hd128 causal fwd 1024: 0.60" in grid, grid
+    assert format_grid(case(1024, False, tileattn=1.0, eager=2.0), ["fwd"]) is None
+
+
 def test_masks_cases_are_their_builders():
     """--masks compares backends on one mask each: FlexAttention's mask_mod and the FlashMask builder's indices
     must describe the same mask (here at 4k tokens, several documents)."""

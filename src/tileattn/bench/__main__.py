@@ -317,6 +317,39 @@ def format_table(rows, modes, device) -> str:
     return tabulate(out, headers=headers, tablefmt="github")
 
 
+def format_grid(rows, modes, anchors=("fa4", "sdpa-cudnn")) -> str | None:
+    """The grid in the terms of the Hopper bar (docs/perf.md, "Dense grid"): per head dim, mask and pass, tileattn's
+    TFLOP/s ÷ the best of ``anchors`` timed in the same case, one column per seqlen, then the cells' minimum, median
+    and those under 0.95. None where no case has tileattn and an anchor."""
+    from tabulate import tabulate
+
+    cells: dict = {}  # (headdim, causal, mode) -> {seqlen: ratio}
+    seqlens = set()
+    for key in {(r["headdim"], r["causal"], r["seqlen"], r["batch"]) for r in rows}:
+        group = [r for r in rows if (r["headdim"], r["causal"], r["seqlen"], r["batch"]) == key]
+        for mode in modes:
+            ours = [r[f"{mode}_tflops"] for r in group if r["backend"] == "tileattn" and r.get(f"{mode}_tflops")]
+            best = [r[f"{mode}_tflops"] for r in group if r["backend"] in anchors and r.get(f"{mode}_tflops")]
+            if ours and best:
+                cells.setdefault((key[0], key[1], mode), {})[key[2]] = ours[0] / max(best)
+                seqlens.add(key[2])
+    if not cells:
+        return None
+    cols = sorted(seqlens)
+    lines = [
+        [f"hd{hd}{' causal' if causal else ''}", mode, *(f"{by[n]:.2f}" if n in by else "-" for n in cols)]
+        for (hd, causal, mode), by in sorted(cells.items())
+    ]
+    flat = sorted((r, hd, causal, mode, n) for (hd, causal, mode), by in cells.items() for n, r in by.items())
+    under = [f"hd{hd}{' causal' if c else ''} {mode} {n}: {r:.2f}" for r, hd, c, mode, n in flat if r < 0.95]
+    table = tabulate(lines, headers=["case", "pass", *map(str, cols)], tablefmt="github", disable_numparse=True)
+    summary = (
+        f"tileattn ÷ best of {', '.join(anchors)}: {len(flat)} cells, min {flat[0][0]:.2f}, median "
+        f"{statistics.median(r for r, *_ in flat):.2f}; under 0.95: {'; '.join(under) if under else 'none'}"
+    )
+    return table + "\n" + summary
+
+
 def plot(results: Path, out_dir: Path) -> list[Path]:
     """PNG charts of TFLOP/s against seqlen per backend, one per (headdim, causal, mode)."""
     import matplotlib
@@ -572,6 +605,9 @@ def main(argv=None) -> int:
         if device == "cpu":
             torch.set_num_threads(default_threads)
     print(format_table(rows, modes, device))
+    grid = format_grid(rows, modes) if device == "cuda" else None
+    if grid:
+        print(grid)
     note = noise_note(rows, modes, threads) if device == "cpu" else None
     if note:
         print(note)
