@@ -53,7 +53,7 @@ HOPPER = Settings(
     # 128-key tiles (64 at head dim 256), one program per query tile, two stages; under gluon_short_seqlen_k
     # keys (short sequences, bounded windows) a persistent grid, with three stages at head dim 128 (at 256:
     # 1.02-1.06x one per tile dense at 1k-2k, 1.04-1.05x on windows, 0.98x causal 2k). Head dim 96 as 64 + 32
-    # columns: 1.20-1.44x the portable forward (causal 1k-4k, not causal 2k and 16k). Head dim 64 stays on the
+    # columns: 1.20-1.44x the portable forward (causal 1k-16k, not causal 2k and 16k). Head dim 64 stays on the
     # portable forward (causal 0.83-0.90x on Gluon; three consumer warpgroups of 192 rows won no cell). The
     # branch-free mask loops (``mask_loops``) lost 0-15 % causal at 1k-4k: not taken
     fwd_gluon={96: KernelConfig(128, 128, 4, 2), 128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
