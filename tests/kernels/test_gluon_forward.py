@@ -59,7 +59,7 @@ BUILDS = {  # the tables' builds, and builds whose few programs each loop over m
     ],
     256: [dict(block_n=64, stages=2), dict(block_n=64, stages=2, programs=3, l2_bytes=100_000)],
 }
-# Builds the settings do not pick yet (docs/perf.md: until they are timed), run with TILEATTN_SLOW=1 (the
+# Builds the settings do not pick (docs/perf.md, "Decisions"), run with TILEATTN_SLOW=1 (the
 # suite's default run stays within one device call): mask_loops (the key loop as three branch-free loops; its
 # bounds decide which tiles skip the mask: one such build a head dim), and three consumer warpgroups at 96.
 # The ping-pong has its own test below.
@@ -124,7 +124,7 @@ PINGPONG_CASES = [  # each head dim it builds at; GQA, causal with more keys tha
 ]
 
 
-@pytest.mark.slow  # (a build the settings do not pick yet)
+@pytest.mark.slow  # (a build the settings do not pick)
 def test_pingpong_builds_match_the_oracle():
     """The ping-pong build (``pingpong``: the two consumer warpgroups take turns issuing their wgmmas through
     named barriers) at head dims 96, 128 and 256, one program per SM and a few programs looping over many
