@@ -564,7 +564,7 @@ def attn_fwd(
     none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
     running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``l2_bytes``:
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
-    group, the settings' default until the grouped order is timed). ``rows``: what ``eligible_rows``
+    group; the settings: ``Settings.gluon_l2_bytes``). ``rows``: what ``eligible_rows``
     returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
