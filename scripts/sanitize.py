@@ -162,7 +162,7 @@ def gluon_calls() -> None:
     items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
     walking many items, so the barriers' phases wrap), head dims 96, 128 and 256, the named-barrier
     ping-pong and the branch-free mask loops (alone and together), causal heads walked in small groups
-    (``l2_bytes``), and a backward behind it.
+    (``l2_bytes``; without the mask loops in snake order too), and a backward behind it.
     Packed batches through the forward alone (both grids), sliding windows and head-major layouts through
     the public call. The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA,
     dQ by TMA reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
@@ -183,7 +183,7 @@ def gluon_calls() -> None:
                 for pingpong, mask_loops in ((False, False), (True, False), (False, True), (True, True)):
                     hopper.attn_fwd(
                         q, k, v, p, block_n=block_n, stages=2 if d == 256 else 3, programs=programs,
-                        pingpong=pingpong, mask_loops=mask_loops, l2_bytes=100_000,
+                        pingpong=pingpong, mask_loops=mask_loops, l2_bytes=100_000, snake=not mask_loops,
                     )  # fmt: skip
         q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
         out = tileattn.flash_attn_func(q, k, v, causal=True)

@@ -229,6 +229,9 @@ class Settings:
     # query blocks of as many heads together as fit (``kernels.gluon.schedule``); 0: all heads in one group
     # (configs.HOPPER: FlashAttention-3's budget, 32 << 20)
     gluon_l2_bytes: int = 0
+    # a persistent causal Gluon forward's programs take every other wave of items in reverse, in groups of
+    # heads (at most ``gluon_l2_bytes``' worth) that load the busiest program least (``schedule.balanced_group``)
+    gluon_snake: bool = False
     # the Gluon backward on sm90 (``kernels.gluon.backward``: one dK/dV/dQ kernel, dQ added in fp32, so never
     # with ``deterministic``), by head dim: block_m query rows per tile, block_n keys per program (128),
     # num_stages the (Q, dO) ring's depth, dq_atomic 1 for fp32 atomic adds, else TMA reduce-adds. Empty:

@@ -69,7 +69,10 @@ OPTION_BUILDS = {
         dict(block_n=128, stages=2, programs=5, mask_loops=True),
         dict(block_m=192, block_n=64, stages=3, programs=7),
     ],
-    128: [dict(block_n=128, stages=2, programs=5, mask_loops=True)],
+    128: [
+        dict(block_n=128, stages=2, programs=5, mask_loops=True),
+        dict(block_n=128, stages=3, programs=5, l2_bytes=100_000, snake=True),
+    ],
     256: [dict(block_n=64, stages=2, mask_loops=True)],
 }
 

@@ -78,12 +78,14 @@ def test_the_tiles_without_a_mask_are_the_fully_visible_ones(case):
     assert set(range(a, b)) == visible, (a, b, sorted(visible))
 
 
-def _work_item(*args):
+def _work_item(*args, programs=1):
     """``kernels.gluon.schedule.work_item``'s own code on Python ints (a dense call: ``sequence``'s own code
-    reads no cu_seqlens)."""
+    reads no cu_seqlens), in a grid of ``programs``."""
     from tileattn.kernels.gluon import schedule
 
-    return _on_ints(schedule.work_item, sequence=schedule.sequence)(*args)
+    fn = _on_ints(schedule.work_item, sequence=schedule.sequence)
+    gl = types.SimpleNamespace(**vars(_PY_GL), num_programs=lambda axis: programs)
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": gl}, fn.__name__)(*args)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -102,7 +104,7 @@ def test_the_work_items_are_each_block_once_longest_first_by_head_group(num_m, n
     order = []
     for t in range(num_m * pairs):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = _work_item(
-            t, num_m, nheads, batch, head_group, seqlen, seqlen, None, None, 64, 0, item, block_n, mask_left,
+            t, num_m, nheads, batch, head_group, 0, seqlen, seqlen, None, None, 64, 0, item, block_n, mask_left,
             mask_right, False,
         )  # fmt: skip
         assert (q0, k0, seqlen_q, seqlen_k) == (b * seqlen, b * seqlen, seqlen, seqlen)
@@ -117,6 +119,62 @@ def test_the_work_items_are_each_block_once_longest_first_by_head_group(num_m, n
         assert {hb for _, hb, _ in part} == set(range(first, min(first + step, pairs)))
         assert [n for _, _, n in part] == sorted((n for _, _, n in part), reverse=True)
         assert [m for m, _, _ in part] == sorted((m for m, _, _ in part), reverse=True)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(num_m=st.integers(1, 9), pairs=st.integers(1, 12), head_group=st.integers(1, 12), programs=st.integers(1, 20))
+def test_snake_reverses_every_other_wave_of_the_grouped_order(num_m, pairs, head_group, programs):
+    """With ``snake``, program p's i-th item (t = i * programs + p) is, in odd waves, the grouped order's item
+    that the wave's last program would otherwise take first: the wave's items reversed (the last wave: only
+    its own items), so every item is still taken exactly once."""
+    seqlen = 128 * num_m
+
+    def items(snake):
+        return [
+            _work_item(
+                t, num_m, pairs, 1, head_group, snake, seqlen, seqlen, None, None, 0, 0, 128, 128, False, True, False,
+                programs=programs,
+            )[:2]
+            for t in range(num_m * pairs)
+        ]  # fmt: skip
+
+    plain, snake = items(0), items(1)
+    total = num_m * pairs
+    for t in range(total):
+        wave, lane = divmod(t, programs)
+        width = min(programs, total - wave * programs)
+        assert snake[t] == plain[wave * programs + (width - 1 - lane if wave % 2 else lane)], (t, snake, plain)
+    assert sorted(snake) == sorted(plain)
+
+
+def _busiest(num_m, pairs, group, programs, tiles, cost):
+    """The most a program takes (key tiles plus ``cost`` an item) from the grouped longest-first order in snake
+    order, written out item by item (not ``balanced_group``'s code)."""
+    order = []
+    for first in range(0, pairs, group):
+        size = min(group, pairs - first)
+        order += [tiles[m] for m in reversed(range(num_m)) for _ in range(size)]
+    load = [0.0] * programs
+    for t, n in enumerate(order):
+        wave, lane = divmod(t, programs)
+        width = min(programs, len(order) - wave * programs)
+        load[width - 1 - lane if wave % 2 else lane] += n + cost
+    return max(load)
+
+
+@pytest.mark.parametrize(
+    "num_m, pairs, most, programs, shift",
+    [(8, 256, 64, 132, 0), (16, 128, 32, 132, 0), (16, 64, 16, 132, 0), (8, 37, 9, 10, 0), (5, 12, 12, 7, 300)],
+)
+def test_balanced_group_loads_the_busiest_program_least(num_m, pairs, most, programs, shift):
+    """``balanced_group`` picks, of the group sizes up to ``most``, one whose busiest program takes the least
+    (or within 0.1 % of it), against the order written out item by item."""
+    from tileattn.kernels.gluon import schedule
+
+    tiles = [-(-max(0, (m + 1) * 128 + shift) // 128) for m in range(num_m)]
+    loads = {g: _busiest(num_m, pairs, g, programs, tiles, schedule.ITEM_COST) for g in range(1, most + 1)}
+    g = schedule.balanced_group(num_m, pairs, most, programs, 128, 128, shift)
+    assert 1 <= g <= most and loads[g] <= min(loads.values()) * 1.001, (g, loads)
 
 
 @pytest.mark.parametrize(

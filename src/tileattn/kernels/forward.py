@@ -274,7 +274,7 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
                 return hopper.Plan(
                     q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
                     programs=None if short else hopper.ONE_PER_TILE, pingpong=cfg.pingpong,
-                    mask_loops=cfg.mask_loops, l2_bytes=s.gluon_l2_bytes,
+                    mask_loops=cfg.mask_loops, l2_bytes=s.gluon_l2_bytes, snake=s.gluon_snake,
                 )  # fmt: skip
     return FwdPlan(q4, k4, v4, p, s)
 

@@ -82,7 +82,7 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
           IS_FP8: gl.constexpr):  # fmt: skip
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     nheads, group, batch, head_group, snake, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
      q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -98,7 +98,7 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
     done = 0  # work items so far: Q's phase
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = schedule.work_item(
-            t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
+            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if schedule.live(q_base, seqlen_q, VARLEN):
@@ -263,7 +263,7 @@ def _consume(
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-     nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
+     nheads, group, batch, head_group, snake, max_q, max_k, window_left, window_right, qk_scale, q_lay, k_lay, v_lay,
      q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem, Descales, p_smem) = args  # fmt: skip
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -298,7 +298,7 @@ def _consume(
         turn_pass(WG, PINGPONG)
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = schedule.work_item(
-            t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
+            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
             MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if schedule.live(q_base, seqlen_q, VARLEN):
@@ -441,7 +441,7 @@ def _fwd_kernel(
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
     PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False, IS_FP8: gl.constexpr = False,
-    P_LAYOUT: gl.constexpr = None,
+    P_LAYOUT: gl.constexpr = None, SNAKE: gl.constexpr = False,
 ):  # fmt: skip
     """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
     64 + 32, ``HEAD_PARTS``); None without SPLIT. ``IS_FP8``: e4m3 q, k and V transposed (``v_desc`` reads
@@ -484,7 +484,7 @@ def _fwd_kernel(
 
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
             Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
-            nheads, group, batch, head_group, max_q, max_k, window_left, window_right, qk_scale,
+            nheads, group, batch, head_group, SNAKE, max_q, max_k, window_left, window_right, qk_scale,
             (q_batch_rows, q_head_rows, q_head_cols), (k_batch_rows, k_head_rows, k_head_cols),
             (v_batch_rows, v_head_rows, v_head_cols), q2_desc, k2_desc, v2_desc, q2_smem, k2_smem, v2_smem,
             Descales, p_smem)  # fmt: skip
@@ -550,7 +550,7 @@ def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
     stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
-    mask_loops: bool = False, l2_bytes: int = 0,
+    mask_loops: bool = False, l2_bytes: int = 0, snake: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -564,14 +564,16 @@ def attn_fwd(
     none, those that do) with no branch in their bodies, so that ptxas can schedule the softmax under the
     running P·V (with one loop and the mask behind a branch it waits for the P·V first). ``l2_bytes``:
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
-    group; the settings: ``Settings.gluon_l2_bytes``). ``rows``: what ``eligible_rows``
+    group; the settings: ``Settings.gluon_l2_bytes``). ``snake``: a persistent causal grid's programs take
+    every other wave's items in reverse, in groups of heads ``schedule.balanced_group`` picks for an even
+    load. ``rows``: what ``eligible_rows``
     returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
     plan = Plan(
         q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong,
-        mask_loops=mask_loops, l2_bytes=l2_bytes,
+        mask_loops=mask_loops, l2_bytes=l2_bytes, snake=snake,
     )  # fmt: skip
     out, lse = plan.run(q4, k4, v4, p)
     return out.view(q4.shape), lse
@@ -589,7 +591,7 @@ class Plan:
     def __init__(
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
-        pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = 0,
+        pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = 0, snake: bool = False,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(
@@ -630,6 +632,12 @@ class Plan:
         out_strides = (0 if p.is_varlen else q4.shape[1] * nheads * headdim, nheads * headdim, headdim)
         lse_strides = (0, self.lse_shape[1], 1) if p.is_varlen else (nheads * p.seqlen_q, p.seqlen_q, 1)
         heads = schedule.head_group(p.batch, nheads, nheads_k, p.seqlen_k, headdim, q4.element_size(), l2_bytes)
+        causal = p.window_right >= 0 > p.window_left
+        snake_order = snake and causal and not p.is_varlen and grid[0] < items  # (packed: lengths on the device)
+        if snake_order:
+            heads = schedule.balanced_group(
+                cdiv(p.seqlen_q, block_m), p.batch * nheads, heads, grid[0], block_m, block_n, p.seqlen_k - p.seqlen_q
+            )
         fixed = (
             *out_strides, *lse_strides,
             nheads, nheads // nheads_k, p.batch, heads, p.seqlen_q, p.seqlen_k,
@@ -638,7 +646,7 @@ class Plan:
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
-            MASK_LOOPS=mask_loops, IS_FP8=self.fp8,
+            MASK_LOOPS=mask_loops, IS_FP8=self.fp8, SNAKE=snake_order,
             # (named in every build, None where unused: a launch that leaves a parameter unnamed gets no plan)
             P_LAYOUT=tile_layout(WG_ROWS, block_n, torch.float8_e4m3fn) if self.fp8 else None,
         )  # fmt: skip

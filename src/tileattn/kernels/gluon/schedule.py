@@ -13,6 +13,7 @@ the other (``configs.HOPPER.gluon_l2_bytes``; on an H100 1.24-1.32x the order ov
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -32,18 +33,54 @@ def head_group(
     return min(pairs, kv_heads * (nheads // nheads_k))
 
 
+# An item's cost beyond its key tiles, in tile times: its first Q·Kᵀ and softmax and its last P·V and
+# epilogue, which no matmul overlaps (fitted to the causal columns of an H100: docs/perf-history/gluon.md)
+ITEM_COST = 3.0
+
+
+def balanced_group(num_m: int, pairs: int, most: int, programs: int, block_m: int, block_n: int, shift: int) -> int:
+    """The group size (at most ``most`` pairs) whose grouped longest-first order, taken by ``programs``
+    programs in snake order (``work_item`` with ``snake``), loads the busiest program least: each dense causal
+    item costs its key tiles plus ``ITEM_COST`` (``shift``: seqlen_k - seqlen_q, the diagonal's offset)."""
+    m = torch.arange(num_m)
+    tiles = ((torch.clamp((m + 1) * block_m + shift, min=0) + block_n - 1) // block_n).to(torch.float64)
+    t = torch.arange(num_m * pairs)
+    wave, lane = t // programs, t % programs
+    width = torch.clamp(num_m * pairs - wave * programs, max=programs)  # (the last wave's items)
+    program = torch.where(wave % 2 == 1, width - 1 - lane, lane)
+    best, best_load = most, float("inf")
+    for g in range(1, most + 1):
+        group_items = num_m * g
+        first = (t // group_items) * g
+        in_group = torch.clamp(pairs - first, max=g)
+        cost = tiles[num_m - 1 - (t % group_items) // in_group] + ITEM_COST
+        load = torch.zeros(programs, dtype=torch.float64).index_add_(0, program, cost).max().item()
+        if load < best_load * 0.999:  # (ties: the larger group, which keeps more heads' K/V in L2)
+            best, best_load = g, load
+        elif load <= best_load * 1.001:
+            best = g
+    return best
+
+
 @gluon.jit
-def work_item(t, num_m, nheads, batch, head_group, max_q, max_k, CuQ, CuK, window_left, window_right,
-              ITEM: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+def work_item(t, num_m, nheads, batch, head_group, SNAKE: gl.constexpr, max_q, max_k, CuQ, CuK, window_left,
+              window_right, ITEM: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               VARLEN: gl.constexpr):  # fmt: skip
     """Work item t: ``(query block start, head, batch entry, first query row, seqlen_q, first key row,
     seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows see (``_scores`` says
     which keys a row sees). A packed batch's grid covers its longest sequence (``max_q``): the blocks
     that start past their sequence's rows are empty (the partitions skip them). Causal calls: groups of
     ``head_group`` (batch entry, head) pairs one after the other (the last one may be smaller), in each
-    the blocks with the most keys first. The others: a head's query blocks together."""
+    the blocks with the most keys first; with ``SNAKE`` the programs take every other wave of items
+    (one item each) in reverse, so that who takes a long item in one wave takes a short one in the next.
+    The others: a head's query blocks together."""
     if MASK_RIGHT and not MASK_LEFT:
         pairs = nheads * batch
+        if SNAKE:  # every other wave of the programs' items reversed, within the wave's items
+            programs = gl.num_programs(0)
+            wave = t // programs
+            if wave % 2 == 1:
+                t = wave * programs + gl.minimum(programs, num_m * pairs - wave * programs) - 1 - t % programs
         group_items = num_m * head_group
         first = (t // group_items) * head_group  # the group's first pair
         in_group = gl.minimum(head_group, pairs - first)
