@@ -376,7 +376,7 @@ def compile_gluon(
     cfg = (configs.HOPPER.fwd_gluon_fp8 if fp8 else configs.HOPPER.fwd_gluon).get(headdim)
     if cfg is not None:
         table = dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, pingpong=cfg.pingpong)
-        options = dict(dict(table, mask_loops=cfg.mask_loops), **options)
+        options = table | dict(mask_loops=cfg.mask_loops) | options
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,

@@ -18,12 +18,13 @@ pytestmark = pytest.mark.skipif(not gluon.available(), reason="the Gluon kernels
 _PY_GL = types.SimpleNamespace(maximum=max, minimum=min, cdiv=lambda a, b: -(-a // b))
 
 
-def _on_ints(jit_fn, **names):
+def _on_ints(jit_fn, gl=_PY_GL, **names):
     """A Gluon function's own code as a Python function on ints: Gluon's ``maximum``, ``minimum`` and
-    ``cdiv`` as Python's, and the Gluon functions it calls given in ``names`` the same way."""
+    ``cdiv`` as Python's (``gl``: a namespace with those and any others it calls), and the Gluon functions it
+    calls given in ``names`` the same way."""
     fn = jit_fn.fn
-    calls = {name: _on_ints(other) for name, other in names.items()}
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": _PY_GL, **calls}, fn.__name__)
+    calls = {name: _on_ints(other, gl) for name, other in names.items()}
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": gl, **calls}, fn.__name__)
 
 
 def _mask_phases(*args):
@@ -83,9 +84,8 @@ def _work_item(*args, programs=1):
     reads no cu_seqlens), in a grid of ``programs``."""
     from tileattn.kernels.gluon import schedule
 
-    fn = _on_ints(schedule.work_item, sequence=schedule.sequence)
     gl = types.SimpleNamespace(**vars(_PY_GL), num_programs=lambda axis: programs)
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "gl": gl}, fn.__name__)(*args)
+    return _on_ints(schedule.work_item, gl, sequence=schedule.sequence)(*args)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)

@@ -282,16 +282,21 @@ def append_results(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def _by_case(rows) -> dict[tuple, list[dict]]:
+    """The rows of each case ``(headdim, causal, seqlen, batch)``, in the order they came."""
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["headdim"], r["causal"], r["seqlen"], r["batch"]), []).append(r)
+    return by_case
+
+
 def format_table(rows, modes, device) -> str:
     """One line per (case, backend): ms, TFLOP/s and the ratio of tileattn to it (on CPU the median of the
     rounds' ratios, their range, and ``noisy`` where ``cpu_grid.summarize`` found them so)."""
     from tabulate import tabulate
 
     out = []
-    by_case: dict = {}
-    for r in rows:
-        by_case.setdefault((r["headdim"], r["causal"], r["seqlen"], r["batch"]), []).append(r)
-    for (headdim, causal, seqlen, batch), group in by_case.items():
+    for (headdim, causal, seqlen, batch), group in _by_case(rows).items():
         ours = next((r for r in group if r["backend"] == "tileattn"), None)
         for r in group:
             line = [f"hd{headdim}{' causal' if causal else ''}", f"{batch}x{seqlen}", r["backend"]]
@@ -325,8 +330,7 @@ def format_grid(rows, modes, anchors=("fa4", "sdpa-cudnn")) -> str | None:
 
     cells: dict = {}  # (headdim, causal, mode) -> {seqlen: ratio}
     seqlens = set()
-    for key in {(r["headdim"], r["causal"], r["seqlen"], r["batch"]) for r in rows}:
-        group = [r for r in rows if (r["headdim"], r["causal"], r["seqlen"], r["batch"]) == key]
+    for key, group in _by_case(rows).items():
         for mode in modes:
             ours = [r[f"{mode}_tflops"] for r in group if r["backend"] == "tileattn" and r.get(f"{mode}_tflops")]
             best = [r[f"{mode}_tflops"] for r in group if r["backend"] in anchors and r.get(f"{mode}_tflops")]

@@ -98,8 +98,8 @@ def _load(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.co
     done = 0  # work items so far: Q's phase
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, _, lo, n_tiles = schedule.work_item(
-            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
-            MASK_LEFT, MASK_RIGHT, VARLEN,
+            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM,
+            BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if schedule.live(q_base, seqlen_q, VARLEN):
             mbarrier.wait(q_free, (done & 1) ^ 1)  # every consumer issued its last Q·Kᵀ of the last item
@@ -298,8 +298,8 @@ def _consume(
         turn_pass(WG, PINGPONG)
     for t in range(gl.program_id(0), num_m * nheads * batch, gl.num_programs(0)):
         q_base, h, b, q0, seqlen_q, k0, seqlen_k, lo, n_tiles = schedule.work_item(
-            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM, BLOCK_N,
-            MASK_LEFT, MASK_RIGHT, VARLEN,
+            t, num_m, nheads, batch, head_group, snake, max_q, max_k, CuQ, CuK, window_left, window_right, ITEM,
+            BLOCK_N, MASK_LEFT, MASK_RIGHT, VARLEN,
         )  # fmt: skip
         if schedule.live(q_base, seqlen_q, VARLEN):
             scale = qk_scale
@@ -566,8 +566,7 @@ def attn_fwd(
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
     group; the settings: ``Settings.gluon_l2_bytes``). ``snake``: a persistent causal grid's programs take
     every other wave's items in reverse, in groups of heads ``schedule.balanced_group`` picks for an even
-    load. ``rows``: what ``eligible_rows``
-    returned for these tensors (made here if None).
+    load. ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))

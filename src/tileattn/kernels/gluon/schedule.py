@@ -13,6 +13,8 @@ the other (``configs.HOPPER.gluon_l2_bytes``; on an H100 1.24-1.32x the order ov
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -38,6 +40,7 @@ def head_group(
 ITEM_COST = 3.0
 
 
+@functools.lru_cache(maxsize=64)  # (a plan is made per call on some paths: the search once per shape)
 def balanced_group(num_m: int, pairs: int, most: int, programs: int, block_m: int, block_n: int, shift: int) -> int:
     """The group size (at most ``most`` pairs) whose grouped longest-first order, taken by ``programs``
     programs in snake order (``work_item`` with ``snake``), loads the busiest program least: each dense causal
@@ -64,8 +67,8 @@ def balanced_group(num_m: int, pairs: int, most: int, programs: int, block_m: in
 
 @gluon.jit
 def work_item(t, num_m, nheads, batch, head_group, SNAKE: gl.constexpr, max_q, max_k, CuQ, CuK, window_left,
-              window_right, ITEM: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              VARLEN: gl.constexpr):  # fmt: skip
+              window_right, ITEM: gl.constexpr, BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
     """Work item t: ``(query block start, head, batch entry, first query row, seqlen_q, first key row,
     seqlen_k, first key tile, key tiles)``, the key tiles those the block's rows see (``_scores`` says
     which keys a row sees). A packed batch's grid covers its longest sequence (``max_q``): the blocks
