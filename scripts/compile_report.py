@@ -303,6 +303,8 @@ def compile_case(headdim: int, case: str, kernels: list[str], batch: int = 4, se
                 config=cfg,
                 tma=bool(kw.get("USE_TMA")),
                 **resources(kernel),
+                # the forward's exponentials on MUFU in its unmasked key loop (kernels.exp2: the rest by polynomial)
+                **(dict(loop_ex2=sum("MUFU.EX2" in i for i in loop_body(kernel))) if name == "_attn_fwd" else {}),
             )
         )
     _LAUNCHES.clear()
@@ -359,7 +361,7 @@ def compile_gluon(
 ) -> dict:  # fmt: skip
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
     with a sliding ``window`` (flash_attn's window_size), with attention sinks (``sink``), with ``options``
-    (block_m, block_n, stages, pingpong, mask_loops; the settings table's entry by default): its resources,
+    (block_m, block_n, stages, pingpong, mask_loops, exp2_poly; the settings table's entry by default): its resources,
     from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and shapes, TMA byte
     counts and named barriers, and from the SASS where the exponentials fall against the waits
     (``schedule``: ``wgmma_schedule``). ``fp8``: e4m3 inputs with descales (``settings.fwd_gluon_fp8``)."""
@@ -376,7 +378,7 @@ def compile_gluon(
     cfg = (configs.HOPPER.fwd_gluon_fp8 if fp8 else configs.HOPPER.fwd_gluon).get(headdim)
     if cfg is not None:
         table = dict(block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages, pingpong=cfg.pingpong)
-        options = table | dict(mask_loops=cfg.mask_loops) | options
+        options = table | dict(mask_loops=cfg.mask_loops, exp2_poly=cfg.exp2_poly) | options
     p = AttnParams(
         batch, seqlen, seqlen, headdim, headdim**-0.5, window_left=window[0],
         window_right=0 if causal else window[1], cu_seqlens_q=cu, cu_seqlens_k=cu,

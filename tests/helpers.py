@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -74,14 +75,36 @@ GLUON_WINDOW_CASES = [
 ]
 
 
-def builds(backend: str, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None):
+def builds(
+    backend: str, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None, gluon: dict | None = None
+):
     """Context in which calls on ``backend`` launch the kernels with these KernelConfig fields changed in
     every table entry of its settings (``configs.with_builds``): the build variants the tables do not
-    pick (tma, warp_spec, q_major, dq_atomic)."""
+    pick (tma, warp_spec, q_major, dq_atomic, exp2_poly)."""
     from tileattn.kernels import configs
 
     device = torch.device("cuda" if backend == "cuda" else "cpu")
-    return configs.override(configs.with_builds(configs.current(device), fwd=fwd, dkdv=dkdv, dq=dq))
+    return configs.override(configs.with_builds(configs.current(device), fwd=fwd, dkdv=dkdv, dq=dq, gluon=gluon))
+
+
+def compiled_sm90(cases: str) -> list[dict]:
+    """The rows ``cases`` (lines of scripts/compile_report.py calls adding to ``rows``) print, compiled for
+    sm_90a without a GPU in a fresh interpreter outside TRITON_INTERPRET (test_sm90_builds.py)."""
+    script = "\n".join(
+        [
+            "import json, sys",
+            f"sys.path.insert(0, {str(Path(__file__).parents[1] / 'scripts')!r})",
+            "import compile_report",
+            "compile_report._install()",
+            "rows = []",
+            cases,
+            "print(json.dumps(rows))",
+        ]
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.splitlines()[-1])
 
 
 def record_launches(monkeypatch, *kernels: str) -> list[tuple[str, tuple, dict]]:

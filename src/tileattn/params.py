@@ -93,6 +93,13 @@ class KernelConfig:
     # Gluon forward only: the key loop as three branch-free loops (tiles that need a mask, those that need
     # none, those that do), so that ptxas can schedule the softmax under the running P·V
     mask_loops: bool = False
+    # forward only (portable and Gluon): of every 8 scores a thread holds, this many take their exponential
+    # from a polynomial on the FMA units instead of MUFU.EX2 (``kernels.exp2``: FlashAttention-4's split)
+    exp2_poly: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.exp2_poly <= 8:
+            raise ValueError(f"exp2_poly counts scores of every 8, so 0 to 8, got {self.exp2_poly}")
 
 
 @dataclass(frozen=True)

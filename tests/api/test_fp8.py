@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import oracle
 import tileattn
 from attention_cases import _cu
-from helpers import check_attention, check_lse, check_refused, needs_gluon, on, record_calls, run_property
+from helpers import builds, check_attention, check_lse, check_refused, needs_gluon, on, record_calls, run_property
 from tileattn import fp8
 from tileattn.kernels import configs
 
@@ -135,6 +135,16 @@ def test_fp8_transposed_v_build(backend):
         test_fp8_varlen_one_descale_per_sequence(backend)
 
 
+def test_fp8_exp2_poly_build(backend):
+    """The forward with half its exponentials by polynomial (KernelConfig.exp2_poly; FP8's p at 2**8 times its
+    value): GQA, rows that see no key."""
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    with builds(backend, fwd=dict(exp2_poly=4), gluon=dict(exp2_poly=4)):
+        _check_fp8_call(backend, (2, 63, 113, 4, 2, 59), {"causal": True})
+        _check_fp8_call(backend, (1, 113, 63, 2, 2, 40), {"causal": True})
+
+
 def test_fp8_peaked_scores_and_alibi(backend):
     """Large scores (a peaked softmax, where most probabilities are tiny) and ALiBi on top."""
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
@@ -211,19 +221,20 @@ def test_fp8_gluon_forward(headdim, monkeypatch):
     """The Gluon forward on FP8 inputs (``Settings.fwd_gluon_fp8``, empty until it is timed): Q·Kᵀ and P·V
     on FP8 wgmma, V read through its transposed copy, P through shared memory; GQA, causal with more keys
     than queries, a window, packed with a descale per sequence; also with the ping-pong and the three-loop
-    key loop; every call through it (recorded), against the oracle on the dequantized inputs."""
+    key loop, and with half its exponentials by polynomial; every call through it (recorded), against the
+    oracle on the dequantized inputs."""
     from tileattn.kernels.gluon import forward as hopper
     from tileattn.params import KernelConfig
 
     base = configs.for_device(torch.device("cuda"))
     entry = KernelConfig(128, 64 if headdim == 256 else 128, 4, 2)
     calls = record_calls(monkeypatch, hopper.Plan, "run")
-    for cfg in (entry, replace(entry, mask_loops=True, pingpong=True)):
+    for cfg in (entry, replace(entry, mask_loops=True, pingpong=True), replace(entry, exp2_poly=4)):
         with configs.override(replace(base, fwd_gluon_fp8={headdim: cfg})):
             _check_fp8_call("cuda", (2, 300, 557, 4, 2, headdim), {"causal": True})
             _check_fp8_call("cuda", (1, 257, 129, 2, 2, headdim), {"window_size": (40, 7)}, scale=3.0)
             _check_fp8_varlen("cuda", headdim)
-    assert len(calls) == 6
+    assert len(calls) == 9
 
 
 def test_fp8_descales_default_to_one_and_backward_is_refused():

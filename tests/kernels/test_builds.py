@@ -200,3 +200,34 @@ def test_tables_gqa_at_scale(headdim, variant, feats, big_gpu_memory):
     out = tileattn.flash_attn_varlen_func(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, seqlen, seqlen, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout.flatten(0, 1))
     check_attention("varlen at scale", out.view_as(q), grads, q, k, v, dout, {"causal": causal})
+
+
+# The forward's exponentials split between MUFU and a polynomial on the FMA units (KernelConfig.exp2_poly,
+# kernels/exp2.py), in the portable forward and on sm90 the Gluon one: 3 of every 8 scores, and all of them
+# (under the interpreter every score takes the polynomial): rows that see no key, windows, softcap and ALiBi,
+# GQA, odd head dims and lengths.
+EXP2_CASES = [CASES[i] for i in (1, 3, 5, 6, 8, 9, 11, 15, 17)]
+
+
+@pytest.mark.gpu_cover(strength=1)  # (each case once on the GPU, 3 and 8 in turn: tests/cover.py)
+@pytest.mark.parametrize("poly", [3, 8])
+@pytest.mark.parametrize("case", EXP2_CASES, ids=_case_id)
+def test_exp2_poly_variant(backend, case, poly):
+    if backend == "torch":
+        pytest.skip("a kernel variant")
+    with builds(backend, fwd=dict(exp2_poly=poly), gluon=dict(exp2_poly=poly)):
+        _run_case(backend, case, torch.float16)
+        if backend == "cuda":
+            _run_case(backend, case, torch.bfloat16)
+
+
+def test_exp2_poly_keeps_nan():
+    """A NaN among the keys makes the rows that see it NaN through the polynomial too (its clamp propagates
+    NaN), as through exp2; the rows that do not see it (causal) stay finite."""
+    backend = "cuda" if torch.cuda.is_available() else "interpret"
+    ctx, device = on(backend)
+    q, k, v = (randn(1, 40, 2, 64, dtype=torch.float16, device=device, requires_grad=False) for _ in range(3))
+    k[0, 20, 1, 5] = float("nan")
+    with builds(backend, fwd=dict(exp2_poly=8), gluon=dict(exp2_poly=8)), ctx:
+        out = tileattn.flash_attn_func(q, k, v, causal=True)
+    assert out[0, 20:, 1].isnan().all() and out[0, :20].isfinite().all() and out[0, :, 0].isfinite().all()

@@ -4,16 +4,11 @@ the cubin's resources are read back. These are performance properties the tables
 "Compiler resources")."""
 
 import importlib.metadata
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import SLOW
+from helpers import SLOW, compiled_sm90
 
 # The tables are tuned with the H200's Triton, 3.6. Where another Triton allocates registers differently,
 # a property below holds only there (Triton 3.9 spills 16 bytes in head dim 64's window forward).
@@ -26,26 +21,6 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and not SLOW,
     reason="compile-only for a fixed sm_90a target, as CPU CI runs it: on a GPU machine TILEATTN_SLOW=1 runs it",
 )
-
-
-def _compiled(cases: str) -> list[dict]:
-    """The rows ``cases`` (lines of compile_report calls adding to ``rows``) print, compiled in a fresh
-    interpreter outside TRITON_INTERPRET."""
-    script = "\n".join(
-        [
-            "import json, sys",
-            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[2] / 'scripts')!r})",
-            "import compile_report",
-            "compile_report._install()",
-            "rows = []",
-            cases,
-            "print(json.dumps(rows))",
-        ]
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return json.loads(res.stdout.splitlines()[-1])
 
 
 FWD_CASES = """
@@ -65,7 +40,7 @@ def test_forward_builds_as_the_tables_assume():
     forward (Settings.fwd_causal's entry, else the same) a spill-free TMA build with two blocks per SM,
     and from Settings.long_seqlen_k keys on a one-block three-stage TMA build; head dim 64's window
     forward (Settings.fwd_window) at <= 128 registers, four blocks per SM, spill-free with Triton 3.6."""
-    hd64, hd256, hd128, hd128_causal, hd128_long, hd64_window = _compiled(FWD_CASES)
+    hd64, hd256, hd128, hd128_causal, hd128_long, hd64_window = compiled_sm90(FWD_CASES)
     assert hd64["kernel"] == "_attn_fwd" and hd64["regs"] <= 128 and hd64["stack"] == 0, hd64
     assert hd64["shared"] <= 64 * 1024 and hd64["blocks_per_sm"] >= 2, hd64
     assert hd256["tma"] and hd256["regs"] < 255 and hd256["stack"] == 0, hd256
@@ -87,7 +62,7 @@ rows = [r for r in rows if r["kernel"] == "_attn_bwd_dkdv"]
 def test_varlen_backward_builds_as_the_tables_assume():
     """Head dim 256's varlen dK/dV pass (Settings.bwd_dkdv_varlen: 32-key tiles) compiles without spills;
     the plain table's 64-key build (dense calls) spills, which is why varlen has its own entry."""
-    dkdv, dense = _compiled(BWD_CASES)
+    dkdv, dense = compiled_sm90(BWD_CASES)
     assert dkdv["config"][:2] == [64, 32] and dkdv["stack"] == 0 and dkdv["regs"] < 255, dkdv
     assert dense["config"][:2] == [64, 64] and dense["stack"] > 0, dense
 
@@ -130,7 +105,7 @@ def test_decode_builds_as_the_settings_assume():
     take 64-key tiles; paged builds in grids under two waves prefetch their table sectors into L2. Every
     attention build is launched as a programmatic dependent and loads nothing before its
     griddepcontrol.wait."""
-    rows = _compiled(DECODE_CASES)
+    rows = compiled_sm90(DECODE_CASES)
     split, combine, paged16, _, paged256, _, full, full16, full256 = rows[:9]
     short, _, short16, _, short256, _, eight, _, eight16, _ = rows[9:]
     assert split["config"][3] == 3 and split["gdc_signal"] and not split["tma"] and split["stack"] == 0, split
@@ -201,7 +176,7 @@ def test_fp8_cache_decode_builds():
     on Hopper) and widens V alone, half the conversions, spill-free; "none" runs P·V so too (V's tiles
     read key-major by byte permutes) and widens nothing; at head dim 256 (paged, pages of 256) over 8
     warps, spill-free."""
-    f16, fp8, none, none256 = _compiled(FP8_DECODE_CASES)
+    f16, fp8, none, none256 = compiled_sm90(FP8_DECODE_CASES)
     assert f16["block_m"] == 16 and f16["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"], f16
     assert fp8["block_m"] == 64 and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in fp8["mma"], fp8
     assert fp8["widenings"] <= 0.55 * f16["widenings"] and fp8["stack"] == 0 and f16["stack"] == 0, (f16, fp8)
@@ -259,7 +234,7 @@ def test_decode_builds_that_check_index_values():
     loading nothing before its griddepcontrol.wait; MLA's key loop (which spills) is the plain build's,
     its spills no larger; each claims the error record with a system-scope compare-and-swap (the host
     reads it) and releases its code with a system-scope exchange, and so does the append."""
-    plain, checked, append, mla_plain, mla_checked = _compiled(CHECK_CASES)
+    plain, checked, append, mla_plain, mla_checked = compiled_sm90(CHECK_CASES)
     assert plain["check"] == 0 and checked["check"] == 1 and checked["grid"] == plain["grid"], (plain, checked)
     assert checked["stack"] == 0 and checked["blocks_per_sm"] == plain["blocks_per_sm"], (plain, checked)
     assert checked["tile_loop"] <= 1.01 * plain["tile_loop"] and checked["loads_before_wait"] == 0, (plain, checked)
@@ -304,7 +279,7 @@ def test_decode_compiles_at_the_edges():
     entries, decode.paging.pool_page), for unit strides in its 64-bit offsets (head dim 1, one kv head:
     decode.paging.wide_product), and for a block table of 2**31 keys with 64-bit offsets (with and
     without cache_leftpad), loading nothing before its griddepcontrol.wait in either."""
-    rows = _compiled(EDGE_CASES)
+    rows = compiled_sm90(EDGE_CASES)
     kernels = [r["kernel"] for r in rows]
     assert kernels.count("_attn_fwd_kvcache") >= 6 and set(kernels) <= {"_attn_fwd_kvcache", "_combine"}, rows
     assert [r["offs_64"] for r in rows if "offs_64" in r] == [True, True], rows
@@ -330,7 +305,7 @@ def test_decode_builds_that_rotate_q():
     and four query tokens, contiguous and paged caches) compiles without spills, and its key loop is the
     plain build's to within 2 %: the rotation is work before the loop. (ptxas gives the contiguous
     interleaved build with four query tokens all 255 registers, spill-free; docs/perf.md.)"""
-    rows = _compiled(ROTARY_Q_CASES)
+    rows = compiled_sm90(ROTARY_Q_CASES)
     assert len(rows) == 12, rows
     assert all(row["loads_before_wait"] == 0 for row in rows), rows  # (q and its tables read after the wait)
     for plain, *rotating in (rows[i : i + 3] for i in range(0, 12, 3)):
@@ -366,7 +341,7 @@ rows.append({"compiled": True})
 def test_paired_append_compiles_with_strides_of_two_widths():
     """_rotate_rows appends k and v in one launch; when only one cache's stride is 2**31 or more, Triton
     passes it as int64 and the other as int32, which the kernel selects between without a branch."""
-    assert _compiled(ROTATE_CASE) == [{"compiled": True}]
+    assert compiled_sm90(ROTATE_CASE) == [{"compiled": True}]
 
 
 FLASHMASK_BUILD_CASES = """
@@ -399,7 +374,7 @@ for upper, varlen in itertools.product((False, True), repeat=2):
 def test_flashmask_build_kernels_compile():
     """The kernels that build a FlashMask's form and schedules compile for sm_90a in every variant (mode,
     upper interval, packed, both sides): the GPU path of every FlashMask call goes through them."""
-    rows = _compiled(FLASHMASK_BUILD_CASES)
+    rows = compiled_sm90(FLASHMASK_BUILD_CASES)
     assert len(rows) == 4 + 4 + 8 and {r["kernel"] for r in rows} == {
         "_canonical_kernel",
         "_key_tile_stats_kernel",
@@ -450,7 +425,7 @@ def test_gluon_forward_builds_as_designed():
     shared memory, a few scalars spilled at most; its key loop waits for one wgmma group of two (Q·Kᵀ of
     the next tile done, P·V still running)."""
     _needs_gluon()
-    rows = _compiled(GLUON_CASES)
+    rows = compiled_sm90(GLUON_CASES)
     assert len(rows) == 13, f"{len(rows)} builds compiled of the 13 cases"
     for row in rows:
         _assert_warp_specialized(row, consumers=row["options"].get("block_m", 128) // 64)
@@ -478,7 +453,7 @@ def test_gluon_mla_builds_split_the_scores():
     the scores and 256 of the values (36 + 4 wgmmas a tile), spill-free within shared memory (two stages
     of 64 cache rows, q and P: under the 227 KB a block may take), its TMA boxes of 64 x 64."""
     _needs_gluon()
-    portable, *builds = _compiled(MLA_CASES)
+    portable, *builds = compiled_sm90(MLA_CASES)
     assert portable["loop_hgmma"] == 80 and portable["wgmma_shapes"].count("m64n32k16") == 144, portable
     assert len(builds) == 3, builds
     for row in builds:
@@ -505,7 +480,7 @@ def test_gluon_forward_at_head_dim_96_builds_as_two_column_parts():
     loop waiting for the two P·V wgmmas of the last tile (wait 2), each TMA barrier expecting both parts'
     bytes (a K or V stage of block_n × 96 columns, Q of every consumer's 64 × 96), few scalars spilled."""
     _needs_gluon()
-    rows = _compiled(GLUON_96_CASES)
+    rows = compiled_sm90(GLUON_96_CASES)
     assert len(rows) == 4, rows
     for row in rows:
         block_m, block_n = row["options"]["block_m"], row["options"]["block_n"]
@@ -533,7 +508,7 @@ def test_gluon_forward_pingpong_builds_take_turns():
     wait has its arrival and none is left over but that one. Builds without it use no such barrier. The
     design otherwise as without (registers, waits, one block per SM)."""
     _needs_gluon()
-    rows = _compiled(GLUON_PINGPONG_CASES)
+    rows = compiled_sm90(GLUON_PINGPONG_CASES)
     assert len(rows) == 6, rows
     turns = {"bar.sync 8, 256": 3, "bar.arrive 9, 256": 3, "bar.sync 9, 256": 3, "bar.arrive 8, 256": 4}
     for row in rows[:-1]:
@@ -577,7 +552,7 @@ def test_gluon_forward_mask_loops_put_the_softmax_under_the_pv():
     over unmasked tiles all of them, causal all of both loops', windows about 60 %). Dense, causal and
     windowed. (What it is worth is for the GPU to say: docs/perf.md.)"""
     _needs_gluon()
-    rows = _compiled(GLUON_MASK_LOOP_CASES)
+    rows = compiled_sm90(GLUON_MASK_LOOP_CASES)
     assert len(rows) == 6, rows
     for one, three in zip(rows[:3], rows[3:]):
         under, total = _exponentials_under_pv(one["schedule"])
@@ -603,7 +578,7 @@ def test_gluon_forward_fp8_builds_on_fp8_wgmma():
     key loop's waits), each stage's K tile and V tile (of V transposed, head dim x keys) block_n x head dim
     bytes, no spills; with the ping-pong and packed too."""
     _needs_gluon()
-    rows = _compiled(GLUON_FP8_CASES)
+    rows = compiled_sm90(GLUON_FP8_CASES)
     assert len(rows) == 4, rows
     for row in rows:
         d, block_n = row["headdim"], row["options"]["block_n"]
@@ -625,7 +600,7 @@ if gluon.available():
 def test_gluon_forward_with_sinks_builds_as_without():
     """The Gluon forward with attention sinks (their logit joins each row's sum after the key loop) keeps the
     build's design and spills no more than the same build without them (but for ptxas's own noise)."""
-    rows = _compiled(GLUON_SINK_CASES)
+    rows = compiled_sm90(GLUON_SINK_CASES)
     assert len(rows) == 8, rows
     for plain, sink in zip(rows[::2], rows[1::2]):
         assert not plain["sink"] and sink["sink"], (plain, sink)
@@ -660,7 +635,7 @@ def test_gluon_backward_builds_as_designed():
     warps per SM within shared memory, a few scalars spilled at most; a query tile waits for one wgmma group of two (Sᵀ done, dPᵀ running;
     dV and dK done, dQ running) and adds its dQ by TMA reduce-adds, no atomics."""
     _needs_gluon()
-    rows = _compiled(GLUON_BWD_CASES)
+    rows = compiled_sm90(GLUON_BWD_CASES)
     assert len(rows) == 23, f"{len(rows)} builds compiled of the 23 cases"
     for row in rows:
         split = row["kernel"] == "_bwd_split_kernel"

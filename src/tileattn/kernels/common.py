@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileattn.kernels import exp2
 from tileattn.kernels.launch import ensure_scratch_allocator
 from tileattn.params import AttnParams, next_power_of_2
 
@@ -504,7 +505,9 @@ def scores(
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i, acc, scale, P_LOG2: tl.constexpr = 0):
+def online_softmax(
+    s, m_i, l_i, acc, scale, P_LOG2: tl.constexpr = 0, POLY: tl.constexpr = 0, INTERPRET: tl.constexpr = False
+):
     """One key tile of the online softmax over scores ``s [BLOCK_M, BLOCK_N]`` that become log2-domain
     scores times ``scale`` (> 0): returns ``p = exp2(s·scale - m_new)`` and the running max, sum and
     accumulator rescaled to ``m_new``; the caller adds ``p @ v`` to the accumulator.
@@ -517,13 +520,16 @@ def online_softmax(s, m_i, l_i, acc, scale, P_LOG2: tl.constexpr = 0):
     keeps alpha = exp2(0) = 1 and p = exp2(-inf) = 0 rather than NaN from (-inf) - (-inf).
 
     ``P_LOG2`` > 0 returns p (and the sum) times 2**P_LOG2, which the caller divides out: FP8 p keeps
-    values down to 2**-9 (e4m3's smallest subnormal), so p up to 2**8 keeps 2**-17 of the row max."""
+    values down to 2**-9 (e4m3's smallest subnormal), so p up to 2**8 keeps 2**-17 of the row max.
+
+    ``POLY``: of every 8 scores of a thread, this many take p's exponential from a polynomial on the FMA
+    units (``kernels.exp2``; all of them under the interpreter, ``INTERPRET``)."""
     m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
     alpha = tl.exp2(m_i - m_new)
     if P_LOG2 != 0:
-        p = tl.exp2(tl.fma(s, scale, -(m_new - P_LOG2)[:, None]))
+        p = exp2.exp2_mixed(tl.fma(s, scale, -(m_new - P_LOG2)[:, None]), POLY, INTERPRET)
     else:
-        p = tl.exp2(tl.fma(s, scale, -m_new[:, None]))
+        p = exp2.exp2_mixed(tl.fma(s, scale, -m_new[:, None]), POLY, INTERPRET)
     return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
 
 

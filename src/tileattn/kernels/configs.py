@@ -162,10 +162,13 @@ def override(settings: Settings) -> Iterator[Settings]:
         _OVERRIDE.reset(token)
 
 
-def with_builds(s: Settings, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None) -> Settings:
-    """``s`` with these ``KernelConfig`` fields changed in every entry of the forward's tables (``fwd``),
-    the dK/dV pass's (``dkdv``) and the dQ pass's (``dq``): builds the tables do not pick (TMA, warp
-    specialisation, query-major tiles, dQ accumulation), for tests and the bench."""
+def with_builds(
+    s: Settings, fwd: dict | None = None, dkdv: dict | None = None, dq: dict | None = None, gluon: dict | None = None
+) -> Settings:
+    """``s`` with these ``KernelConfig`` fields changed in every entry of the portable forward's tables
+    (``fwd``), the dK/dV pass's (``dkdv``), the dQ pass's (``dq``) and the Gluon forward's (``gluon``):
+    builds the tables do not pick (TMA, warp specialisation, query-major tiles, dQ accumulation, the
+    exponentials' split), for tests and the bench."""
 
     def changed(table, changes):
         return {d: replace(cfg, **changes) for d, cfg in table.items()} if changes else table
@@ -182,6 +185,9 @@ def with_builds(s: Settings, fwd: dict | None = None, dkdv: dict | None = None, 
         bwd_dkdv_causal=changed(s.bwd_dkdv_causal, dkdv),
         bwd_dkdv_varlen=changed(s.bwd_dkdv_varlen, dkdv),
         bwd_dq=changed(s.bwd_dq, dq),
+        fwd_gluon=changed(s.fwd_gluon, gluon),
+        fwd_gluon_short=changed(s.fwd_gluon_short, gluon),
+        fwd_gluon_fp8=changed(s.fwd_gluon_fp8, gluon),
     )
 
 

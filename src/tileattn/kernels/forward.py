@@ -38,7 +38,7 @@ def _fwd_tiles(
     HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     IS_FP8: tl.constexpr = False, V_T: tl.constexpr = False, VT_TMA: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, EXP2_POLY: tl.constexpr = 0,
 ):  # fmt: skip
     """Online-softmax over key tiles [lo, hi): updates (acc, l_i, m_i) for one query block. With
     HAS_FLASHMASK, masked tiles also hide what the FlashMask bounds at ``Bounds`` hide.
@@ -46,7 +46,8 @@ def _fwd_tiles(
     With USE_TMA the K/V tiles come through tensor descriptors (rows past seqlen_k and columns past
     HEAD_DIM read as zeros), otherwise through masked pointer loads. With DEFER_SCALE
     (``AttnParams.defer_scale``) the scores stay raw products and the scale joins the softmax's
-    exponent, one FMA per score."""
+    exponent, one FMA per score. EXP2_POLY of every 8 scores of a thread take their exponential from a
+    polynomial on the FMA units (``kernels.exp2``)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + offs_n_base
         if HAS_FLASHMASK and MASKED:  # the tile's column bounds, loaded before the matmul they wait for
@@ -75,10 +76,9 @@ def _fwd_tiles(
             hidden = common.flashmask_hides(i[:, None], lower_start, lower_end, upper_start, upper_end, HAS_UPPER)
             s = tl.where(hidden, float("-inf"), s)
         # p: [BLOCK_M, BLOCK_N]
-        if IS_FP8:
-            p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0, P_LOG2)
-        else:
-            p, m_i, l_i, acc = common.online_softmax(s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0)
+        p, m_i, l_i, acc = common.online_softmax(
+            s, m_i, l_i, acc, qk_scale if DEFER_SCALE else 1.0, P_LOG2 if IS_FP8 else 0, EXP2_POLY, INTERPRET
+        )
         if HAS_DROPOUT:
             keep = common.dropout_keep(philox_seed, rng_base, i, start_n, row_groups, drop_threshold, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
@@ -114,7 +114,7 @@ def _attn_fwd(
     HAS_DROPOUT: tl.constexpr, HAS_FLASHMASK: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SINK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BATCH_PAD: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    IS_FP8: tl.constexpr, V_T: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_FP8: tl.constexpr, V_T: tl.constexpr, INTERPRET: tl.constexpr, EXP2_POLY: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (tile, head, batch) computes BLOCK_M query rows of one head.
 
@@ -204,7 +204,7 @@ def _attn_fwd(
                 seg != 1, MASK_LEFT, MASK_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, DEFER_SCALE,
                 HAS_DROPOUT, HAS_FLASHMASK, HAS_UPPER,
-                USE_TMA, WARP_SPEC, IS_FP8, V_T, VT_TMA, INTERPRET,
+                USE_TMA, WARP_SPEC, IS_FP8, V_T, VT_TMA, INTERPRET, EXP2_POLY,
             )  # fmt: skip
 
     alpha = 1.0  # (the accumulator's rescale for a sink, folded into the normalisation below)
@@ -275,6 +275,7 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
                     q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
                     programs=None if short else hopper.ONE_PER_TILE, pingpong=cfg.pingpong,
                     mask_loops=cfg.mask_loops, l2_bytes=s.gluon_l2_bytes, snake=s.gluon_snake,
+                    exp2_poly=cfg.exp2_poly,
                 )  # fmt: skip
     return FwdPlan(q4, k4, v4, p, s)
 
@@ -341,7 +342,7 @@ class FwdPlan:
             HAS_FLASHMASK=p.flashmask is not None, HAS_UPPER=p.flashmask is not None and p.flashmask.has_upper,
             HAS_SINK=p.learnable_sink is not None, IS_VARLEN=p.is_varlen, BATCH_PAD=batch_pad,
             USE_TMA=use_tma, WARP_SPEC=cfg.warp_spec,
-            IS_FP8=p.is_fp8, V_T=v_t, INTERPRET=s.interpret,
+            IS_FP8=p.is_fp8, V_T=v_t, INTERPRET=s.interpret, EXP2_POLY=cfg.exp2_poly,
         )  # fmt: skip
         self.fixed = fixed
         # a FlashMask's schedule (its tensors and ints, ``flashmask.launch_args``) comes with each call's mask

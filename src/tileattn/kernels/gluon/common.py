@@ -1,8 +1,8 @@
 """What the Gluon forward and backward share: which calls they compute (``plain_attention``), q, k, v
 and dO as the 2-D matrices their TMA copies read (``tma_rows``, ``TmaRows``), the shared-memory layout
 of a tile, where a batch entry's sequence and a head's rows lie in those matrices (``sequence``,
-``start``), and named barriers by inline PTX (``named_barrier``; FlashAttention-3's warpgroup turns,
-``turn_wait`` / ``turn_pass``)."""
+``start``), named barriers by inline PTX (``named_barrier``; FlashAttention-3's warpgroup turns,
+``turn_wait`` / ``turn_pass``) and the exponentials split between MUFU and the FMA units (``exp2_mixed``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tileattn.kernels.exp2 import EXP2_CONSTRAINTS, EXP2_POLY_PTX, PACK_C
 from tileattn.params import AttnParams
 
 LOG2E = 1.4426950408889634
@@ -52,6 +53,18 @@ def named_barrier(ASM: gl.constexpr):
     """A named-barrier instruction (``bar.sync`` / ``bar.arrive``) by inline PTX: Gluon has no API for them
     (Triton 3.6's inline assembly needs one result: a dummy)."""
     gl.inline_asm_elementwise(ASM + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def exp2_mixed(x, POLY: gl.constexpr):
+    """2**x for fp32 ``x``: ``POLY`` of every 8 values of a thread by a polynomial on the FMA units, the
+    rest by ``gl.exp2`` (MUFU.EX2); 0: all by ``gl.exp2``. ``kernels.exp2`` says how, and how close."""
+    if POLY == 0:
+        return gl.exp2(x)
+    else:
+        return gl.inline_asm_elementwise(
+            EXP2_POLY_PTX[POLY], EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=PACK_C
+        )
 
 
 @gluon.jit

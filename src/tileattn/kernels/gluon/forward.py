@@ -53,6 +53,7 @@ from tileattn.kernels.gluon import schedule
 from tileattn.kernels.gluon.common import (
     LOG2E,
     TmaRows,
+    exp2_mixed,
     plain_attention,
     rebased,
     start,
@@ -198,17 +199,18 @@ def _mask_phases(lo, n_tiles, first_row, bounds, ROWS: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, P_LOG2: gl.constexpr = 0):
+def _softmax_step(s, m_i, l_i, qk_scale, P_LOG2: gl.constexpr = 0, POLY: gl.constexpr = 0):
     """One online-softmax step on raw scores: (p, alpha, m, l), m in raw units; the scale folds into one
     FMA per score (exp2(s * scale - m * scale)). Rows that saw no key yet keep m = -inf and give p = 0,
     alpha = 0. P_LOG2 (FP8): p and l at 2**P_LOG2 times their value, so that p rounded to e4m3 keeps small
-    probabilities above its subnormals (the portable kernels' ``common.online_softmax``)."""
+    probabilities above its subnormals (the portable kernels' ``common.online_softmax``). POLY of every 8
+    scores of a thread take p's exponential from a polynomial on the FMA units (``exp2_mixed``)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
     alpha = gl.exp2(m_i * qk_scale - m_scaled)
     if P_LOG2 != 0:
         m_scaled = m_scaled - P_LOG2
-    p = gl.exp2(s * qk_scale - m_scaled[:, None])
+    p = exp2_mixed(s * qk_scale - m_scaled[:, None], POLY)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
 
@@ -260,6 +262,7 @@ def _consume(
     MASK_LOOPS: gl.constexpr,
     IS_FP8: gl.constexpr,
     WG: gl.constexpr,
+    EXP2_POLY: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      Out, Lse, CuQ, CuK, Sink, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, stride_lse,
@@ -332,7 +335,7 @@ def _consume(
                 mbarrier.arrive(k_free.index(cur), count=1)
                 mbarrier.arrive(q_free, count=1, pred=n_tiles == 1)
                 s = _scores(s_acc, lo, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2, EXP2_POLY)
                 # MASK_LOOPS: the key loop in three loops, tiles that need a mask (branch-free), those that need
                 # none (no mask code), and those that do, so that no branch splits the loop body: ptxas then
                 # schedules part of the softmax before the P·V wait. Else one loop, the mask behind a branch.
@@ -365,7 +368,7 @@ def _consume(
                             s_acc, lo + j, first_row, rows, bounds, BLOCK_N, MASK_LEFT, MASK_RIGHT,
                             (2 if phase == 1 else 1) if MASK_LOOPS else 0,
                         )  # fmt: skip
-                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2)
+                        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, scale, P_LOG2, EXP2_POLY)
                         acc, acc2 = _pv_wait(acc, acc2, p_op, SPLIT, IS_FP8)
                         if SPLIT:
                             acc2 = acc2 * gl.convert_layout(alpha, o2_rows)[:, None]
@@ -441,12 +444,13 @@ def _fwd_kernel(
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
     CONSUMERS: gl.constexpr, HAS_SINK: gl.constexpr = False, SPLIT: gl.constexpr = False,
     PINGPONG: gl.constexpr = False, MASK_LOOPS: gl.constexpr = False, IS_FP8: gl.constexpr = False,
-    P_LAYOUT: gl.constexpr = None, SNAKE: gl.constexpr = False,
+    P_LAYOUT: gl.constexpr = None, SNAKE: gl.constexpr = False, EXP2_POLY: gl.constexpr = 0,
 ):  # fmt: skip
     """``q2_desc``, ``k2_desc``, ``v2_desc``: the tensors' second column part (``SPLIT``: head dim 96 as
     64 + 32, ``HEAD_PARTS``); None without SPLIT. ``IS_FP8``: e4m3 q, k and V transposed (``v_desc`` reads
     ``[HEAD_DIM, BLOCK_N]`` tiles of a ``(batch, nheads_k, headdim, seqlen_k)`` copy), ``Descales`` fp32
-    ``(3, batch, nheads_k)``, ``P_LAYOUT`` the shared layout of each consumer's e4m3 P; the output bf16."""
+    ``(3, batch, nheads_k)``, ``P_LAYOUT`` the shared layout of each consumer's e4m3 P; the output bf16.
+    ``EXP2_POLY``: of every 8 scores of a thread, this many take their exponential from a polynomial."""
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -491,9 +495,18 @@ def _fwd_kernel(
     if CONSUMERS == 3:  # (FlashAttention-3's head-dim-64 forward: 192-row items, 160 registers a consumer)
         gl.warp_specialize(
             [
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 0)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 1)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 2)),
+                (
+                    _consume,
+                    (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 0, EXP2_POLY),
+                ),
+                (
+                    _consume,
+                    (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 1, EXP2_POLY),
+                ),
+                (
+                    _consume,
+                    (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, False, MASK_LOOPS, IS_FP8, 2, EXP2_POLY),
+                ),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT, IS_FP8)),
             ],
             [4, 4, 1],
@@ -502,8 +515,14 @@ def _fwd_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 0)),
-                (_consume, (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 1)),
+                (
+                    _consume,
+                    (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 0, EXP2_POLY),
+                ),
+                (
+                    _consume,
+                    (args, MASK_LEFT, MASK_RIGHT, VARLEN, HAS_SINK, SPLIT, PINGPONG, MASK_LOOPS, IS_FP8, 1, EXP2_POLY),
+                ),
                 (_load, (args, MASK_LEFT, MASK_RIGHT, VARLEN, SPLIT, IS_FP8)),
             ],
             [4, 1],
@@ -550,7 +569,7 @@ def transposed_rows(v4: torch.Tensor, vt: torch.Tensor | None = None) -> TmaRows
 def attn_fwd(
     q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, *, block_m: int = 128, block_n: int = 128,
     stages: int = 2, programs: int | None = None, rows: tuple | None = None, pingpong: bool = False,
-    mask_loops: bool = False, l2_bytes: int = 0, snake: bool = False,
+    mask_loops: bool = False, l2_bytes: int = 0, snake: bool = False, exp2_poly: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of an ``eligible`` call: out as q4, lse fp32 ``(batch, nheads, seqlen_q)``, or for a
     packed batch (q4 ``(1, total_q, nheads, headdim)``, sequences from ``p.cu_seqlens_q``/``_k``, the grid
@@ -566,13 +585,15 @@ def attn_fwd(
     the K/V a causal call's groups of heads keep in L2 (``schedule.head_group``; 0: all heads in one
     group; the settings: ``Settings.gluon_l2_bytes``). ``snake``: a persistent causal grid's programs take
     every other wave's items in reverse, in groups of heads ``schedule.balanced_group`` picks for an even
-    load. ``rows``: what ``eligible_rows`` returned for these tensors (made here if None).
+    load. ``exp2_poly``: of every 8 scores of a thread, this many take their exponential from a polynomial on
+    the FMA units instead of MUFU (``kernels.exp2``). ``rows``: what ``eligible_rows`` returned for these
+    tensors (made here if None).
     The call's ``Plan``, run once."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), transposed_rows(v4) if p.is_fp8 else tma_rows(v4))
     plan = Plan(
         q4, k4, v4, p, rows, block_m=block_m, block_n=block_n, stages=stages, programs=programs, pingpong=pingpong,
-        mask_loops=mask_loops, l2_bytes=l2_bytes, snake=snake,
+        mask_loops=mask_loops, l2_bytes=l2_bytes, snake=snake, exp2_poly=exp2_poly,
     )  # fmt: skip
     out, lse = plan.run(q4, k4, v4, p)
     return out.view(q4.shape), lse
@@ -591,6 +612,7 @@ class Plan:
         self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, p: AttnParams, rows: tuple, *,
         block_m: int = 128, block_n: int = 128, stages: int = 2, programs: int | None = None,
         pingpong: bool = False, mask_loops: bool = False, l2_bytes: int = 0, snake: bool = False,
+        exp2_poly: int = 0,
     ):  # fmt: skip
         if block_m not in BLOCK_MS:
             raise ValueError(
@@ -645,7 +667,7 @@ class Plan:
         constexprs = dict(
             STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, VARLEN=p.is_varlen,
             CONSUMERS=consumers, HAS_SINK=p.learnable_sink is not None, SPLIT=len(parts) > 1, PINGPONG=pingpong,
-            MASK_LOOPS=mask_loops, IS_FP8=self.fp8, SNAKE=snake_order,
+            MASK_LOOPS=mask_loops, IS_FP8=self.fp8, SNAKE=snake_order, EXP2_POLY=exp2_poly,
             # (named in every build, None where unused: a launch that leaves a parameter unnamed gets no plan)
             P_LAYOUT=tile_layout(WG_ROWS, block_n, torch.float8_e4m3fn) if self.fp8 else None,
         )  # fmt: skip
