@@ -87,6 +87,39 @@ def test_tuner_gradient_check_catches_a_wrong_group():
         _check_grads("cpu", (bad, *grads[1:]), q, k, v, dout, True)
 
 
+def test_tuner_exp2_splits_checks_then_times_each_build(monkeypatch):
+    """bench.tune.exp2_splits (``--exp2-poly``) at a tiny shape (without a GPU the kernels under the interpreter,
+    fp16): each exp2_poly build is checked, then timed in every round with its ratio to the first; a build that
+    fails its check is reported and left out."""
+    from tileattn.bench import tune
+
+    check = tune.check_backend
+
+    def failing_eight(name, *args, **kwargs):
+        if name == "exp2_poly=8":
+            raise AssertionError("out of tolerance")
+        return check(name, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "check_backend", failing_eight)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = tune.exp2_splits(
+        headdims=(64,),
+        seqlens=(40,),
+        polys=(0, 3, 8),
+        rounds=2,
+        tokens=40,
+        hidden=128,
+        device=device,
+        dtype=torch.float16,
+    )
+    assert {(r["causal"], r["poly"]) for r in rows if "error" in r} == {(False, 8), (True, 8)}
+    timed = [r for r in rows if "ms" in r]
+    assert sorted((r["causal"], r["round"], r["poly"]) for r in timed) == sorted(
+        (c, r, p) for c in (False, True) for r in (0, 1) for p in (0, 3)
+    )
+    assert all(r["vs_first"] == 1.0 for r in timed if r["poly"] == 0) and all(r["tflops"] > 0 for r in timed)
+
+
 @pytest.mark.parametrize("order", ["shuffled", "in order", "lockstep", 2])
 def test_decode_pool_reference_follows_the_table(order):
     """The decode benchmark's paged rows check each backend against ``_pool``'s reference keys: the

@@ -11,6 +11,11 @@ for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 (``MLASettings.gluon``, sm90; the memory-bound rows' 16-row programs padded to 64, ``gluon_narrow``),
 alternating, each checked before it is timed.
 
+``--exp2-poly``: the forward with k of every 8 exponentials by polynomial (``KernelConfig.exp2_poly`` in every
+forward table, portable and Gluon) for k in 0, 2, 3, 4, causal and not, at ``--headdim`` and 2k / 16k keys, in
+alternating rounds, each build checked against the reference first; with ``--fp8`` the FP8 forward's grid
+(``bench --fp8``'s, each build checked with its tolerance) instead.
+
 ``--fp8-widen``: FP8 KV-cache decoding (``bench --fp8``'s decode rows, 8 x 32k and 64 x 16k, contiguous and
 paged) under each ``DecodeSettings.fp8_widen`` against the bf16 cache, alternating; each checked first
 against the fp64 attention with the tolerance rule's baseline of what it rounds ("fp8": q's rows in e4m3;
@@ -219,6 +224,86 @@ def mla_builds(rounds: int = 3) -> list[dict]:
     return rows
 
 
+EXP2_POLYS = (0, 2, 3, 4)
+
+
+def _exp2_settings(s: Settings, k: int) -> Settings:
+    """``s`` with ``exp2_poly = k`` in every forward table (the portable forward's and the Gluon one's)."""
+    return configs.with_builds(s, fwd=dict(exp2_poly=k), gluon=dict(exp2_poly=k))
+
+
+def exp2_splits(
+    headdims=(64, 128, 256),
+    seqlens=(2048, 16384),
+    polys=EXP2_POLYS,
+    rounds: int = 3,
+    tokens: int = 16384,
+    hidden: int = 2048,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict]:
+    """Forward TFLOP/s (``tokens`` a batch, ``hidden`` = heads x head dim) with ``exp2_poly = k`` for each k of
+    ``polys``, causal and not, in ``rounds`` rounds of alternating order; each build checked against the
+    reference on one (batch, head) slice first (``check_backend``), a build that fails is reported and left
+    out; the ratio to the first k of the same round. (On the CPU: the kernels under the interpreter, fp16.)"""
+    import tileattn
+    from tileattn.bench.__main__ import time_ms
+
+    s = configs.current(torch.device(device))
+    rows = []
+    for headdim in headdims:
+        for seqlen in seqlens:
+            batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
+            gen = torch.Generator(device=device).manual_seed(headdim + seqlen)
+            q, k, v = (
+                torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3)
+            )
+            for causal in (False, True):
+                call = functools.partial(tileattn.flash_attn_func, q, k, v, causal=causal)
+                f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
+                case = dict(headdim=headdim, seqlen=seqlen, causal=causal)
+                usable = {}
+                for poly in polys:
+                    try:
+                        with configs.override(_exp2_settings(s, poly)):
+                            check_backend(f"exp2_poly={poly}", call(), q, k, v, causal)
+                        usable[poly] = _exp2_settings(s, poly)
+                    except Exception as exc:  # noqa: BLE001 -- a build that cannot run says why
+                        rows.append(dict(case, poly=poly, error=str(exc)[:300]))
+                        print(f"{case} exp2_poly={poly}: {str(exc)[:200]}", flush=True)
+                for r in range(rounds):
+                    times = {}
+                    for poly in list(usable)[:: 1 if r % 2 == 0 else -1]:
+                        with configs.override(usable[poly]):
+                            times[poly] = time_ms(call, device)
+                    first = times.get(polys[0])
+                    for poly, ms in times.items():
+                        row = dict(case, poly=poly, round=r, ms=ms, tflops=f_fwd / ms / 1e9)
+                        row["vs_first"] = first / ms if first else None
+                        rows.append(row)
+                        print(
+                            f"round {r} hd{headdim} {seqlen} causal={causal} exp2_poly={poly}: {row['tflops']:.0f} "
+                            f"TFLOP/s" + (f" {row['vs_first']:.3f}x exp2_poly={polys[0]}" if first else ""),
+                            flush=True,
+                        )
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def exp2_splits_fp8(headdims=(64, 128, 256), seqlens=(4096, 16384), polys=EXP2_POLYS) -> list[dict]:
+    """``bench --fp8``'s grid (bf16 and the FP8 forward, each FP8 build checked with its tolerance first) with
+    the FP8 forward also under ``exp2_poly = k`` for each k of ``polys`` past 0."""
+    from tileattn.bench.__main__ import time_ms
+    from tileattn.bench.fp8 import format_fp8, run_fp8
+
+    s = configs.current(torch.device("cuda"))
+    variants = {f"exp2_poly={k}": functools.partial(configs.override, _exp2_settings(s, k)) for k in polys if k}
+    rows = run_fp8(time_ms, seqlens=seqlens, headdims=headdims, variants=variants)
+    print(format_fp8(rows), flush=True)
+    return rows
+
+
 def _e4m3_rows(t: torch.Tensor) -> torch.Tensor:
     """Each row (last dim) through e4m3 at its own factor, amax / 448, back in t's dtype (how the decode
     kernel's "fp8" and "none" round q)."""
@@ -302,10 +387,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fp8-widen", action="store_true", help="FP8 KV-cache decoding under each fp8_widen instead (default: off)"
     )
+    ap.add_argument(
+        "--exp2-poly",
+        action="store_true",
+        help="the forward with k of every 8 exponentials by polynomial, k in 0 2 3 4, instead (default: off)",
+    )
+    ap.add_argument("--fp8", action="store_true", help="with --exp2-poly: the FP8 forward's grid (default: bf16)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file (default: none)")
     args = ap.parse_args(argv)
-    if args.mla or args.fp8_widen:
-        rows = mla_builds() if args.mla else fp8_widenings()
+    if args.mla or args.fp8_widen or args.exp2_poly:
+        if args.exp2_poly:
+            rows = (exp2_splits_fp8 if args.fp8 else exp2_splits)(headdims=tuple(args.headdim))
+        else:
+            rows = mla_builds() if args.mla else fp8_widenings()
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
