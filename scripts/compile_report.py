@@ -331,7 +331,8 @@ def wgmma_schedule(kernel) -> list[str]:
     wgmma waits: one line per run of HGMMA instructions, then in order what follows up to the next run,
     ``E<n>`` for n MUFU.EX2 (the exponentials), ``W1`` / ``W0`` for a wait for all but one / all wgmma
     groups (e.g. ``H16 W1 E66 W0``: Q·Kᵀ and P·V issued, the exponentials between the two waits, under
-    the running P·V; QGMMA, the FP8 wgmma, counts as H too). Empty where nvdisasm is not there."""
+    the running P·V; QGMMA, the FP8 wgmma, counts as H too; ``R<n>`` for n TMA reduce-adds, the backward's
+    dQ adds). Empty where nvdisasm is not there."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         return []
@@ -341,18 +342,19 @@ def wgmma_schedule(kernel) -> list[str]:
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
     runs: list[list] = []
-    for m in re.finditer(r"[HQ]GMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)|MUFU\.EX2", sass):
-        kind = "H" if "GMMA" in m.group(0) else "E" if m.group(0).startswith("MUFU") else "W" + m.group(1)
+    for m in re.finditer(r"[HQ]GMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)|MUFU\.EX2|UTMAREDG", sass):
+        op = m.group(0)
+        kind = "H" if "GMMA" in op else "E" if op.startswith("MUFU") else "R" if op == "UTMAREDG" else "W" + m.group(1)
         if kind == "H" and (not runs or runs[-1][-1][0] != "H"):
             runs.append([["H", 0]])
         if not runs:
             continue
         last = runs[-1][-1]
-        if last[0] == kind and kind in "HE":
+        if last[0] == kind and kind in "HER":
             last[1] += 1
         else:
             runs[-1].append([kind, 1])
-    return [" ".join(f"{k}{n}" if k in "HE" else k for k, n in run) for run in runs]
+    return [" ".join(f"{k}{n}" if k in "HER" else k for k, n in run) for run in runs]
 
 
 def compile_gluon(

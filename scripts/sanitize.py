@@ -162,10 +162,12 @@ def gluon_calls() -> None:
     items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
     walking many items, so the barriers' phases wrap), head dims 96, 128 and 256, the named-barrier
     ping-pong and the branch-free mask loops (alone and together), causal heads walked in small groups
-    (``l2_bytes``; without the mask loops in snake order too), and a backward behind it.
+    (``l2_bytes``; without the mask loops in snake order too), half the exponentials by polynomial
+    (``exp2_poly``, with the ping-pong), and a backward behind it.
     Packed batches through the forward alone (both grids), sliding windows and head-major layouts through
     the public call. The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA,
-    dQ by TMA reduce-adds and by atomics, and packed batches (empty sequences, one row, no key)."""
+    dQ by TMA reduce-adds and by atomics, dK after dQ (``dq_first``), and packed batches (empty sequences,
+    one row, no key)."""
     from tileattn.kernels import gluon
     from tileattn.params import AttnParams
 
@@ -180,10 +182,12 @@ def gluon_calls() -> None:
             p = AttnParams(2, sq, sk, d, d**-0.5, window_right=0 if causal else -1)
             for programs in (hopper.ONE_PER_TILE, 3):
                 # the named-barrier ping-pong and the branch-free mask loops, alone and together
+                # (with the exponentials by polynomial where the ping-pong is on)
                 for pingpong, mask_loops in ((False, False), (True, False), (False, True), (True, True)):
                     hopper.attn_fwd(
                         q, k, v, p, block_n=block_n, stages=2 if d == 256 else 3, programs=programs,
                         pingpong=pingpong, mask_loops=mask_loops, l2_bytes=100_000, snake=not mask_loops,
+                        exp2_poly=4 if pingpong else 0,
                     )  # fmt: skip
         q, k, v = (torch.randn(1, 257, 4, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
         out = tileattn.flash_attn_func(q, k, v, causal=True)
@@ -234,6 +238,8 @@ def gluon_calls() -> None:
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_tma=dq_tma)
             if d in hopper_bwd.SPLIT_HEAD_DIMS:  # the split build's dQ chunks of 32 on a ring of 2, first chunk early
                 hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, stages=2, dq_chunk=32, dq_first=True)
+            else:  # dK after dQ (dQ's add under it)
+                hopper_bwd.attn_bwd(do, q, k, v, lse, delta, p, dq_first=True)
             # dropout: the draws' shared-memory exchange (query tiles of 64 rows, and of 128 at head dim 64)
             p.dropout_p, p.philox_seed = 0.125, 0x5EED
             for block_m in (64, 128) if d == 64 else (64,):

@@ -83,8 +83,9 @@ class KernelConfig:
     # skip the dQ pass; never with deterministic=True. Where TMA cannot write the fp32 buffer, mode 2
     # takes the dQ pass on the GPU and the atomic adds under the interpreter (no TMA stores there).
     dq_atomic: int = 0
-    # Gluon split backward (head dim 256) only: each tile's first dQ chunk issued before dV and dK, so that
-    # its add runs under them; the dQ columns per product and add (32: room for a second (Q, dO) stage)
+    # Gluon backward only: each tile's dQ (the split build's, head dim 256: its first dQ chunk) issued before
+    # dK (and dV), so that its add runs under them; the split build's dQ columns per product and add (32:
+    # room for a second (Q, dO) stage)
     dq_first: bool = False
     dq_chunk: int = 64
     # Gluon forward only (two consumer warpgroups): they take turns issuing their wgmmas through named

@@ -31,8 +31,18 @@ CASES = [  # batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, dtype
     (2, 1000, 1000, 6, 3, 64, True, torch.float16),
     (2, 777, 300, 8, 8, 128, False, torch.bfloat16),
 ]
-BUILDS = [dict(stages=2), dict(stages=3), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
-WIDE_BUILDS = {64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False)]}  # query tiles of 128
+# dq_first: a tile's dK issued after its dQ, whose add then runs under it (by TMA reduce-adds or atomic adds)
+BUILDS = [
+    dict(stages=2),
+    dict(stages=3),
+    dict(stages=2, dq_tma=False),
+    dict(stages=2, lse_load="load"),
+    dict(stages=3, dq_first=True),
+    dict(stages=2, dq_tma=False, dq_first=True),
+]
+WIDE_BUILDS = {  # query tiles of 128
+    64: [dict(block_m=128, stages=2), dict(block_m=128, stages=2, dq_tma=False), dict(block_m=128, dq_first=True)]
+}
 # head dim 256, the split build (64 keys a program, each warpgroup half the head dim of dK and dV): dQ by
 # atomic adds on a ring of 2, or by TMA reduce-adds (whose staging leaves room for a ring of 1)
 SPLIT_BUILDS = [
@@ -163,7 +173,8 @@ def test_dropout_matches_the_oracle(case):
         builds = SPLIT_BUILDS
     else:
         config = hopper.config_options(configs.HOPPER.bwd_gluon_dropout[headdim])
-        builds = [config, dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")] + WIDE_BUILDS.get(headdim, [])
+        builds = [config, dict(config, dq_first=True), dict(stages=2, dq_tma=False), dict(stages=2, lse_load="load")]
+        builds += WIDE_BUILDS.get(headdim, [])
     for build in builds:
         grads = hopper.attn_bwd(dout, q, k, v, lse, delta, p, **build)
         for name, t, r, lo in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low):

@@ -648,6 +648,32 @@ def test_gluon_backward_builds_as_designed():
             assert row["tma_reduces"] == 0 and row["atomics"] >= 1, row
 
 
+GLUON_BWD_DQ_FIRST_CASES = """
+from tileattn.kernels import gluon
+if gluon.available():
+    rows += [compile_report.compile_gluon_bwd(d, causal, dq_first=first) for d in (64, 128) for causal in (False, True)
+             for first in (False, True)]
+"""
+
+
+def test_gluon_backward_dq_first_adds_dq_under_dk():
+    """``dq_first`` at head dims 64 and 128 (KernelConfig.dq_first, untimed): a tile's dK is issued after its dQ,
+    and dQ's reduce-add (TMA) falls between the wait for dV and dQ and the wait for dK, under the running dK;
+    without it the add follows the last wait. The same registers, a few scalars spilled at most, the same
+    partitions."""
+    _needs_gluon()
+    rows = compiled_sm90(GLUON_BWD_DQ_FIRST_CASES)
+    assert len(rows) == 8, rows
+    for plain, first in zip(rows[::2], rows[1::2]):
+        _assert_warp_specialized(first)
+        assert first["regs"] == plain["regs"] and first["stack"] <= plain["stack"] + 16, (plain, first)
+        adds = [
+            [run.split()[run.split().index("R1") - 1] for run in row["schedule"] if "R1" in run.split()]
+            for row in (plain, first)
+        ]  # (what comes just before each reduce-add: W0 or W1)
+        assert adds[0] and set(adds[0]) == {"W0"} and adds[1] and set(adds[1]) == {"W1"}, (plain, first)
+
+
 def test_tma_rows_of_both_layouts():
     """The Gluon kernels read (batch, seqlen, nheads, headdim) tensors as one 2-D TMA matrix, no copy:
     flash_attn's layout (a packed qkv's slices too) as rows of positions with the heads side by side,

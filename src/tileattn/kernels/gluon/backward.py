@@ -17,7 +17,8 @@ partitions:
   [128 keys × BLOCK_M] shared-memory buffer (two, alternating; ``ds_ready`` says both halves are in),
   and each computes half of dQ's columns over all 128 keys, dS·K[:, half], which it adds into an fp32
   dQ buffer in global memory: by TMA reduce-adds (``DQ_TMA``; one bulk reduction per tile from a
-  shared-memory staging buffer) or fp32 atomic adds. The order of those adds varies run to run: dQ is
+  shared-memory staging buffer) or fp32 atomic adds; with ``DQ_FIRST`` dK is issued after dQ, so that the
+  add runs under it (FlashAttention-3's order). The order of those adds varies run to run: dQ is
   not bitwise reproducible (``deterministic=True`` never comes here).
 
 At head dim 256 one warpgroup's dK and dV of 64 keys would fill all its registers: ``attn_bwd`` launches
@@ -71,7 +72,7 @@ DQ_CHUNKS = backward_split.DQ_CHUNKS
 @gluon.jit
 def _consume(
     args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr, LSE_TMA: gl.constexpr,
-    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, WG: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr, WG: gl.constexpr,
 ):  # fmt: skip
     (q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc,
      q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
@@ -163,7 +164,8 @@ def _consume(
                 pt = gl.abs(pt)
             ds = (pt * (dpt - delta_in[None, :])).to(dtype)  # [KEYS, BLOCK_M] = dSᵀ
             ds_op = gl.convert_layout(ds, op_layout)
-            dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM] += dsᵀ @ q
+            if not DQ_FIRST:
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)  # [KEYS, HEAD_DIM] += dsᵀ @ q
             # both warpgroups' dSᵀ in one [2 * KEYS, BLOCK_M] buffer (two, alternating: a warpgroup writes
             # one only after both have passed the other's ds_ready, so after both read it last time)
             ds_buf = ds_smem.index(it % 2)
@@ -173,11 +175,19 @@ def _consume(
             mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
             # [BLOCK_M, DQ_COLS] = ds @ k[:, cols]: this warpgroup's half of dQ's columns, over all 2 * KEYS keys
             dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(dv, dk, p_op, ds_op))
-            mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
-            dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
+            if DQ_FIRST:  # dK after dQ, so that dQ's add runs under it
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+                dv, p_op, dq = warpgroup_mma_wait(1, deps=(dv, p_op, dq))
+                dq = dq * sm_scale
+            else:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(1, deps=(dv, dk, p_op, ds_op))
+                mbarrier.arrive(free.index(s), count=1)  # Q and dO read for the last time
+                dq = warpgroup_mma_wait(0, deps=(dq,)) * sm_scale
             add_dq(dq, dq_smem, dq_desc, DQacc, q0, m_start, seqlen_q, stride_dqm, h * HEAD_DIM + WG * DQ_COLS,
                    DQ_TMA, WG)  # fmt: skip
+            if DQ_FIRST:
+                dk, ds_op = warpgroup_mma_wait(0, deps=(dk, ds_op))
+                mbarrier.arrive(free.index(s), count=1)
             it += 1
     if DQ_TMA:
         tma.store_wait(0)
@@ -194,14 +204,16 @@ def _consume(
 
 @gluon.jit
 def _consume_default(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):  # fmt: skip
-    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 0)
+                     LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+                     DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST, 0)
 
 
 @gluon.jit
 def _consume_worker(args, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-                    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr):  # fmt: skip
-    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, 1)
+                    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+                    DQ_FIRST: gl.constexpr):  # fmt: skip
+    _consume(args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST, 1)
 
 
 # dropout's values must not select builds (a fresh seed per call, seed % 16 == 0; a dropout-free call's
@@ -215,7 +227,7 @@ def _bwd_kernel(
     k_batch_rows, k_head_rows, k_head_cols, v_batch_rows, v_head_rows, v_head_cols,
     philox_seed, row_groups, rng_rows, drop_threshold, inv_keep,
     STAGES: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, DQ_TMA: gl.constexpr,
-    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    LSE_TMA: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DQ_FIRST: gl.constexpr = False,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -251,8 +263,8 @@ def _bwd_kernel(
             rng_smem, (philox_seed, row_groups, rng_rows, drop_threshold, inv_keep))  # fmt: skip
     gl.warp_specialize(
         [
-            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
-            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT)),
+            (_consume_default, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST)),
+            (_consume_worker, (args, MASK_LEFT, MASK_RIGHT, DQ_TMA, LSE_TMA, VARLEN, DROPOUT, DQ_FIRST)),
             (loader, (args, MASK_LEFT, MASK_RIGHT, LSE_TMA, VARLEN)),
         ],
         [4, 1],
@@ -311,8 +323,8 @@ def attn_bwd(
     ``packed_rows``), ``"load"`` by masked loads in the consumers (more registers: the consumers
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
-    as ``"tma"``). dq_first: the split build issues each tile's first dQ chunk before dV and dK (its
-    reduce-add under them); dq_chunk: the split build's dQ columns per product and add, one of
+    as ``"tma"``). dq_first: each tile's dK issued after its dQ, whose add then runs under dK (the split
+    build: its first dQ chunk issued before dV and dK, the add under them); dq_chunk: the split build's dQ columns per product and add, one of
     ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what
     ``eligible_rows`` returned for these tensors (made here if None)."""
     if rows is None:
@@ -352,8 +364,6 @@ class Plan:
             raise ValueError(f"block_n must be {2 * WG_KEYS} (two warpgroups of {WG_KEYS} keys), got {block_n}")
         if split and block_m != 64:
             raise ValueError(f"block_m must be 64 at head dim {headdim} (the split build), got {block_m}")
-        if dq_first and not split:
-            raise ValueError(f"dq_first is the split build's (head dims {SPLIT_HEAD_DIMS}), not head dim {headdim}'s")
         if split and dq_chunk not in DQ_CHUNKS:
             raise ValueError(f"dq_chunk must be one of {DQ_CHUNKS} (the split build), got {dq_chunk}")
         if lse_load not in LSE_LOADS:
@@ -403,7 +413,7 @@ class Plan:
             dict(
                 STAGES=stages, MASK_LEFT=p.window_left >= 0, MASK_RIGHT=p.window_right >= 0, DQ_TMA=dq_tma,
                 LSE_TMA=lse_tma, VARLEN=p.is_varlen, DROPOUT=p.dropout_p > 0,
-                **(dict(DQ_FIRST=dq_first) if split else {}),
+                DQ_FIRST=dq_first,
             ),  # fmt: skip
             num_warps=4,
             maxnreg=168,
