@@ -120,6 +120,19 @@ def test_tuner_exp2_splits_checks_then_times_each_build(monkeypatch):
     assert all(r["vs_first"] == 1.0 for r in timed if r["poly"] == 0) and all(r["tflops"] > 0 for r in timed)
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [(["--fp8"], "--fp8 goes with --exp2-poly"), (["--exp2-poly", "--causal"], "drop --causal"),
+     (["--exp2-poly", "--dropout", "0.1"], "drop --causal / --dropout")],
+)  # fmt: skip
+def test_tuner_refuses_options_exp2_poly_cannot_apply(argv, words, capsys):
+    from tileattn.bench import tune
+
+    with pytest.raises(SystemExit) as exc:
+        tune.main(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("order", ["shuffled", "in order", "lockstep", 2])
 def test_decode_pool_reference_follows_the_table(order):
     """The decode benchmark's paged rows check each backend against ``_pool``'s reference keys: the

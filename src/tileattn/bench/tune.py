@@ -12,9 +12,9 @@ for GQA only: docs/perf.md). Backward candidates are checked on their gradients.
 alternating, each checked before it is timed.
 
 ``--exp2-poly``: the forward with k of every 8 exponentials by polynomial (``KernelConfig.exp2_poly`` in every
-forward table, portable and Gluon) for k in 0, 2, 3, 4, causal and not, at ``--headdim`` and 2k / 16k keys, in
+forward table, portable and Gluon) for k in 0, 2, 3, 4, causal and not, at ``--headdim`` and ``--seqlen``, in
 alternating rounds, each build checked against the reference first; with ``--fp8`` the FP8 forward's grid
-(``bench --fp8``'s, each build checked with its tolerance) instead.
+(``bench --fp8``'s at those head dims and lengths, each build checked with its tolerance) instead.
 
 ``--fp8-widen``: FP8 KV-cache decoding (``bench --fp8``'s decode rows, 8 x 32k and 64 x 16k, contiguous and
 paged) under each ``DecodeSettings.fp8_widen`` against the bf16 cache, alternating; each checked first
@@ -395,9 +395,14 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="with --exp2-poly: the FP8 forward's grid (default: bf16)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file (default: none)")
     args = ap.parse_args(argv)
+    if args.fp8 and not args.exp2_poly:
+        ap.error("--fp8 goes with --exp2-poly")
+    if args.exp2_poly and (args.causal or args.dropout):
+        ap.error("--exp2-poly times causal and non-causal calls without dropout: drop --causal / --dropout")
     if args.mla or args.fp8_widen or args.exp2_poly:
         if args.exp2_poly:
-            rows = (exp2_splits_fp8 if args.fp8 else exp2_splits)(headdims=tuple(args.headdim))
+            sizes = dict(headdims=tuple(args.headdim), seqlens=(args.seqlen,))
+            rows = exp2_splits_fp8(**sizes) if args.fp8 else exp2_splits(**sizes)
         else:
             rows = mla_builds() if args.mla else fp8_widenings()
         if args.json:
