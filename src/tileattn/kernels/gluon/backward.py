@@ -324,9 +324,9 @@ def attn_bwd(
     spill), ``"tma-unaligned"`` by 1-D TMA copies from the dense flat rows as given (a copy whose start is
     not 16-byte aligned is an illegal instruction on the H200: kept only to show that on the GPU; varlen
     as ``"tma"``). dq_first: each tile's dK issued after its dQ, whose add then runs under dK (the split
-    build: its first dQ chunk issued before dV and dK, the add under them); dq_chunk: the split build's dQ columns per product and add, one of
-    ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a second stage). rows: what
-    ``eligible_rows`` returned for these tensors (made here if None)."""
+    build: its first dQ chunk issued before dV and dK, the add under them); dq_chunk: the split build's dQ
+    columns per product and add, one of ``DQ_CHUNKS`` (32: half the staging tiles' shared memory, room for a
+    second stage). rows: what ``eligible_rows`` returned for these tensors (made here if None)."""
     if rows is None:
         rows = (tma_rows(q4), tma_rows(k4), tma_rows(v4), tma_rows(do4))
     plan = Plan(
