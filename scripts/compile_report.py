@@ -363,9 +363,9 @@ def compile_gluon(
 ) -> dict:  # fmt: skip
     """The Gluon forward's build (``kernels.gluon.forward``) for one head dim, dense or ``varlen``, causal or
     with a sliding ``window`` (flash_attn's window_size), with attention sinks (``sink``), with ``options``
-    (block_m, block_n, stages, pingpong, mask_loops, exp2_poly; the settings table's entry by default): its resources,
-    from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and shapes, TMA byte
-    counts and named barriers, and from the SASS where the exponentials fall against the waits
+    (block_m, block_n, stages, pingpong, mask_loops, exp2_poly; the settings table's entry by default): its
+    resources, from the PTX the register budgets of its partitions (setmaxnreg), its wgmma waits and shapes,
+    TMA byte counts and named barriers, and from the SASS where the exponentials fall against the waits
     (``schedule``: ``wgmma_schedule``). ``fp8``: e4m3 inputs with descales (``settings.fwd_gluon_fp8``)."""
     from tileattn.kernels import configs
     from tileattn.kernels.gluon import forward as hopper

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -85,6 +86,11 @@ def builds(
 
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     return configs.override(configs.with_builds(configs.current(device), fwd=fwd, dkdv=dkdv, dq=dq, gluon=gluon))
+
+
+# The tables are tuned with the H200's Triton, 3.6. Where another Triton allocates registers differently,
+# a compiled build's property may hold only there (Triton 3.9 spills 16 bytes in head dim 64's window forward).
+TUNED_TRITON = importlib.metadata.version("triton").startswith("3.6.")
 
 
 def compiled_sm90(cases: str) -> list[dict]:

@@ -8,11 +8,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from helpers import SLOW, compiled_sm90
-
-# The tables are tuned with the H200's Triton, 3.6. Where another Triton allocates registers differently,
-# a property below holds only there (Triton 3.9 spills 16 bytes in head dim 64's window forward).
-TUNED_TRITON = importlib.metadata.version("triton").startswith("3.6.")
+from helpers import SLOW, TUNED_TRITON, compiled_sm90
 
 # Every case compiles for a fixed target (compile_report's H200), never the machine's GPU: CPU CI, with the
 # same Triton 3.6.0, builds exactly what a GPU machine would. There the 18 cases took 317 s of the GPU

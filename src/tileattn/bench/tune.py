@@ -250,6 +250,7 @@ def exp2_splits(
     from tileattn.bench.__main__ import time_ms
 
     s = configs.current(torch.device(device))
+    builds = {poly: _exp2_settings(s, poly) for poly in polys}
     rows = []
     for headdim in headdims:
         for seqlen in seqlens:
@@ -265,9 +266,9 @@ def exp2_splits(
                 usable = {}
                 for poly in polys:
                     try:
-                        with configs.override(_exp2_settings(s, poly)):
+                        with configs.override(builds[poly]):
                             check_backend(f"exp2_poly={poly}", call(), q, k, v, causal)
-                        usable[poly] = _exp2_settings(s, poly)
+                        usable[poly] = builds[poly]
                     except Exception as exc:  # noqa: BLE001 -- a build that cannot run says why
                         rows.append(dict(case, poly=poly, error=str(exc)[:300]))
                         print(f"{case} exp2_poly={poly}: {str(exc)[:200]}", flush=True)
@@ -403,8 +404,10 @@ def main(argv=None) -> int:
         if args.exp2_poly:
             sizes = dict(headdims=tuple(args.headdim), seqlens=(args.seqlen,))
             rows = exp2_splits_fp8(**sizes) if args.fp8 else exp2_splits(**sizes)
+        elif args.mla:
+            rows = mla_builds()
         else:
-            rows = mla_builds() if args.mla else fp8_widenings()
+            rows = fp8_widenings()
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
