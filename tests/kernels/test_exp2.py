@@ -45,8 +45,8 @@ def _f32(bits: int) -> np.float32:
 
 def _run_ptx(ptx: str, values: list[np.ndarray]) -> list[np.ndarray]:
     """Evaluates the PTX block of ``exp2.poly_ptx`` on fp32 arrays, one array per input operand, with PTX's
-    semantics for the instructions it uses (round-to-nearest fp32 arithmetic; max.NaN returns NaN if either
-    operand is; ex2.approx.ftz flushes subnormal results); returns the outputs."""
+    semantics for the instructions it uses (round-to-nearest fp32 arithmetic; max.NaN returns the canonical NaN
+    if either operand is NaN; ex2.approx.ftz flushes subnormal results); returns the outputs."""
     pack = len(values)
     regs: dict[str, np.ndarray] = {f"${pack + j}": v.astype(np.float32) for j, v in enumerate(values)}
 
@@ -60,6 +60,10 @@ def _run_ptx(ptx: str, values: list[np.ndarray]) -> list[np.ndarray]:
     def bits(a) -> np.ndarray:
         return np.asarray(a, dtype=np.float32).view(np.uint32) if np.asarray(a).dtype == np.float32 else a
 
+    def f64(a) -> np.ndarray:  # (registers are untyped: a .b32 value read by a .f32 instruction is its bits)
+        a = np.asarray(a)
+        return (a.view(np.float32) if a.dtype == np.uint32 else a).astype(np.float64)
+
     for line in ptx.splitlines():
         line = line.strip().rstrip(";")
         if line in ("{", "}") or line.startswith(".reg"):
@@ -68,17 +72,20 @@ def _run_ptx(ptx: str, values: list[np.ndarray]) -> list[np.ndarray]:
         d, *src = [a.strip() for a in args.split(",")]
         a = [read(s) for s in src]
         with np.errstate(all="ignore"):
-            if op == "max.NaN.f32":
-                r = np.where(np.isnan(a[0]) | np.isnan(a[1]), np.float32("nan"), np.maximum(a[0], a[1]))
+            if op == "max.NaN.f32":  # (PTX's canonical NaN: 0x7FFFFFFF, not numpy's 0x7FC00000)
+                x, y = f64(a[0]), f64(a[1])
+                r = np.where(np.isnan(x) | np.isnan(y), _f32(0x7FFFFFFF), np.maximum(x, y).astype(np.float32))
             elif op == "add.rn.f32":
-                r = (np.asarray(a[0], np.float64) + np.float64(a[1])).astype(np.float32)
+                r = (f64(a[0]) + f64(a[1])).astype(np.float32)
             elif op == "sub.rn.f32":
-                r = (np.asarray(a[0], np.float64) - np.asarray(a[1], np.float64)).astype(np.float32)
+                r = (f64(a[0]) - f64(a[1])).astype(np.float32)
+            elif op == "mul.rn.f32":
+                r = (f64(a[0]) * f64(a[1])).astype(np.float32)
             elif op == "fma.rn.f32":  # (the product of two fp32 values is exact in fp64: one rounding per step)
-                prod = np.asarray(a[0], np.float64) * np.asarray(a[1], np.float64)
-                r = (prod + np.asarray(a[2], np.float64)).astype(np.float32)
+                prod = f64(a[0]) * f64(a[1])
+                r = (prod + f64(a[2])).astype(np.float32)
             elif op == "ex2.approx.ftz.f32":
-                r = np.exp2(np.asarray(a[0], np.float64)).astype(np.float32)
+                r = np.exp2(f64(a[0])).astype(np.float32)
                 r = np.where(np.abs(r) < np.finfo(np.float32).tiny, np.float32(0), r)
             elif op == "mov.b32":
                 r = a[0]

@@ -6,16 +6,20 @@ Where the matmuls are fast against the exponentials (head dim 64 in bf16, FP8 fr
 exponential per score takes as long as the two matmuls of its tile: a head-dim-64 tile of 128 × 128 scores
 is 4.2 MFLOP, 1,024 clocks of the SM's bf16 tensor cores, and 16,384 exponentials, 1,024 clocks of MUFU.
 Taking ``k`` of every 8 scores through the FMA units moves that work to a pipe with room (each costs 3
-FADD, 3 FFMA and an IMAD there, and a FMNMX), so neither pipe sets the tile's time.
+FADD, 3 FFMA, an FMUL and an IMAD there, and a FMNMX), so neither pipe sets the tile's time. (Measured on an
+H100 it did not pay: docs/perf.md, "Decisions".)
 
 The polynomial: ``2**x = 2**n · p(f)`` with ``n = round(x)`` (adding 1.5 · 2**23 rounds x to an integer
 in the low bits of the sum's mantissa), ``f = x - n`` in [-1/2, 1/2] and ``p(f) = 1 + f·(c1 + f·(c2 +
 f·c3))``, fitted for the least largest relative error with p(0) = 1 exactly: 1.0e-4, below the rounding
-of P to bf16 (2**-9) or fp16 (2**-11). The product with 2**n is an integer add of ``n << 23`` to p's bits.
-x is clamped at -127 first, where f = 0 and p = 1 exactly, so that the add gives +0.0: masked scores
-(-inf) become exactly 0, as from ``exp2``. The clamp propagates NaN (``max.NaN``), so a NaN score stays
-NaN. Between -127 and -126 the add gives a subnormal below 2**-126, not close to 2**x (``ex2.approx.ftz``
-gives 0 there); from -126 up every result is a normal number within 1.0e-4 of 2**x.
+of P to bf16 (2**-9) or fp16 (2**-11). 2**n is built from n's bits, ``(n + 127) << 23`` (a shift and an
+add, one IMAD), and multiplies p (exactly). x is clamped at -127 first, where those bits are +0.0's:
+masked scores (-inf) become exactly 0, as from ``exp2``. The clamp propagates NaN (``max.NaN``), and a NaN
+p makes the product NaN, so a NaN score stays NaN. (An integer add of ``n << 23`` to p's bits would save
+the multiply but not the NaN: PTX's canonical NaN, 0x7FFFFFFF, shifted and added gives 0x7F7FFFFF, the
+largest finite float, as an H100 returned.) Between -127 and -126 the result is 0 or a subnormal below
+2**-126, not close to 2**x (``ex2.approx.ftz`` gives 0 there); from -126 up every result is a normal
+number within 1.0e-4 of 2**x.
 
 On the GPU the split is one inline-PTX block over 8 consecutive values of a thread (``pack=8``): the
 first ``k`` through the polynomial, the rest through ``ex2.approx.ftz.f32`` (what ``tl.exp2`` emits).
@@ -34,7 +38,8 @@ import triton.language as tl
 # p's coefficients c1, c2, c3 (fp32), fitted on [-1/2, 1/2] for the least largest relative error with p(0) = 1
 COEFFS = (0.6932827830314636, 0.24220848083496094, 0.05500781163573265)
 ROUND = 12582912.0  # 1.5 * 2**23: x + ROUND, in fp32, is ROUND + round(x) for |x| < 2**22
-CLAMP = -127.0  # below it every result is 0 (the add of n << 23 to p = 1.0 gives +0.0 there)
+CLAMP = -127.0  # below it every result is 0 (2**n's bits, (n + 127) << 23, are those of +0.0 there)
+ONE_BITS = 0x3F800000  # 1.0's bits, 127 << 23
 PACK = 8  # values a thread hands one PTX block; EXP2_POLY_PTX[k] takes the first k through the polynomial
 
 
@@ -50,7 +55,7 @@ def poly_ptx(k: int, pack: int = PACK) -> str:
     if not 0 <= k <= pack:
         raise ValueError(f"k must be in [0, {pack}], got {k}")
     c1, c2, c3 = (_f32(c) for c in COEFFS)
-    lines = ["{", f".reg .f32 x<{pack}>, r<{pack}>, f<{pack}>;", f".reg .b32 b<{pack}>, e<{pack}>;"]
+    lines = ["{", f".reg .f32 x<{pack}>, r<{pack}>, f<{pack}>;", f".reg .b32 b<{pack}>;"]
     for j in range(pack):
         out, x = f"${j}", f"${pack + j}"
         if j >= k:
@@ -65,10 +70,10 @@ def poly_ptx(k: int, pack: int = PACK) -> str:
             f"fma.rn.f32 x{j}, x{j}, f{j}, {c1};",
             f"fma.rn.f32 x{j}, x{j}, f{j}, {_f32(1.0)};",  # p(f)
             f"mov.b32 b{j}, r{j};",
-            f"mov.b32 e{j}, x{j};",
             f"shl.b32 b{j}, b{j}, 23;",  # n << 23 (ROUND's own bits shift out)
-            f"add.s32 e{j}, e{j}, b{j};",  # p · 2**n
-            f"mov.b32 {out}, e{j};",
+            f"add.s32 b{j}, b{j}, {ONE_BITS};",  # 2**n: (n + 127) << 23
+            f"mov.b32 f{j}, b{j};",
+            f"mul.rn.f32 {out}, x{j}, f{j};",  # p · 2**n (exact; NaN if p is)
         ]
     return "\n".join([*lines, "}"])
 
@@ -81,6 +86,7 @@ C2 = tl.constexpr(COEFFS[1])
 C3 = tl.constexpr(COEFFS[2])
 ROUND_C = tl.constexpr(ROUND)
 CLAMP_C = tl.constexpr(CLAMP)
+ONE_BITS_C = tl.constexpr(ONE_BITS)
 PACK_C = tl.constexpr(PACK)
 
 
@@ -91,8 +97,8 @@ def exp2_poly(x):
     r = x + ROUND_C
     f = x - (r - ROUND_C)
     p = tl.fma(tl.fma(tl.fma(f, C3, C2), f, C1), f, 1.0)
-    bits = p.to(tl.int32, bitcast=True) + (r.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
+    scale = ((r.to(tl.int32, bitcast=True) << 23) + ONE_BITS_C).to(tl.float32, bitcast=True)
+    return p * scale
 
 
 @triton.jit
