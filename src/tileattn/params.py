@@ -233,6 +233,9 @@ class Settings:
     # forward, which reads V through Triton's key-major copy or ``fp8_v_transposed``'s)
     fwd_gluon_fp8: Mapping[int, KernelConfig] = field(default_factory=dict)
     gluon_short_seqlen_k: int = 4096
+    # head dims whose Gluon forward (not FP8) runs only where a query block sees this many keys or more; the
+    # portable forward below (``configs.gluon_fwd_config``)
+    gluon_min_seqlen_k: Mapping[int, int] = field(default_factory=dict)
     # the K/V bytes a causal Gluon forward's groups of heads keep in L2: its longest-first order walks the
     # query blocks of as many heads together as fit (``kernels.gluon.schedule``); 0: all heads in one group
     # (configs.HOPPER: FlashAttention-3's budget, 32 << 20)

@@ -233,3 +233,35 @@ def test_host_size_helpers_match_triton():
 
     assert all(params.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 3000))
     assert all(params.cdiv(a, b) == triton.cdiv(a, b) for a in range(-70, 3000) for b in (1, 3, 16, 64, 128))
+
+
+def test_gluon_forward_by_head_dim_and_keys():
+    """Which calls the H200's settings give the Gluon forward (``configs.gluon_fwd_config``): head dims 96, 128
+    and 256 at every length (the persistent grid's entry under ``gluon_short_seqlen_k`` keys), head dim 64 from
+    16k keys (``gluon_min_seqlen_k``), where a window bounded on both sides counts as its keys; FP8 inputs by
+    their own table (empty: the portable forward); other head dims never."""
+    from dataclasses import replace
+
+    from tileattn.kernels import configs
+
+    s = configs.HOPPER
+
+    def entry(headdim, seqlen_k, settings=s, **kw):
+        return configs.gluon_fwd_config(AttnParams(2, 512, seqlen_k, headdim, 1.0, **kw), settings, headdim)
+
+    assert s.gluon_min_seqlen_k == {64: 16384}
+    assert entry(64, 2048) is None and entry(64, 16383) is None and entry(64, 16383, window_right=0) is None
+    assert entry(64, 16384) == (s.fwd_gluon[64], False) == entry(64, 65536, window_right=0)
+    assert entry(64, 65536, window_left=4096, window_right=-1) == (s.fwd_gluon[64], False)  # (one side: all keys)
+    assert entry(64, 65536, window_left=4096, window_right=0) is None  # (4096 + 0 + 128 keys)
+    assert entry(64, 65536, window_left=16256, window_right=0) == (s.fwd_gluon[64], False)
+    assert entry(64, 1024, replace(s, gluon_min_seqlen_k={})) == (s.fwd_gluon[64], False)
+    for headdim in (96, 128, 256):
+        assert entry(headdim, 1024) == (s.fwd_gluon_short[headdim], True)
+        assert entry(headdim, 1024, window_left=100, window_right=100) == (s.fwd_gluon_short[headdim], True)
+        assert entry(headdim, 4096) == entry(headdim, 65536) == (s.fwd_gluon[headdim], False)
+    fp8 = dict(descales=torch.ones(3, 2, 1))
+    assert all(entry(d, 65536, **fp8) is None for d in (64, 128, 256))
+    with_fp8 = replace(s, fwd_gluon_fp8={64: KernelConfig(128, 128, 4, 2)})
+    assert entry(64, 1024, with_fp8, **fp8) == (with_fp8.fwd_gluon_fp8[64], False)  # (the minimum is bf16's)
+    assert entry(32, 65536) is None and entry(16, 65536) is None

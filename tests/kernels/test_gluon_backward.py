@@ -402,6 +402,8 @@ def test_head_major_layouts(headdim, monkeypatch):
         monkeypatch.setattr(cls, "run", lambda *a, run=run, name=name, **kw: calls.append(name) or run(*a, **kw))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     tileattn.flash_attn_func(q, k, v, causal=True).backward(dout)
-    assert calls == ["attn_fwd"] * (headdim in configs.HOPPER.fwd_gluon) + ["attn_bwd"]
+    assert calls == ["attn_fwd"] * (configs.gluon_fwd_config(p, configs.for_device(q.device), headdim) is not None) + [
+        "attn_bwd"
+    ]
     for name, t, r, lo in zip("qkv", (q, k, v), grads_ref, grads_low):
         check_close(f"d{name} (public call)", t.grad, r, lo, floor_scale=scale)

@@ -170,7 +170,8 @@ def test_block_m_is_checked():
 @pytest.mark.parametrize("headdim", sorted(configs.HOPPER.fwd_gluon))
 def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     """The public call runs the Gluon forward at the head dims the settings give it, with the portable
-    backward behind it, against the oracle; settings that leave the head dim out run the portable forward."""
+    backward behind it, against the oracle; settings that leave the head dim out run the portable forward,
+    and so do the settings' own where the call has fewer keys than ``gluon_min_seqlen_k`` asks (head dim 64)."""
     from dataclasses import replace
 
     from tileattn.kernels.gluon import forward as hopper
@@ -187,8 +188,9 @@ def test_public_call_runs_it_with_the_portable_backward(headdim, monkeypatch):
     base = configs.for_device(q.device)
     drop = lambda table: {d: c for d, c in table.items() if d != headdim}  # noqa: E731
     runs = [
-        (base, True),
+        (replace(base, gluon_min_seqlen_k={}), True),
         (replace(base, fwd_gluon=drop(base.fwd_gluon), fwd_gluon_short=drop(base.fwd_gluon_short)), False),
+        (base, 300 >= base.gluon_min_seqlen_k.get(headdim, 0)),
     ]
     calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     for settings, gluon in runs:
@@ -259,7 +261,7 @@ def test_packed_batches_match_the_oracle(case, monkeypatch):
         check_lse(f"lse {build}", lse, ref.lse, low.lse.float())
     calls = record_calls(monkeypatch, hopper.Plan, "run")  # (the public calls run its plans)
     out = tileattn.flash_attn_varlen_func(q, k, v, cu_q_t, cu_k_t, max(lens_q), max(lens_k), causal=causal)
-    assert len(calls) == (headdim in configs.HOPPER.fwd_gluon)  # (the head dims the settings give it)
+    assert len(calls) == (configs.gluon_fwd_config(p, configs.for_device(q.device), headdim) is not None)
     check_close("out (public call)", out, ref.out, low.out)
 
 
@@ -320,4 +322,4 @@ def test_windows_match_the_oracle(case, monkeypatch):
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, seqlen_q, seqlen_k, window_size=window
     )
     check_close("out (packed)", packed.view(q.shape), ref.out, low.out)
-    assert len(calls) == 2 * (headdim in configs.HOPPER.fwd_gluon)
+    assert len(calls) == 2 * (configs.gluon_fwd_config(p, configs.for_device(q.device), headdim) is not None)

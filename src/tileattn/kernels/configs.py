@@ -53,10 +53,18 @@ HOPPER = Settings(
     # 128-key tiles (64 at head dim 256), one program per query tile, two stages; under gluon_short_seqlen_k
     # keys (short sequences, bounded windows) a persistent grid, with three stages at head dim 128 (at 256:
     # 1.02-1.06x one per tile dense at 1k-2k, 1.04-1.05x on windows, 0.98x causal 2k). Head dim 96 as 64 + 32
-    # columns: 1.20-1.44x the portable forward (causal 1k-16k, not causal 2k and 16k). Head dim 64 stays on the
-    # portable forward (causal 0.83-0.90x on Gluon; three consumer warpgroups of 192 rows won no cell). The
+    # columns: 1.20-1.44x the portable forward (causal 1k-16k, not causal 2k and 16k). Head dim 64 from 16k keys
+    # (gluon_min_seqlen_k; three consumer warpgroups of 192 rows: 1.01-1.09x, two 1.06-1.08x). The
     # branch-free mask loops (``mask_loops``) lost 0-15 % causal at 1k-4k: not taken
-    fwd_gluon={96: KernelConfig(128, 128, 4, 2), 128: KernelConfig(128, 128, 4, 2), 256: KernelConfig(128, 64, 4, 2)},
+    fwd_gluon={
+        64: KernelConfig(128, 128, 4, 2),
+        96: KernelConfig(128, 128, 4, 2),
+        128: KernelConfig(128, 128, 4, 2),
+        256: KernelConfig(128, 64, 4, 2),
+    },
+    # head dim 64 on Gluon from 16k keys (H100: 1.06-1.08x the portable forward at 16k, 2026-12-08, and
+    # 1.02-1.04x on 2026-12-07); under it the portable forward (Gluon 0.88-0.96x at 2k)
+    gluon_min_seqlen_k={64: 16384},
     fwd_gluon_short={
         96: KernelConfig(128, 128, 4, 2),
         128: KernelConfig(128, 128, 4, 3),
@@ -213,6 +221,23 @@ def fwd_config(p: AttnParams, s: Settings, tma_ok: bool = True) -> KernelConfig:
     if cfg.tma and not tma_ok:
         return s.fwd_pointer.get(p.block_d, replace(cfg, tma=False))
     return cfg
+
+
+def gluon_fwd_config(p: AttnParams, s: Settings, headdim: int) -> tuple[KernelConfig, bool] | None:
+    """The Gluon forward's entry for a call (and whether it is the persistent grid's, ``fwd_gluon_short``),
+    or None where the settings give the call's head dim to the portable forward: not in the table, or
+    fewer keys than ``gluon_min_seqlen_k`` asks. The keys are those a query block sees at most: the
+    sequence's, or under a window bounded on both sides the window's and the block's rows."""
+    table, short_table = (s.fwd_gluon_fp8, {}) if p.is_fp8 else (s.fwd_gluon, s.fwd_gluon_short)
+    if headdim not in table:
+        return None
+    keys = p.seqlen_k
+    if p.window_left >= 0 and p.window_right >= 0:
+        keys = min(keys, p.window_left + p.window_right + table[headdim].block_m)
+    if not p.is_fp8 and keys < s.gluon_min_seqlen_k.get(headdim, 0):
+        return None
+    short = keys < s.gluon_short_seqlen_k and headdim in short_table
+    return (short_table if short else table)[headdim], short
 
 
 def bwd_dkdv_config(p: AttnParams, s: Settings) -> KernelConfig:

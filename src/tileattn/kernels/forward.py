@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tileattn.kernels import common, flashmask
-from tileattn.kernels.configs import fwd_config
+from tileattn.kernels.configs import fwd_config, gluon_fwd_config
 from tileattn.kernels.launch import Launch, Launcher
 from tileattn.params import AttnParams, Settings, cdiv
 
@@ -256,9 +256,8 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
     alignments, options, device); only p's tensors and dropout seed are read then. Not for dense batches
     past ``s.grid_z_batch`` (``attn_fwd`` runs those as packed)."""
     q4, k4, v4 = (p.as_4d(t) for t in (q, k, v))
-    headdim = q.shape[-1]
-    gluon_table, short_table = (s.fwd_gluon_fp8, {}) if p.is_fp8 else (s.fwd_gluon, s.fwd_gluon_short)
-    if headdim in gluon_table and q.is_cuda:
+    entry = gluon_fwd_config(p, s, q.shape[-1]) if q.is_cuda else None
+    if entry is not None:
         from tileattn.kernels import gluon
 
         if gluon.available():
@@ -266,11 +265,7 @@ def plan_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, s
 
             rows = hopper.eligible_rows(q4, k4, v4, p)
             if rows is not None:
-                keys = p.seqlen_k  # the keys a query block (a long-loop work item's rows) sees at most
-                if p.window_left >= 0 and p.window_right >= 0:
-                    keys = min(keys, p.window_left + p.window_right + gluon_table[headdim].block_m)
-                short = keys < s.gluon_short_seqlen_k and headdim in short_table
-                cfg = (short_table if short else gluon_table)[headdim]
+                cfg, short = entry
                 return hopper.Plan(
                     q4, k4, v4, p, rows, block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
                     programs=None if short else hopper.ONE_PER_TILE, pingpong=cfg.pingpong,

@@ -26,8 +26,8 @@ accumulating wgmmas, P·V into two accumulators, so no column is computed for no
 kernels pad it to 128). FP8 inputs (e4m3 with descales, head dims 64, 128 and 256) run both matmuls on
 FP8 wgmma: V through a transposed copy made per call (FP8 wgmma reads its B operand key-major only), P
 at 2**8 times its value in e4m3 through shared memory, the output bf16, as the portable FP8 forward. The
-settings (``configs.HOPPER.fwd_gluon``, ``fwd_gluon_fp8``) choose which head dims the public calls run
-here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not run in
+settings (``configs.HOPPER.fwd_gluon``, ``fwd_gluon_fp8``, ``gluon_min_seqlen_k``: ``configs.gluon_fwd_config``)
+choose which calls the public API runs here. Everything else runs the portable kernels (``kernels.forward``). Gluon kernels do not run in
 Triton's interpreter: they are tested on the GPU (tests/kernels/test_gluon_forward.py), their builds
 without one (test_sm90_builds.py), their scalar logic on CPU (test_gluon_on_cpu.py).
 """
