@@ -4,7 +4,8 @@
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python scripts/sanitize.py
     (add --kvcache for the KV-cache kernels only, --flashmask for the FlashMask calls only, --fp8 for the
     FP8 calls only, --mla for MLA decoding only, --bad-values for the KV-cache calls with index values
-    out of range only, --gluon for the Gluon kernels' builds only)
+    out of range only, --gluon for the Gluon kernels' builds only, --gluon-fwd / --gluon-bwd for its two
+    halves)
 
 Without PyTorch's caching allocator each tensor is its own allocation, so an access one element past a
 tensor is reported. Covers the forward, the backward (preprocess, dK/dV, dQ), the varlen scheduling,
@@ -156,26 +157,34 @@ def fp8_calls() -> None:
             )  # fmt: skip
 
 
-def gluon_calls() -> None:
-    """The Gluon kernels (sm90, Triton 3.6; nothing to run elsewhere). The forward on ragged tails: key
-    and query lengths that are not tiles, causal with seqlen_q > seqlen_k (rows that see no key, work
-    items with no key tile), GQA, both grids (one program per tile; persistent with a few programs each
-    walking many items, so the barriers' phases wrap), head dims 96, 128 and 256, the named-barrier
-    ping-pong and the branch-free mask loops (alone and together), causal heads walked in small groups
-    (``l2_bytes``; without the mask loops in snake order too), half the exponentials by polynomial
-    (``exp2_poly``, with the ping-pong), and a backward behind it.
-    Packed batches through the forward alone (both grids), sliding windows and head-major layouts through
-    the public call. The backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA,
-    dQ by TMA reduce-adds and by atomics, dK after dQ (``dq_first``), and packed batches (empty sequences,
-    one row, no key)."""
+def _gluon_here() -> bool:
+    """Whether the Gluon kernels run here (sm90, Triton 3.6; nothing to run elsewhere)."""
     from tileattn.kernels import gluon
+
+    return torch.cuda.get_device_capability()[0] == 9 and gluon.available()
+
+
+def gluon_calls() -> None:
+    """The Gluon kernels: ``gluon_forward_calls`` and ``gluon_backward_calls``."""
+    gluon_forward_calls()
+    gluon_backward_calls()
+
+
+def gluon_forward_calls() -> None:
+    """The Gluon forward on ragged tails: key and query lengths that are not tiles, causal with seqlen_q >
+    seqlen_k (rows that see no key, work items with no key tile), GQA, both grids (one program per tile;
+    persistent with a few programs each walking many items, so the barriers' phases wrap), head dims 64, 96,
+    128 and 256, the named-barrier ping-pong and the branch-free mask loops (alone and together), causal
+    heads walked in small groups (``l2_bytes``; without the mask loops in snake order too), half the
+    exponentials by polynomial (``exp2_poly``, with the ping-pong), and a backward behind it. Packed batches
+    (both grids)."""
     from tileattn.params import AttnParams
 
-    if torch.cuda.get_device_capability()[0] != 9 or not gluon.available():
+    if not _gluon_here():
         return
     from tileattn.kernels.gluon import forward as hopper
 
-    for d, block_n in ((96, 128), (128, 128), (256, 64)):
+    for d, block_n in ((64, 128), (96, 128), (128, 128), (256, 64)):
         for sq, sk, causal in ((300, 300, True), (113, 1025, True), (1025, 113, True), (200, 333, False)):
             q = torch.randn(2, sq, 4, d, device=dev, dtype=dt)
             k, v = (torch.randn(2, sk, 2, d, device=dev, dtype=dt) for _ in range(2))
@@ -206,6 +215,17 @@ def gluon_calls() -> None:
             )
             for programs in (hopper.ONE_PER_TILE, 3):
                 hopper.attn_fwd(q, k, v, p, block_n=block_n, programs=programs)
+
+
+def gluon_backward_calls() -> None:
+    """Sliding windows and head-major layouts through the public call (forward and backward). The Gluon
+    backward alone at its head dims: ragged tails, rows that see no key, GQA and MQA, dQ by TMA reduce-adds
+    and by atomics, dK after dQ (``dq_first``), dropout, and packed batches (empty sequences, one row, no
+    key)."""
+    from tileattn.params import AttnParams
+
+    if not _gluon_here():
+        return
     # sliding windows (each side, both, the diagonal alone) and head-major q, k and dO (Hugging Face's
     # layout after rotary), forward and backward through the public call (the Gluon kernels at their
     # head dims)
@@ -286,6 +306,8 @@ def flashmask_calls() -> None:
 
 ALONE = {  # flags that run one workload alone
     "--gluon": gluon_calls,
+    "--gluon-fwd": gluon_forward_calls,  # (each half of --gluon fits a device call under memcheck)
+    "--gluon-bwd": gluon_backward_calls,
     "--bad-values": bad_value_calls,
     "--mla": mla_calls,
     "--fp8": fp8_calls,

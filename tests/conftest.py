@@ -5,6 +5,7 @@ import gc
 import importlib.util
 import os
 import sys
+import zlib
 
 import torch
 
@@ -35,6 +36,7 @@ BACKENDS = ["cuda", "torch"] if HAS_CUDA else ["torch", "interpret"]
 
 
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if SLOW:
         return
     skip = pytest.mark.skip(reason="marked slow (large shapes, an exhaustive grid): TILEATTN_SLOW=1 runs it")
@@ -44,6 +46,25 @@ def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         _sample_gpu_grids(items)
         _longest_first(items)
+
+
+def _shard(config, items) -> None:
+    """``TILEATTN_SHARD=i/n`` (0 <= i < n): only the items whose node id hashes to i of n (crc32), so that the
+    suite can run as n device calls, each within the call's time limit; the n shards together run every item
+    once. The same on every xdist worker (their collections must agree)."""
+    spec = os.environ.get("TILEATTN_SHARD")
+    if not spec:
+        return
+    parts = spec.split("/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) < int(parts[1]):
+        raise pytest.UsageError(f"TILEATTN_SHARD must be i/n with 0 <= i < n, got {spec!r}")
+    shard, shards = int(parts[0]), int(parts[1])
+    keep, drop = [], []
+    for item in items:
+        (keep if zlib.crc32(item.nodeid.encode()) % shards == shard else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 def _longest_first(items) -> None:

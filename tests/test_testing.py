@@ -255,3 +255,26 @@ def test_gpu_property_examples_replay_from_the_printed_seed():
     assert run(given_seed) == (printed, fresh)
     assert run()[1] != fresh
     assert len(ast.literal_eval(fresh)) >= 5
+
+
+def test_shards_split_the_suite():
+    """``TILEATTN_SHARD=i/n`` (tests/conftest.py): the n shards' collections of a file are disjoint and together
+    its whole collection, none empty here; a malformed value is refused by name (pytest's usage error)."""
+    root = Path(__file__).parent
+
+    def collect(shard=None):
+        env = {k: v for k, v in os.environ.items() if k not in ("TILEATTN_SHARD", "PYTEST_XDIST_WORKER_COUNT")}
+        env.update({"TILEATTN_SHARD": shard} if shard else {})
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "test_oracle.py"],
+            capture_output=True, text=True, env=env, cwd=root,
+        )  # fmt: skip
+        return run.returncode, [line for line in run.stdout.splitlines() if "::" in line], run.stdout + run.stderr
+
+    code, every, _ = collect()
+    assert code == 0 and len(every) > 10
+    shards = [collect(f"{i}/2")[1] for i in range(2)]
+    assert all(shards) and sorted(sum(shards, [])) == sorted(every)
+    for bad in ("2/2", "a/2"):
+        code, _, text = collect(bad)
+        assert code == 4 and "TILEATTN_SHARD must be i/n" in text, (bad, code, text[-500:])
