@@ -5,6 +5,7 @@ import ast
 import itertools
 import json
 import pathlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -743,3 +744,77 @@ def test_the_grid_shows_progress(tmp_path, capsys):
     assert "[4/4] peak memory: hd16 causal 1x64 eager" in text
     assert "[1/2] timing: hd16 causal 2x32" in text and "[2/2] timing: hd16 causal 1x64" in text
     assert text.index("[2/2] timing") < text.index("| case")
+
+
+def test_tuner_levers_change_what_they_name():
+    """``--levers``' options (bench.tune.LEVERS), on the H200's settings: each changes its own entries only, and
+    none applies where it would change nothing."""
+    from tileattn.bench.tune import LEVERS
+    from tileattn.kernels import configs
+
+    s = configs.HOPPER
+    lever = {name: change for name, (_, change) in LEVERS.items()}
+    assert {name: mode for name, (mode, _) in LEVERS.items()}["dq-first"] == "bwd"
+    everywhere = lever["gluon"](s, 64)
+    assert everywhere.gluon_min_seqlen_k == {} and everywhere.fwd_gluon == s.fwd_gluon
+    assert lever["gluon"](s, 32) is None and lever["portable"](s, 32) is None
+    portable = lever["portable"](s, 128)
+    assert 128 not in portable.fwd_gluon and 128 not in portable.fwd_gluon_short and 96 in portable.fwd_gluon
+    short = lever["gluon-short"](s, 64)
+    assert short.fwd_gluon_short[64] == replace(s.fwd_gluon[64], num_stages=3) and short.gluon_min_seqlen_k == {}
+    assert lever["gluon-short"](s, 128) is None  # (it has one)
+    three = lever["three-warpgroups"](s, 64).fwd_gluon[64]
+    assert (three.block_m, three.block_n, three.num_stages) == (192, 64, 4) and lever["three-warpgroups"](
+        s, 128
+    ) is None
+    pingpong = lever["pingpong"](s, 128)
+    assert pingpong.fwd_gluon[128].pingpong and pingpong.fwd_gluon_short[128].pingpong
+    assert not pingpong.fwd_gluon[256].pingpong
+    assert lever["dq-first"](s, 64).bwd_gluon[64].dq_first and not lever["dq-first"](s, 64).bwd_gluon[128].dq_first
+    assert lever["dq-first"](s, 256) is None  # (the split build's entry has it already)
+
+
+def test_tuner_time_builds_backward_checks_then_times(monkeypatch):
+    """bench.tune.time_builds of the backward at a tiny shape (without a GPU the kernels under the interpreter):
+    each build's dq, dk and dv are checked first, a build that fails is reported and left out, the others
+    timed in every round with the ratio to the first; an anchor that cannot run here is left out."""
+    from tileattn.bench import tune
+    from tileattn.kernels import configs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    s = configs.current(torch.device(device))
+    check = tune._check_grads
+    checked = []
+
+    def failing_bad(name, *args, **kwargs):
+        checked.append(name)
+        if name == "bad":
+            raise AssertionError("dq out of tolerance")
+        return check(name, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "_check_grads", failing_bad)
+    rows = tune.time_builds(
+        lambda headdim: {"table": s, "bad": s, "same": s}, "bwd", headdims=(64,), seqlens=(40,), rounds=2,
+        tokens=40, hidden=128, device=device, dtype=torch.float16, anchor=None if device == "cuda" else "sdpa-cudnn",
+    )  # fmt: skip
+    assert sorted(checked) == sorted(["table", "bad", "same"] * 2)
+    assert {(r["causal"], r["name"]) for r in rows if "error" in r} == {(False, "bad"), (True, "bad")}
+    timed = [r for r in rows if "ms" in r]
+    assert sorted((r["causal"], r["round"], r["name"]) for r in timed) == sorted(
+        (c, r, n) for c in (False, True) for r in (0, 1) for n in ("table", "same")
+    )
+    assert all(r["mode"] == "bwd" and r["tflops"] > 0 for r in timed)
+    assert all(r["vs_first"] == 1.0 for r in timed if r["name"] == "table")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [(["--levers", "gluon", "--causal"], "drop --causal"), (["--levers", "pingpong", "--exp2-poly"], "name one"),
+     (["--levers", "nonsense"], "invalid choice")],
+)  # fmt: skip
+def test_tuner_refuses_what_levers_cannot_apply(argv, words, capsys):
+    from tileattn.bench import tune
+
+    with pytest.raises(SystemExit) as exc:
+        tune.main(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err

@@ -16,6 +16,12 @@ forward table, portable and Gluon) for k in 0, 2, 3, 4, causal and not, at ``--h
 alternating rounds, each build checked against the reference first; with ``--fp8`` the FP8 forward's grid
 (``bench --fp8``'s at those head dims and lengths, each build checked with its tolerance) instead.
 
+``--levers NAME ...``: the options the tables do not take yet (``LEVERS``: the portable forward where the tables
+run the Gluon one, the Gluon forward at every length, a persistent grid for it, three consumer warpgroups, the
+ping-pong, the backward's dK after dQ), each where it applies at ``--headdim``, against the tables' builds with
+cuDNN beside them, causal and not, at each ``--seqlen``, in alternating rounds, each build checked first
+(``time_builds``).
+
 ``--fp8-widen``: FP8 KV-cache decoding (``bench --fp8``'s decode rows, 8 x 32k and 64 x 16k, contiguous and
 paged) under each ``DecodeSettings.fp8_widen`` against the bf16 cache, alternating; each checked first
 against the fp64 attention with the tolerance rule's baseline of what it rounds ("fp8": q's rows in e4m3;
@@ -25,8 +31,10 @@ against the fp64 attention with the tolerance rule's baseline of what it rounds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import statistics
 import sys
 from dataclasses import replace
 
@@ -224,6 +232,102 @@ def mla_builds(rounds: int = 3) -> list[dict]:
     return rows
 
 
+def _pass_call(mode: str, name: str, q, k, v, causal: bool):
+    """The pass to time for one build, under the settings in force: the forward, or (``"bwd"``) the backward
+    alone over one retained graph; checked first against the reference (the output, or dq, dk and dv)."""
+    import tileattn
+
+    if mode == "fwd":
+        check_backend(name, tileattn.flash_attn_func(q, k, v, causal=causal), q, k, v, causal)
+        return functools.partial(tileattn.flash_attn_func, q, k, v, causal=causal)
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    out = tileattn.flash_attn_func(*inputs, causal=causal)
+    dout = torch.randn_like(out)
+    _check_grads(name, torch.autograd.grad(out, inputs, dout, retain_graph=True), q, k, v, dout, causal)
+    return functools.partial(torch.autograd.grad, out, inputs, dout, retain_graph=True)
+
+
+def time_builds(
+    builds_of,
+    mode: str = "fwd",
+    headdims=(64, 128, 256),
+    seqlens=(2048, 16384),
+    rounds: int = 3,
+    tokens: int = 16384,
+    hidden: int = 2048,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    anchor: str | None = "sdpa-cudnn",
+) -> list[dict]:
+    """TFLOP/s of the forward (``mode="fwd"``) or the backward alone (``"bwd"``) under each build of
+    ``builds_of(headdim)`` (a dict name: ``Settings``, the first the baseline), causal and not, ``tokens`` a
+    batch, ``hidden`` = heads x head dim; each build checked against the reference first, a build that fails
+    reported and left out; then ``rounds`` rounds of alternating order with backend ``anchor`` beside them
+    (where it runs: ``bench.backends``); each row's ratio to the baseline of the same round (``vs_first``)."""
+    from tileattn.bench.__main__ import _backward_alone, time_ms
+    from tileattn.bench.backends import BACKENDS, Unavailable
+
+    rows = []
+    for headdim in headdims:
+        builds = builds_of(headdim)
+        first = next(iter(builds))
+        for seqlen in seqlens:
+            batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
+            gen = torch.Generator(device=device).manual_seed(headdim + seqlen)
+            q, k, v = (
+                torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3)
+            )
+            for causal in (False, True):
+                f = flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+                case = dict(mode=mode, headdim=headdim, seqlen=seqlen, causal=causal)
+                calls = {}
+                for name, settings in builds.items():
+                    try:
+                        with configs.override(settings):
+                            calls[name] = (settings, _pass_call(mode, name, q, k, v, causal))
+                    except Exception as exc:  # noqa: BLE001 -- a build that cannot run says why
+                        rows.append(dict(case, name=name, error=str(exc)[:300]))
+                        print(f"{case} {name}: {str(exc)[:200]}", flush=True)
+                try:
+                    if anchor is not None:
+                        run = BACKENDS[anchor](q, k, v, causal)
+                        calls[anchor] = (
+                            None,
+                            run if mode == "fwd" else _backward_alone(anchor, q, k, v, causal, print),
+                        )
+                except Unavailable:
+                    pass
+                for r in range(rounds):
+                    times = {}
+                    for name in list(calls)[:: 1 if r % 2 == 0 else -1]:
+                        settings, fn = calls[name]
+                        if fn is None:
+                            continue
+                        with configs.override(settings) if settings is not None else contextlib.nullcontext():
+                            times[name] = time_ms(fn, device)
+                    base = times.get(first)
+                    for name, ms in times.items():
+                        tflops = f / ms / 1e9
+                        rows.append(
+                            dict(case, name=name, round=r, ms=ms, tflops=tflops, vs_first=base / ms if base else None)
+                        )
+                timed = [row for row in rows if "ms" in row and _same(row, case)]
+                summary = " ".join(
+                    f"{name} {statistics.median(r['tflops'] for r in mine):.0f}"
+                    f" ({statistics.median(r['vs_first'] or 0 for r in mine):.3f})"
+                    for name in calls
+                    if (mine := [r for r in timed if r["name"] == name])
+                )
+                print(f"{mode} hd{headdim} {seqlen} causal={int(causal)}: {summary}", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _same(row: dict, case: dict) -> bool:
+    return all(row.get(key) == value for key, value in case.items())
+
+
 EXP2_POLYS = (0, 2, 3, 4)
 
 
@@ -242,53 +346,86 @@ def exp2_splits(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[dict]:
-    """Forward TFLOP/s (``tokens`` a batch, ``hidden`` = heads x head dim) with ``exp2_poly = k`` for each k of
-    ``polys``, causal and not, in ``rounds`` rounds of alternating order; each build checked against the
-    reference on one (batch, head) slice first (``check_backend``), a build that fails is reported and left
-    out; the ratio to the first k of the same round. (On the CPU: the kernels under the interpreter, fp16.)"""
-    import tileattn
-    from tileattn.bench.__main__ import time_ms
-
+    """Forward TFLOP/s (``time_builds``) with ``exp2_poly = k`` for each k of ``polys`` (builds named
+    ``exp2_poly=k``, rows with ``poly``), the first k the baseline. (On the CPU: the kernels under the
+    interpreter.)"""
     s = configs.current(torch.device(device))
-    builds = {poly: _exp2_settings(s, poly) for poly in polys}
+    builds = {f"exp2_poly={poly}": _exp2_settings(s, poly) for poly in polys}
+    rows = time_builds(lambda headdim: builds, "fwd", headdims, seqlens, rounds, tokens, hidden, device, dtype, None)
+    for row in rows:
+        row["poly"] = int(row["name"].split("=")[1])
+    return rows
+
+
+def _gluon_everywhere(s: Settings, headdim: int, **entry) -> Settings | None:
+    """``s`` with the Gluon forward at every length at ``headdim`` (``gluon_min_seqlen_k`` cleared), its
+    entries changed by ``entry``; None where the settings have no Gluon forward there."""
+    if headdim not in s.fwd_gluon:
+        return None
+    short = {headdim: replace(s.fwd_gluon_short[headdim], **entry)} if headdim in s.fwd_gluon_short else {}
+    return replace(
+        s,
+        fwd_gluon={**s.fwd_gluon, headdim: replace(s.fwd_gluon[headdim], **entry)},
+        fwd_gluon_short={**s.fwd_gluon_short, **short},
+        gluon_min_seqlen_k={},
+    )
+
+
+def _portable(s: Settings, headdim: int) -> Settings | None:
+    if headdim not in s.fwd_gluon:
+        return None
+    drop = lambda table: {d: c for d, c in table.items() if d != headdim}  # noqa: E731
+    return replace(s, fwd_gluon=drop(s.fwd_gluon), fwd_gluon_short=drop(s.fwd_gluon_short))
+
+
+def _gluon_short(s: Settings, headdim: int) -> Settings | None:
+    if headdim not in s.fwd_gluon or headdim in s.fwd_gluon_short:
+        return None
+    both = _gluon_everywhere(s, headdim)
+    return replace(
+        both, fwd_gluon_short={**both.fwd_gluon_short, headdim: replace(both.fwd_gluon[headdim], num_stages=3)}
+    )
+
+
+def _three_warpgroups(s: Settings, headdim: int) -> Settings | None:
+    stages = {64: 4, 96: 3}.get(headdim)
+    return None if stages is None else _gluon_everywhere(s, headdim, block_m=192, block_n=64, num_stages=stages)
+
+
+def _dq_first(s: Settings, headdim: int) -> Settings | None:
+    cfg = s.bwd_gluon.get(headdim)
+    if cfg is None or cfg.dq_first:
+        return None
+    return replace(s, bwd_gluon={**s.bwd_gluon, headdim: replace(cfg, dq_first=True)})
+
+
+# ``--levers``: the options the tables do not take yet, each (the pass it changes, a function of the
+# device's settings and a head dim giving the changed settings, or None where it does not apply there)
+LEVERS = {
+    "portable": ("fwd", _portable),  # the portable forward where the tables run the Gluon one
+    "gluon": ("fwd", _gluon_everywhere),  # the Gluon forward at every length (gluon_min_seqlen_k cleared)
+    "gluon-short": ("fwd", _gluon_short),  # and a persistent grid under gluon_short_seqlen_k where none is
+    "three-warpgroups": ("fwd", _three_warpgroups),  # 192-row Gluon tiles at head dims 64 and 96
+    "pingpong": ("fwd", lambda s, d: _gluon_everywhere(s, d, pingpong=True)),  # the named-barrier ping-pong
+    "dq-first": ("bwd", _dq_first),  # the Gluon backward's dK after dQ
+}
+
+
+def levers(names, headdims=(64, 128), seqlens=(2048, 16384), **kwargs) -> list[dict]:
+    """``time_builds`` of the tables' builds (``table``) and each lever of ``names`` (``LEVERS``) that
+    applies at a head dim, the forward levers and the backward ones each against the tables' same pass."""
+    s = configs.current(torch.device(kwargs.get("device", "cuda")))
     rows = []
-    for headdim in headdims:
-        for seqlen in seqlens:
-            batch, nheads = max(1, tokens // seqlen), max(1, hidden // headdim)
-            gen = torch.Generator(device=device).manual_seed(headdim + seqlen)
-            q, k, v = (
-                torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype, generator=gen) for _ in range(3)
-            )
-            for causal in (False, True):
-                call = functools.partial(tileattn.flash_attn_func, q, k, v, causal=causal)
-                f_fwd = flops(batch, nheads, seqlen, seqlen, headdim, causal, "fwd")
-                case = dict(headdim=headdim, seqlen=seqlen, causal=causal)
-                usable = {}
-                for poly in polys:
-                    try:
-                        with configs.override(builds[poly]):
-                            check_backend(f"exp2_poly={poly}", call(), q, k, v, causal)
-                        usable[poly] = builds[poly]
-                    except Exception as exc:  # noqa: BLE001 -- a build that cannot run says why
-                        rows.append(dict(case, poly=poly, error=str(exc)[:300]))
-                        print(f"{case} exp2_poly={poly}: {str(exc)[:200]}", flush=True)
-                for r in range(rounds):
-                    times = {}
-                    for poly in list(usable)[:: 1 if r % 2 == 0 else -1]:
-                        with configs.override(usable[poly]):
-                            times[poly] = time_ms(call, device)
-                    first = times.get(polys[0])
-                    for poly, ms in times.items():
-                        row = dict(case, poly=poly, round=r, ms=ms, tflops=f_fwd / ms / 1e9)
-                        row["vs_first"] = first / ms if first else None
-                        rows.append(row)
-                        print(
-                            f"round {r} hd{headdim} {seqlen} causal={causal} exp2_poly={poly}: {row['tflops']:.0f} "
-                            f"TFLOP/s" + (f" {row['vs_first']:.3f}x exp2_poly={polys[0]}" if first else ""),
-                            flush=True,
-                        )
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    for mode in ("fwd", "bwd"):
+        chosen = [name for name in names if LEVERS[name][0] == mode]
+        if not chosen:
+            continue
+
+        def builds_of(headdim, chosen=chosen):
+            changed = {name: LEVERS[name][1](s, headdim) for name in chosen}
+            return {"table": s, **{name: c for name, c in changed.items() if c is not None}}
+
+        rows += time_builds(builds_of, mode, headdims, seqlens, **kwargs)
     return rows
 
 
@@ -379,7 +516,9 @@ def main(argv=None) -> int:
         prog="python -m tileattn.bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256], help="head dims (default 64 128 256)")
-    ap.add_argument("--seqlen", type=int, default=4096, help="tokens per sequence, 16k tokens a batch (default 4096)")
+    ap.add_argument(
+        "--seqlen", type=int, nargs="+", default=[4096], help="tokens per sequence, 16k tokens a batch (default 4096)"
+    )
     ap.add_argument("--causal", action="store_true", help="time causal attention (default: not)")
     ap.add_argument("--dropout", type=float, default=0.0, help="time the candidates with this dropout_p (default 0)")
     ap.add_argument(
@@ -394,15 +533,26 @@ def main(argv=None) -> int:
         help="the forward with k of every 8 exponentials by polynomial, k in 0 2 3 4, instead (default: off)",
     )
     ap.add_argument("--fp8", action="store_true", help="with --exp2-poly: the FP8 forward's grid (default: bf16)")
+    ap.add_argument(
+        "--levers",
+        nargs="+",
+        choices=list(LEVERS),
+        help="these options the tables do not take, each against the tables' builds and cuDNN, causal and not, "
+        "at --headdim and --seqlen, instead (default: none)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file (default: none)")
     args = ap.parse_args(argv)
     if args.fp8 and not args.exp2_poly:
         ap.error("--fp8 goes with --exp2-poly")
-    if args.exp2_poly and (args.causal or args.dropout):
-        ap.error("--exp2-poly times causal and non-causal calls without dropout: drop --causal / --dropout")
-    if args.mla or args.fp8_widen or args.exp2_poly:
-        if args.exp2_poly:
-            sizes = dict(headdims=tuple(args.headdim), seqlens=(args.seqlen,))
+    if (args.exp2_poly or args.levers) and (args.causal or args.dropout):
+        ap.error("--exp2-poly and --levers time causal and non-causal calls without dropout: drop --causal / --dropout")
+    if args.exp2_poly and args.levers:
+        ap.error("--exp2-poly and --levers are two runs: name one")
+    if args.mla or args.fp8_widen or args.exp2_poly or args.levers:
+        sizes = dict(headdims=tuple(args.headdim), seqlens=tuple(args.seqlen))
+        if args.levers:
+            rows = levers(args.levers, **sizes)
+        elif args.exp2_poly:
             rows = exp2_splits_fp8(**sizes) if args.fp8 else exp2_splits(**sizes)
         elif args.mla:
             rows = mla_builds()
@@ -413,23 +563,23 @@ def main(argv=None) -> int:
                 json.dump(rows, f, indent=1)
         return 0
     everything = {}
-    for d in args.headdim:
-        res = sweep(d, args.seqlen, args.causal, dropout_p=args.dropout)
-        everything[d] = res
+    for d, seqlen in ((d, n) for d in args.headdim for n in args.seqlen):
+        res = sweep(d, seqlen, args.causal, dropout_p=args.dropout)
+        everything[f"{d}" if len(args.seqlen) == 1 else f"{d}-{seqlen}"] = res
         for kind in ("fwd", "dkdv", "dq"):
             ok = sorted((r for r in res if r["kind"] == kind and "ms" in r), key=lambda r: r["ms"])
             for r in ok:
-                print(f"hd{d} {kind:5s} {r['cfg']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s", flush=True)
+                print(f"hd{d} {seqlen} {kind:5s} {r['cfg']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s", flush=True)
             for r in res:
                 if r["kind"] == kind and "error" in r:
-                    print(f"hd{d} {kind:5s} {r['cfg']} error {r['error']}")
+                    print(f"hd{d} {seqlen} {kind:5s} {r['cfg']} error {r['error']}")
             if ok:
                 print(
-                    f"BEST hd{d} {kind}: {ok[0]['cfg']} ({ok[0]['tflops']:.1f} TFLOP/s{' incl. other pass' if kind != 'fwd' else ''})"
+                    f"BEST hd{d} {seqlen} {kind}: {ok[0]['cfg']} ({ok[0]['tflops']:.1f} TFLOP/s{' incl. other pass' if kind != 'fwd' else ''})"
                 )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({str(k): v for k, v in everything.items()}, f, indent=1)
+            json.dump(everything, f, indent=1)
     return 0
 
 
