@@ -772,6 +772,8 @@ def test_tuner_levers_change_what_they_name():
     assert not pingpong.fwd_gluon[256].pingpong
     assert lever["dq-first"](s, 64).bwd_gluon[64].dq_first and not lever["dq-first"](s, 64).bwd_gluon[128].dq_first
     assert lever["dq-first"](s, 256) is None  # (the split build's entry has it already)
+    assert lever["all-heads"](s, 256).gluon_l2_bytes == 0 and lever["all-heads"](s, 32) is None
+    assert lever["snake"](s, 128).gluon_snake and lever["snake"](s, 64) is None  # (64: no persistent grid)
 
 
 def test_tuner_time_builds_backward_checks_then_times(monkeypatch):

@@ -18,7 +18,7 @@ alternating rounds, each build checked against the reference first; with ``--fp8
 
 ``--levers NAME ...``: the options the tables do not take yet (``LEVERS``: the portable forward where the tables
 run the Gluon one, the Gluon forward at every length, a persistent grid for it, three consumer warpgroups, the
-ping-pong, the backward's dK after dQ), each where it applies at ``--headdim``, against the tables' builds with
+ping-pong, causal heads in one group, the snake order, the backward's dK after dQ), each where it applies at ``--headdim``, against the tables' builds with
 cuDNN beside them, causal and not, at each ``--seqlen``, in alternating rounds, each build checked first
 (``time_builds``).
 
@@ -407,6 +407,12 @@ LEVERS = {
     "gluon-short": ("fwd", _gluon_short),  # and a persistent grid under gluon_short_seqlen_k where none is
     "three-warpgroups": ("fwd", _three_warpgroups),  # 192-row Gluon tiles at head dims 64 and 96
     "pingpong": ("fwd", lambda s, d: _gluon_everywhere(s, d, pingpong=True)),  # the named-barrier ping-pong
+    # causal Gluon forwards: all heads in one group (no L2 budget); the persistent grid's snake order
+    "all-heads": ("fwd", lambda s, d: replace(s, gluon_l2_bytes=0) if d in s.fwd_gluon and s.gluon_l2_bytes else None),
+    "snake": (
+        "fwd",
+        lambda s, d: replace(s, gluon_snake=True) if d in s.fwd_gluon_short and not s.gluon_snake else None,
+    ),
     "dq-first": ("bwd", _dq_first),  # the Gluon backward's dK after dQ
 }
 
