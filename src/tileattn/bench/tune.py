@@ -225,7 +225,7 @@ def mla_builds(rounds: int = 3) -> list[dict]:
                 rows.append(dict(row, build=name, round=r))
                 print(
                     f"round {r} {name:8s} {regime:7s} {batch} x {seqlen}: {row['gbs']:.0f} GB/s "
-                    f"{row['tflops']:.0f} TFLOP/s",
+                    f"{row['tflops']:.0f} TFLOP/s (a replayed graph: {row['graph_gbs']:.0f}, {row['graph_tflops']:.0f})",
                     flush=True,
                 )
                 torch.cuda.empty_cache()
