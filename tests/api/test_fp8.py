@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import oracle
 import tileattn
 from attention_cases import _cu
-from helpers import builds, check_attention, check_lse, check_refused, needs_gluon, on, record_calls, run_property
+from helpers import SLOW, builds, check_attention, check_lse, check_refused, needs_gluon, on, record_calls, run_property
 from tileattn import fp8
 from tileattn.kernels import configs
 
@@ -140,6 +140,8 @@ def test_fp8_exp2_poly_build(backend):
     value): GQA, rows that see no key."""
     if backend == "torch":
         pytest.skip("a kernel variant")
+    if backend == "cuda" and not SLOW:  # (the suite's default GPU run stays within one device call)
+        pytest.skip("a build the settings do not pick (exp2_poly: docs/perf.md): TILEATTN_SLOW=1 runs it")
     with builds(backend, fwd=dict(exp2_poly=4), gluon=dict(exp2_poly=4)):
         _check_fp8_call(backend, (2, 63, 113, 4, 2, 59), {"causal": True})
         _check_fp8_call(backend, (1, 113, 63, 2, 2, 40), {"causal": True})
