@@ -18,9 +18,9 @@ alternating rounds, each build checked against the reference first; with ``--fp8
 
 ``--levers NAME ...``: the options the tables do not take yet (``LEVERS``: the portable forward where the tables
 run the Gluon one, the Gluon forward at every length, a persistent grid for it, three consumer warpgroups, the
-ping-pong, causal heads in one group, the snake order, the backward's dK after dQ), each where it applies at ``--headdim``, against the tables' builds with
-cuDNN beside them, causal and not, at each ``--seqlen``, in alternating rounds, each build checked first
-(``time_builds``).
+ping-pong, causal heads in one group, the snake order, the backward's dK after dQ), each where it applies at
+``--headdim``, against the tables' builds with cuDNN beside them, causal and not, at each ``--seqlen``, in
+alternating rounds, each build checked first (``time_builds``).
 
 ``--fp8-widen``: FP8 KV-cache decoding (``bench --fp8``'s decode rows, 8 x 32k and 64 x 16k, contiguous and
 paged) under each ``DecodeSettings.fp8_widen`` against the bf16 cache, alternating; each checked first
@@ -225,7 +225,8 @@ def mla_builds(rounds: int = 3) -> list[dict]:
                 rows.append(dict(row, build=name, round=r))
                 print(
                     f"round {r} {name:8s} {regime:7s} {batch} x {seqlen}: {row['gbs']:.0f} GB/s "
-                    f"{row['tflops']:.0f} TFLOP/s (a replayed graph: {row['graph_gbs']:.0f}, {row['graph_tflops']:.0f})",
+                    f"{row['tflops']:.0f} TFLOP/s (a replayed graph: {row['graph_gbs']:.0f} GB/s "
+                    f"{row['graph_tflops']:.0f} TFLOP/s)",
                     flush=True,
                 )
                 torch.cuda.empty_cache()
@@ -288,15 +289,16 @@ def time_builds(
                     except Exception as exc:  # noqa: BLE001 -- a build that cannot run says why
                         rows.append(dict(case, name=name, error=str(exc)[:300]))
                         print(f"{case} {name}: {str(exc)[:200]}", flush=True)
-                try:
-                    if anchor is not None:
+                if anchor is not None:
+                    try:
                         run = BACKENDS[anchor](q, k, v, causal)
                         calls[anchor] = (
                             None,
                             run if mode == "fwd" else _backward_alone(anchor, q, k, v, causal, print),
                         )
-                except Unavailable:
-                    pass
+                    except Unavailable:
+                        pass
+                timed = []
                 for r in range(rounds):
                     times = {}
                     for name in list(calls)[:: 1 if r % 2 == 0 else -1]:
@@ -307,11 +309,9 @@ def time_builds(
                             times[name] = time_ms(fn, device)
                     base = times.get(first)
                     for name, ms in times.items():
-                        tflops = f / ms / 1e9
-                        rows.append(
-                            dict(case, name=name, round=r, ms=ms, tflops=tflops, vs_first=base / ms if base else None)
-                        )
-                timed = [row for row in rows if "ms" in row and _same(row, case)]
+                        timed.append(dict(case, name=name, round=r, ms=ms, tflops=f / ms / 1e9))
+                        timed[-1]["vs_first"] = base / ms if base else None
+                rows += timed
                 summary = " ".join(
                     f"{name} {statistics.median(r['tflops'] for r in mine):.0f}"
                     f" ({statistics.median(r['vs_first'] or 0 for r in mine):.3f})"
@@ -322,10 +322,6 @@ def time_builds(
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
-
-
-def _same(row: dict, case: dict) -> bool:
-    return all(row.get(key) == value for key, value in case.items())
 
 
 EXP2_POLYS = (0, 2, 3, 4)
@@ -350,11 +346,10 @@ def exp2_splits(
     ``exp2_poly=k``, rows with ``poly``), the first k the baseline. (On the CPU: the kernels under the
     interpreter.)"""
     s = configs.current(torch.device(device))
-    builds = {f"exp2_poly={poly}": _exp2_settings(s, poly) for poly in polys}
+    poly_of = {f"exp2_poly={poly}": poly for poly in polys}
+    builds = {name: _exp2_settings(s, poly) for name, poly in poly_of.items()}
     rows = time_builds(lambda headdim: builds, "fwd", headdims, seqlens, rounds, tokens, hidden, device, dtype, None)
-    for row in rows:
-        row["poly"] = int(row["name"].split("=")[1])
-    return rows
+    return [dict(row, poly=poly_of[row["name"]]) for row in rows]
 
 
 def _gluon_everywhere(s: Settings, headdim: int, **entry) -> Settings | None:
